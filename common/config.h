@@ -1,0 +1,107 @@
+// Keel's configuration: plain typed structs with defaults, read from YAML and validated against
+// one table of documented keys. The same table generates docs/config.md and the --help text, so a
+// key cannot exist without documentation. Unknown keys and bad values are errors that name the
+// key, the value and the line.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "common/status.h"
+
+namespace keel {
+
+// Ranks and the links between them.
+struct TopologyConfig {
+  int num_nodes = 1;
+  int gpus_per_node = 8;
+  double intra_node_gb_per_s = 400.0;  // per GPU, one direction (NVLink)
+  double inter_node_gb_per_s = 50.0;   // per GPU, one direction (NIC)
+};
+
+// Expert slots on every rank.
+struct SlotsConfig {
+  int persistent_per_rank = 3;  // planned per layer
+  int transient_per_rank = 1;   // filled per step, shared by all layers
+};
+
+// Constants of the cost model (placement/cost_model.h).
+struct CostModelConfig {
+  double expert_tflops = 600.0;  // achieved expert GEMM throughput per GPU
+  int hidden_size = 2048;
+  int expert_ffn_size = 8192;
+  int expert_matrices = 2;                     // FFN weight matrices per expert
+  int dtype_bytes = 2;                         // bytes per weight and per activation element
+  double home_move_bytes_per_parameter = 14.0;  // weights + optimizer state (Adam, mixed precision)
+  double train_flops_multiplier = 3.0;         // forward + backward = 3x forward
+  int all_to_all_passes = 4;                   // dispatch + combine, forward and backward
+  int replica_sync_passes = 2;                 // gradient reduce into home + weight push back
+};
+
+enum class EstimatorKind { kLastStep, kSlidingWindow, kEma };
+
+struct EstimatorConfig {
+  EstimatorKind kind = EstimatorKind::kEma;
+  double ema_decay = 0.8;  // weight of the past: est = decay * est + (1 - decay) * observed
+  int window_steps = 10;
+};
+
+struct EplbConfig {
+  int num_groups = 0;  // expert groups for hierarchical balancing; 0 = one group per node
+};
+
+struct FlexMoeConfig {
+  double balance_ratio_trigger = 1.05;  // replan only when predicted max/mean rank load exceeds it
+  int max_actions_per_replan = 8;
+};
+
+struct SmartMoeConfig {
+  int candidate_pool_size = 4;  // placements kept and chosen among online by the cost model
+  double stickiness = 0.02;     // relative load gain a swap must beat to leave the current rank
+};
+
+struct FasterMoeConfig {
+  int max_shadowed_experts = 4;  // hottest experts considered for broadcast each step
+};
+
+struct KeelPolicyConfig {
+  bool transient_replicas = true;
+  int max_moves_per_replan = 4;          // persistent slots changed per layer per replan, at most
+  int home_payback_horizon_steps = 100;  // a home moves only if it pays back within this many steps
+  double min_gain_fraction = 0.002;      // a move must cut predicted layer time by this fraction
+};
+
+struct PolicyConfig {
+  std::string name = "keel";  // static | eplb | flexmoe | smartmoe | fastermoe | keel
+  int replan_interval_steps = 1;
+  EplbConfig eplb;
+  FlexMoeConfig flexmoe;
+  SmartMoeConfig smartmoe;
+  FasterMoeConfig fastermoe;
+  KeelPolicyConfig keel;
+};
+
+struct KeelConfig {
+  TopologyConfig topology;
+  SlotsConfig slots;
+  CostModelConfig cost_model;
+  EstimatorConfig estimator;
+  PolicyConfig policy;
+
+  int num_ranks() const { return topology.num_nodes * topology.gpus_per_node; }
+};
+
+// Parses YAML text; `source` names it in errors ("configs/x.yaml:12: ...").
+Result<KeelConfig> ParseConfig(std::string_view yaml_text, std::string_view source = "<config>");
+Result<KeelConfig> LoadConfigFile(const std::string& path);
+
+// Checks values that depend on each other (e.g. slots for the static placement).
+Status ValidateConfig(const KeelConfig& config);
+
+// Every key with type, default and meaning: Markdown (docs/config.md) and plain text (--help).
+std::string ConfigReferenceMarkdown();
+std::string ConfigHelpText();
+
+std::string_view EstimatorKindName(EstimatorKind kind);
+
+}  // namespace keel

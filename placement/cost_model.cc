@@ -1,0 +1,145 @@
+// Cost model: one layer's predicted step time and the cost of changing its placement.
+#include "placement/cost_model.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace keel {
+namespace {
+
+// Bytes each rank sends and receives over its intra-node and inter-node links. The two link
+// classes and the two directions run concurrently, so a rank's time is the slowest of the four.
+class LinkLoad {
+ public:
+  explicit LinkLoad(const Topology& topology)
+      : topology_(topology), bytes_(static_cast<size_t>(topology.num_ranks()) * 4, 0.0) {}
+
+  void Add(int src, int dst, double bytes) {
+    if (src == dst || bytes <= 0) return;
+    const int link = topology_.same_node(src, dst) ? 0 : 1;
+    bytes_[static_cast<size_t>(src) * 4 + link] += bytes;      // send
+    bytes_[static_cast<size_t>(dst) * 4 + 2 + link] += bytes;  // receive
+  }
+
+  double SlowestRankSeconds() const {
+    const double bw[2] = {topology_.intra_node_bytes_per_second(),
+                          topology_.inter_node_bytes_per_second()};
+    double slowest = 0;
+    for (size_t i = 0; i < bytes_.size(); ++i) {
+      slowest = std::max(slowest, bytes_[i] / bw[i % 2]);
+    }
+    return slowest;
+  }
+
+ private:
+  const Topology& topology_;
+  std::vector<double> bytes_;  // [rank][send intra, send inter, recv intra, recv inter]
+};
+
+}  // namespace
+
+CostModel::CostModel(const Topology& topology, const CostModelConfig& config)
+    : topology_(topology), config_(config) {}
+
+double CostModel::expert_parameters() const {
+  return static_cast<double>(config_.expert_matrices) * config_.hidden_size *
+         config_.expert_ffn_size;
+}
+
+double CostModel::expert_weight_bytes() const { return expert_parameters() * config_.dtype_bytes; }
+
+double CostModel::home_move_bytes() const {
+  return expert_parameters() * config_.home_move_bytes_per_parameter;
+}
+
+double CostModel::token_row_bytes() const {
+  return static_cast<double>(config_.hidden_size) * config_.dtype_bytes;
+}
+
+double CostModel::ComputeSeconds(double tokens) const {
+  const double flops_per_token = 2.0 * expert_parameters() * config_.train_flops_multiplier;
+  return tokens * flops_per_token / (config_.expert_tflops * 1e12);
+}
+
+LayerCost CostModel::Estimate(const Placement& placement, const StepRouting& routing,
+                              double migration_seconds) const {
+  LayerCost cost;
+  cost.compute_seconds = ComputeSeconds(routing.max_rank_tokens());
+
+  const int g_count = routing.num_ranks;
+  LinkLoad a2a(topology_);
+  for (int src = 0; src < g_count; ++src) {
+    for (int dst = 0; dst < g_count; ++dst) {
+      a2a.Add(src, dst, routing.sent_tokens[static_cast<size_t>(src) * g_count + dst] *
+                            token_row_bytes());
+    }
+  }
+  cost.all_to_all_seconds = a2a.SlowestRankSeconds() * config_.all_to_all_passes;
+
+  // Every replica off the home reduces its gradient into the home and gets the new weights back.
+  LinkLoad sync(topology_);
+  for (int slot = 0; slot < placement.num_slots(); ++slot) {
+    const int e = placement.expert_at(slot);
+    if (e == kEmptySlot) continue;
+    const int rank = placement.rank_of_slot(slot);
+    const int home = placement.home(e);
+    sync.Add(rank, home, expert_weight_bytes() * config_.replica_sync_passes / 2.0);
+    sync.Add(home, rank, expert_weight_bytes() * config_.replica_sync_passes / 2.0);
+  }
+  cost.replica_sync_seconds = sync.SlowestRankSeconds();
+
+  // A transient replica is filled with weights before use and returns its gradient after.
+  LinkLoad fill(topology_);
+  for (const TransientReplica& t : routing.transients) {
+    fill.Add(t.source_rank, t.rank, expert_weight_bytes());
+    fill.Add(t.rank, placement.home(t.expert), expert_weight_bytes());
+  }
+  cost.transient_seconds = fill.SlowestRankSeconds();
+
+  const double overlap_window = cost.compute_seconds + cost.all_to_all_seconds;
+  cost.exposed_migration_seconds = std::max(0.0, migration_seconds - overlap_window);
+  return cost;
+}
+
+MigrationCost CostModel::Migration(const Placement& from, const Placement& to) const {
+  MigrationCost cost;
+  const PlacementChange change = DiffPlacements(from, to);
+  cost.changed_slots = change.changed_slots;
+  cost.moved_homes = change.moved_homes;
+
+  // Nearest holder in `from`: same node first, then the home.
+  auto source_for = [&](int expert, int rank) {
+    for (int slot : from.copies(expert)) {
+      const int holder = from.rank_of_slot(slot);
+      if (holder != rank && topology_.same_node(holder, rank)) return holder;
+    }
+    return from.home(expert);
+  };
+
+  LinkLoad links(topology_);
+  std::vector<char> home_fed(to.num_experts(), 0);
+  for (int slot = 0; slot < to.num_slots(); ++slot) {
+    const int e = to.expert_at(slot);
+    if (e == kEmptySlot || e == from.expert_at(slot)) continue;
+    const int rank = to.rank_of_slot(slot);
+    if (from.holds(rank, e)) continue;  // a local copy crosses no link
+    const bool new_home = to.home(e) == rank && from.home(e) != rank;
+    const double bytes = new_home ? home_move_bytes() : expert_weight_bytes();
+    const int source = new_home ? from.home(e) : source_for(e, rank);
+    if (new_home) home_fed[e] = 1;
+    links.Add(source, rank, bytes);
+    cost.bytes += bytes;
+  }
+  // A home that moved onto a rank that already held a replica still receives the rest of the
+  // master weights and optimizer state.
+  for (int e = 0; e < to.num_experts(); ++e) {
+    if (to.home(e) == from.home(e) || home_fed[e]) continue;
+    const double bytes = home_move_bytes() - expert_weight_bytes();
+    links.Add(from.home(e), to.home(e), bytes);
+    cost.bytes += bytes;
+  }
+  cost.seconds = links.SlowestRankSeconds();
+  return cost;
+}
+
+}  // namespace keel

@@ -1,0 +1,63 @@
+// Predicts one MoE layer's step time from a routing and a placement change, so that every policy
+// prices its decisions the same way:
+//   slowest rank's expert compute + all-to-all of the traffic over intra/inter-node links
+//   + replica gradient/weight sync + transient-replica fills + exposed migration.
+// Constants come from config (CostModelConfig) and can be calibrated on the hardware.
+#pragma once
+
+#include "common/config.h"
+#include "placement/placement.h"
+#include "placement/routing.h"
+#include "placement/topology.h"
+
+namespace keel {
+
+struct LayerCost {
+  double compute_seconds = 0;         // slowest rank's expert compute, forward + backward
+  double all_to_all_seconds = 0;      // slowest rank's dispatch/combine traffic, all passes
+  double replica_sync_seconds = 0;    // slowest rank's replica gradient reduce + weight push
+  double transient_seconds = 0;       // slowest rank's transient-replica weight fills + grads
+  double exposed_migration_seconds = 0;
+
+  double total_seconds() const {
+    return compute_seconds + all_to_all_seconds + replica_sync_seconds + transient_seconds +
+           exposed_migration_seconds;
+  }
+};
+
+// Bytes and time to turn one placement into another.
+struct MigrationCost {
+  int changed_slots = 0;
+  int moved_homes = 0;
+  double bytes = 0;    // replica fills carry weights; home moves carry weights + optimizer state
+  double seconds = 0;  // slowest receiving rank, each copy fed from its nearest holder
+};
+
+class CostModel {
+ public:
+  CostModel(const Topology& topology, const CostModelConfig& config);
+
+  const Topology& topology() const { return topology_; }
+  const CostModelConfig& config() const { return config_; }
+
+  double expert_parameters() const;  // expert_matrices * hidden * ffn
+  double expert_weight_bytes() const;
+  double home_move_bytes() const;  // parameters * home_move_bytes_per_parameter
+  double token_row_bytes() const;  // hidden * dtype_bytes
+  // Seconds for one rank to run `tokens` token rows through one expert, forward + backward.
+  double ComputeSeconds(double tokens) const;
+
+  // The step time of one layer under `routing` on `placement`, with `migration_seconds` of
+  // background transfers that overlap one forward/backward of this layer; only the excess is
+  // exposed.
+  LayerCost Estimate(const Placement& placement, const StepRouting& routing,
+                     double migration_seconds = 0) const;
+
+  MigrationCost Migration(const Placement& from, const Placement& to) const;
+
+ private:
+  Topology topology_;
+  CostModelConfig config_;
+};
+
+}  // namespace keel

@@ -1,0 +1,51 @@
+// Load of one MoE layer: what a step routed (StepLoad) and what the planner expects next
+// (LoadEstimator: last step, sliding window or EMA). Loads are token counts as doubles so that
+// estimates can be fractional; observed step counts are whole numbers.
+#pragma once
+
+#include <deque>
+#include <span>
+#include <vector>
+
+#include "common/config.h"
+#include "common/status.h"
+
+namespace keel {
+
+// One layer, one step: tokens each source rank sent to each logical expert.
+struct StepLoad {
+  int num_sources = 0;  // ranks the tokens come from (= topology ranks)
+  int num_experts = 0;
+  std::vector<double> traffic;  // [num_sources * num_experts] tokens from source s to expert e
+
+  // Traffic known per source rank. Fails on a size mismatch or a negative or non-finite count.
+  static Result<StepLoad> FromTraffic(int num_sources, int num_experts,
+                                      std::vector<double> traffic);
+  // Only per-expert totals known: each expert's tokens come evenly from every source.
+  static Result<StepLoad> FromExpertCounts(int num_sources, std::span<const double> counts);
+
+  double at(int source, int expert) const { return traffic[source * num_experts + expert]; }
+  // [num_experts] tokens per expert, summed over sources.
+  std::vector<double> ExpertTotals() const;
+  double TotalTokens() const;
+};
+
+// Per-step observations in, expected next-step values out. Works on any fixed-length vector
+// (per-expert loads [E] or traffic matrices [G*E]).
+class LoadEstimator {
+ public:
+  LoadEstimator(const EstimatorConfig& config, int size);
+
+  void Observe(std::span<const double> values);
+  // Zeros before the first observation.
+  const std::vector<double>& Estimate() const { return estimate_; }
+  int observed_steps() const { return observed_steps_; }
+
+ private:
+  EstimatorConfig config_;
+  std::vector<double> estimate_;
+  std::deque<std::vector<double>> window_;
+  int observed_steps_ = 0;
+};
+
+}  // namespace keel

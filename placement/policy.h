@@ -1,0 +1,78 @@
+// The interface every placement policy implements, and the factory that builds one by name.
+// Policies are deterministic: same inputs, same outputs, on every rank and every machine. They
+// may keep state between calls (a trigger, a candidate pool), but no clocks, threads or I/O.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/config.h"
+#include "common/status.h"
+#include "placement/cost_model.h"
+#include "placement/load.h"
+#include "placement/placement.h"
+#include "placement/routing.h"
+#include "placement/topology.h"
+
+namespace keel {
+
+// Fixed facts a policy plans within.
+struct PolicyContext {
+  Topology topology;
+  CostModel cost;
+  int num_layers = 1;
+  int num_experts = 0;
+  int slots_per_rank = 0;      // persistent slots
+  int transient_per_rank = 0;  // transient slots
+  PolicyConfig config;
+};
+
+// What a replan of one layer sees.
+struct LayerView {
+  int layer = 0;
+  const Placement* current = nullptr;      // placement in force
+  std::span<const double> expert_load;     // [num_experts] estimated tokens for the next step
+  const StepLoad* traffic = nullptr;       // estimated traffic matrix, when known (may be null)
+};
+
+class Policy {
+ public:
+  virtual ~Policy() = default;
+  virtual std::string_view name() const = 0;
+
+  // The placement a layer starts with. Default: the static contiguous placement.
+  virtual Result<Placement> Initial(int layer);
+
+  // The placement for the next epoch; returning the current placement means "no change".
+  virtual Result<Placement> Replan(const LayerView& view) = 0;
+
+  // How this step's tokens are split among copies. Default: RouteEvenly.
+  virtual Result<StepRouting> Route(int layer, const Placement& placement, const StepLoad& load);
+
+ protected:
+  explicit Policy(const PolicyContext& context) : context_(context) {}
+  const PolicyContext& context() const { return context_; }
+
+ private:
+  PolicyContext context_;
+};
+
+// Names accepted by MakePolicy, in the order reports list them.
+const std::vector<std::string>& PolicyNames();
+
+// Builds the policy called `name` (see PolicyNames); an unknown name is an InvalidArgument that
+// lists the known ones.
+Result<std::unique_ptr<Policy>> MakePolicy(std::string_view name, const PolicyContext& context);
+
+// Policy factories, one per file.
+std::unique_ptr<Policy> MakeStaticPolicy(const PolicyContext& context);
+std::unique_ptr<Policy> MakeEplbPolicy(const PolicyContext& context);
+std::unique_ptr<Policy> MakeFlexMoePolicy(const PolicyContext& context);
+std::unique_ptr<Policy> MakeSmartMoePolicy(const PolicyContext& context);
+std::unique_ptr<Policy> MakeFasterMoePolicy(const PolicyContext& context);
+std::unique_ptr<Policy> MakeKeelPolicy(const PolicyContext& context);
+
+}  // namespace keel

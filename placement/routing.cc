@@ -1,0 +1,87 @@
+// Per-step routing that needs no optimization: even splits and FasterMoE-style shadows.
+// The exact quota planner lives in quota.cc.
+#include "placement/routing.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace keel {
+
+double StepRouting::max_rank_tokens() const {
+  return rank_tokens.empty() ? 0.0 : *std::max_element(rank_tokens.begin(), rank_tokens.end());
+}
+
+double StepRouting::mean_rank_tokens() const {
+  if (rank_tokens.empty()) return 0.0;
+  return std::accumulate(rank_tokens.begin(), rank_tokens.end(), 0.0) / rank_tokens.size();
+}
+
+double StepRouting::imbalance() const {
+  const double mean = mean_rank_tokens();
+  return mean > 0 ? max_rank_tokens() / mean : 1.0;
+}
+
+namespace {
+
+StepRouting EmptyRouting(const Placement& placement) {
+  StepRouting routing;
+  routing.num_ranks = placement.num_ranks();
+  routing.rank_tokens.assign(routing.num_ranks, 0.0);
+  routing.sent_tokens.assign(static_cast<size_t>(routing.num_ranks) * routing.num_ranks, 0.0);
+  routing.slot_tokens.assign(placement.num_slots(), 0.0);
+  return routing;
+}
+
+// Sends `tokens` of `expert` from `source` evenly to every copy of the expert.
+void SpreadEvenly(const Placement& placement, int source, int expert, double tokens,
+                  StepRouting& routing) {
+  auto slots = placement.copies(expert);
+  const double share = tokens / static_cast<double>(slots.size());
+  for (int slot : slots) {
+    const int rank = placement.rank_of_slot(slot);
+    routing.slot_tokens[slot] += share;
+    routing.rank_tokens[rank] += share;
+    routing.sent_tokens[static_cast<size_t>(source) * routing.num_ranks + rank] += share;
+  }
+}
+
+}  // namespace
+
+StepRouting RouteEvenly(const Placement& placement, const StepLoad& load) {
+  return RouteWithShadows(placement, load, {});
+}
+
+StepRouting RouteWithShadows(const Placement& placement, const StepLoad& load,
+                             const std::vector<int>& shadowed) {
+  StepRouting routing = EmptyRouting(placement);
+  std::vector<char> is_shadowed(load.num_experts, 0);
+  for (int e : shadowed) is_shadowed[e] = 1;
+  std::vector<double> shadow_tokens(shadowed.empty() ? 0 : static_cast<size_t>(load.num_experts) *
+                                                              routing.num_ranks);
+  for (int s = 0; s < load.num_sources; ++s) {
+    // Sources beyond the topology's ranks (a trace recorded on more ranks) map round-robin.
+    const int source = s % routing.num_ranks;
+    for (int e = 0; e < load.num_experts; ++e) {
+      const double tokens = load.at(s, e);
+      if (tokens == 0) continue;
+      if (is_shadowed[e]) {
+        routing.rank_tokens[source] += tokens;
+        routing.sent_tokens[static_cast<size_t>(source) * routing.num_ranks + source] += tokens;
+        shadow_tokens[static_cast<size_t>(e) * routing.num_ranks + source] += tokens;
+      } else {
+        SpreadEvenly(placement, source, e, tokens, routing);
+      }
+    }
+  }
+  // A shadow on a rank without a persistent copy is a transient replica fed from the home.
+  for (int e : shadowed) {
+    for (int g = 0; g < routing.num_ranks; ++g) {
+      if (placement.holds(g, e)) continue;
+      routing.transients.push_back({e, g, placement.home(e)});
+      routing.transient_tokens.push_back(shadow_tokens[static_cast<size_t>(e) * routing.num_ranks + g]);
+    }
+  }
+  return routing;
+}
+
+}  // namespace keel

@@ -1,0 +1,72 @@
+// Per-step routing of one layer: how each expert's tokens are split among its physical copies
+// (persistent slots plus this step's transient replicas), and the rank loads and all-to-all
+// traffic that follow. These functions work with any placement, from any policy.
+#pragma once
+
+#include <vector>
+
+#include "common/config.h"
+#include "common/status.h"
+#include "placement/load.h"
+#include "placement/placement.h"
+#include "placement/topology.h"
+
+namespace keel {
+
+class CostModel;
+
+// A copy of `expert` filled on `rank` for this step only, its weights sent from `source_rank`.
+struct TransientReplica {
+  int expert = 0;
+  int rank = 0;
+  int source_rank = 0;
+};
+
+struct StepRouting {
+  int num_ranks = 0;
+  std::vector<double> rank_tokens;  // [num_ranks] token rows computed by each rank
+  std::vector<double> sent_tokens;  // [num_ranks * num_ranks] rows from src (row) to dst (column)
+  std::vector<double> slot_tokens;  // [num_slots] quota of each persistent slot
+  std::vector<TransientReplica> transients;
+  std::vector<double> transient_tokens;  // [transients.size()] quota of each transient replica
+
+  double max_rank_tokens() const;
+  double mean_rank_tokens() const;
+  // max / mean rank load; 1.0 when no tokens were routed.
+  double imbalance() const;
+};
+
+// Each source splits its tokens of an expert evenly among the expert's copies (vLLM / EPLB style).
+StepRouting RouteEvenly(const Placement& placement, const StepLoad& load);
+
+// Every source keeps its tokens of the `shadowed` experts and computes them locally (FasterMoE
+// shadowing: those experts' weights were broadcast to all ranks); other experts route evenly.
+// Every (shadowed expert, rank without a persistent copy) becomes a transient replica fed from
+// the expert's home, so the cost model charges the broadcast.
+StepRouting RouteWithShadows(const Placement& placement, const StepLoad& load,
+                             const std::vector<int>& shadowed);
+
+// Keel's per-step planner. Quotas: the integer split of each expert's tokens among its copies
+// that minimizes the max rank load (exact), with locality first when sources are assigned to
+// copies: same rank, then same node, then the rest. Transient replicas (at most
+// transient_per_rank per rank, never on a rank that already holds the expert): added greedily for
+// the hottest experts while the cost model predicts that the layer gets faster.
+struct QuotaPlanOptions {
+  int transient_per_rank = 0;  // 0: quotas only
+};
+Result<StepRouting> PlanStepQuotas(const Placement& placement, const StepLoad& load,
+                                   const Topology& topology, const CostModel& cost,
+                                   const QuotaPlanOptions& options);
+
+// The exact quota split alone: per slot, integer tokens for every expert. `extra_copies` lists
+// additional (expert, rank) copies, e.g. transient replicas. Returns [num_slots + extra] quotas
+// and the minimal max rank load. Counts are rounded to whole tokens.
+struct QuotaSplit {
+  std::vector<long long> slot_quota;   // [num_slots]
+  std::vector<long long> extra_quota;  // [extra_copies.size()]
+  long long max_rank_tokens = 0;
+};
+QuotaSplit SplitQuotas(const Placement& placement, const std::vector<long long>& expert_tokens,
+                       const std::vector<TransientReplica>& extra_copies);
+
+}  // namespace keel
