@@ -1,10 +1,818 @@
-// PLACEHOLDER: replaced by the real config table and parser.
+// The configuration table: every key of KeelConfig with its type, default, range, unit and
+// meaning. The YAML reader, the validator, docs/config.md, --help and `keel config --defaults`
+// all walk this one table, so they cannot disagree.
 #include "common/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <span>
+#include <type_traits>
+#include <variant>
+#include <vector>
+
 namespace keel {
-Result<KeelConfig> ParseConfig(std::string_view, std::string_view) { return KeelConfig{}; }
-Result<KeelConfig> LoadConfigFile(const std::string&) { return KeelConfig{}; }
-Status ValidateConfig(const KeelConfig&) { return Status::Ok(); }
-std::string ConfigReferenceMarkdown() { return ""; }
-std::string ConfigHelpText() { return ""; }
-std::string_view EstimatorKindName(EstimatorKind) { return "ema"; }
+
+// Renders `config` as a complete YAML file with every key and its documentation as comments;
+// ParseConfig reads the result back to an equal config. Used by `keel config --defaults`.
+std::string ConfigToYaml(const KeelConfig& config);
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Names of EstimatorKind values, in the enum's order.
+constexpr std::string_view kEstimatorKindNames[] = {"last", "window", "ema"};
+static_assert(std::size(kEstimatorKindNames) == static_cast<size_t>(EstimatorKind::kEma) + 1);
+
+constexpr std::string_view kPolicyNames[] = {"static",   "eplb",      "flexmoe",
+                                             "smartmoe", "fastermoe", "keel"};
+
+// Where a key's value lives inside a KeelConfig; the alternative is the key's type.
+using FieldRef = std::variant<int*, double*, bool*, std::string*, EstimatorKind*>;
+
+// One configuration key. Numbers must lie within [min, max] (bounds excluded when marked);
+// strings and enums must be one of `choices`.
+struct ConfigKey {
+  std::string_view path;  // dotted YAML path, "policy.flexmoe.balance_ratio_trigger"
+  FieldRef (*field)(KeelConfig&);
+  double min = -kInf;
+  bool min_exclusive = false;
+  double max = kInf;
+  bool max_exclusive = false;
+  std::span<const std::string_view> choices = {};
+  std::string_view unit = {};
+  std::string_view doc = {};
+};
+
+// The member expression is also the key's dotted path, so the two cannot drift apart.
+#define KEEL_CONFIG_FIELD(member) \
+  .path = #member, .field = [](KeelConfig& c) { return FieldRef(&c.member); }
+
+constexpr ConfigKey kConfigKeys[] = {
+    // topology
+    {KEEL_CONFIG_FIELD(topology.num_nodes), .min = 1,
+     .doc = "Nodes (hosts) in the job; the ranks of one node share a fast link (NVLink)."},
+    {KEEL_CONFIG_FIELD(topology.gpus_per_node), .min = 1,
+     .doc = "Ranks (GPUs) per node; the job has num_nodes x gpus_per_node ranks."},
+    {KEEL_CONFIG_FIELD(topology.intra_node_gb_per_s), .min = 0, .min_exclusive = true,
+     .unit = "GB/s",
+     .doc = "Bandwidth between two ranks of one node, per GPU and direction (NVLink)."},
+    {KEEL_CONFIG_FIELD(topology.inter_node_gb_per_s), .min = 0, .min_exclusive = true,
+     .unit = "GB/s",
+     .doc = "Bandwidth from a rank to ranks on other nodes, per GPU and direction (the NIC)."},
+    // slots
+    {KEEL_CONFIG_FIELD(slots.persistent_per_rank), .min = 1,
+     .doc = "Expert slots per rank in every MoE layer, filled by the planned placement."},
+    {KEEL_CONFIG_FIELD(slots.transient_per_rank), .min = 0,
+     .doc = "Extra slots per rank, shared by all layers and filled each step with replicas of "
+            "bursting experts; 0 means none."},
+    // cost_model
+    {KEEL_CONFIG_FIELD(cost_model.expert_tflops), .min = 0, .min_exclusive = true,
+     .unit = "TFLOP/s",
+     .doc = "Achieved throughput of the expert GEMMs on one GPU, in the weights' dtype."},
+    {KEEL_CONFIG_FIELD(cost_model.hidden_size), .min = 1, .unit = "elements",
+     .doc = "Model hidden size: elements of one token's activation entering and leaving an "
+            "expert."},
+    {KEEL_CONFIG_FIELD(cost_model.expert_ffn_size), .min = 1, .unit = "elements",
+     .doc = "Inner (FFN) size of one expert."},
+    {KEEL_CONFIG_FIELD(cost_model.expert_matrices), .min = 1,
+     .doc = "Weight matrices of hidden_size x expert_ffn_size per expert (2 for a plain FFN, 3 "
+            "for SwiGLU)."},
+    {KEEL_CONFIG_FIELD(cost_model.dtype_bytes), .min = 1, .max = 8, .unit = "bytes",
+     .doc = "Bytes per weight and per activation element (2 for bf16 or fp16)."},
+    {KEEL_CONFIG_FIELD(cost_model.home_move_bytes_per_parameter), .min = 0, .min_exclusive = true,
+     .unit = "bytes",
+     .doc = "Bytes moved per expert parameter when its home changes rank: weights plus optimizer "
+            "state (about 14 with Adam and mixed precision)."},
+    {KEEL_CONFIG_FIELD(cost_model.train_flops_multiplier), .min = 1,
+     .doc = "Training FLOPs per forward FLOP of an expert (3: forward plus backward)."},
+    {KEEL_CONFIG_FIELD(cost_model.all_to_all_passes), .min = 0,
+     .doc = "All-to-all exchanges of the tokens per layer and step (4: dispatch and combine, "
+            "forward and backward)."},
+    {KEEL_CONFIG_FIELD(cost_model.replica_sync_passes), .min = 0,
+     .doc = "Transfers of a replica's parameters per step (2: gradient reduced into the home, "
+            "updated weights pushed back)."},
+    // estimator
+    {KEEL_CONFIG_FIELD(estimator.kind), .choices = kEstimatorKindNames,
+     .doc = "How per-expert load is predicted from past steps: last (the last step), window "
+            "(mean of the last window_steps), ema (exponential moving average)."},
+    {KEEL_CONFIG_FIELD(estimator.ema_decay), .min = 0, .max = 1, .max_exclusive = true,
+     .doc = "Weight of the past in the ema estimator: estimate = decay x estimate + (1 - decay) "
+            "x observed."},
+    {KEEL_CONFIG_FIELD(estimator.window_steps), .min = 1, .unit = "steps",
+     .doc = "Steps averaged by the window estimator."},
+    // policy
+    {KEEL_CONFIG_FIELD(policy.name), .choices = kPolicyNames,
+     .doc = "Placement policy: static (contiguous, never changes), eplb (DeepSeek EPLB), "
+            "flexmoe, smartmoe, fastermoe, or keel (migration-aware incremental placement with "
+            "transient replicas)."},
+    {KEEL_CONFIG_FIELD(policy.replan_interval_steps), .min = 1, .unit = "steps",
+     .doc = "Steps between two placement plans."},
+    {KEEL_CONFIG_FIELD(policy.eplb.num_groups), .min = 0,
+     .doc = "Expert groups for EPLB's hierarchical balancing, 0 meaning one per node; EPLB "
+            "balances globally when the groups do not divide evenly among nodes and experts."},
+    {KEEL_CONFIG_FIELD(policy.flexmoe.balance_ratio_trigger), .min = 1,
+     .doc = "FlexMoE replans only when the predicted max/mean rank load exceeds this ratio."},
+    {KEEL_CONFIG_FIELD(policy.flexmoe.max_actions_per_replan), .min = 1,
+     .doc = "Expand, shrink and migrate actions FlexMoE takes per replan, at most."},
+    {KEEL_CONFIG_FIELD(policy.smartmoe.candidate_pool_size), .min = 1,
+     .doc = "Placements SmartMoE keeps and chooses among online with the cost model."},
+    {KEEL_CONFIG_FIELD(policy.smartmoe.stickiness), .min = 0,
+     .doc = "Relative load gain a swap must beat before SmartMoE moves an expert off its current "
+            "rank."},
+    {KEEL_CONFIG_FIELD(policy.fastermoe.max_shadowed_experts), .min = 0,
+     .doc = "Hottest experts FasterMoE considers each step for shadowing (a copy on every rank)."},
+    {KEEL_CONFIG_FIELD(policy.keel.transient_replicas),
+     .doc = "Fill the transient slots each step with replicas of experts that burst beyond their "
+            "placement."},
+    {KEEL_CONFIG_FIELD(policy.keel.max_moves_per_replan), .min = 0,
+     .doc = "Persistent slots the keel policy changes per layer and replan, at most."},
+    {KEEL_CONFIG_FIELD(policy.keel.home_payback_horizon_steps), .min = 0, .unit = "steps",
+     .doc = "A home moves only if the predicted saving repays the move within this many steps."},
+    {KEEL_CONFIG_FIELD(policy.keel.min_gain_fraction), .min = 0, .max = 1, .max_exclusive = true,
+     .doc = "A move must cut the predicted layer step time by at least this fraction."},
+};
+
+#undef KEEL_CONFIG_FIELD
+
+// Every map in the YAML file, in the order the writers print them: a parent comes before its
+// children and its children follow it directly.
+struct ConfigSection {
+  std::string_view path;
+  std::string_view doc;
+};
+
+constexpr ConfigSection kConfigSections[] = {
+    {"topology", "Ranks and the links between them."},
+    {"slots", "Expert slots on every rank."},
+    {"cost_model",
+     "Constants of the cost model that prices a layer's step time and every migration."},
+    {"estimator", "How each expert's coming load is estimated from the loads observed so far."},
+    {"policy", "Which placement policy runs, how often, and the settings of each policy."},
+    {"policy.eplb", "DeepSeek EPLB: replicas for hot experts, packed by load."},
+    {"policy.flexmoe", "FlexMoE: expand, shrink and migrate experts when the balance drops."},
+    {"policy.smartmoe", "SmartMoE: swaps experts between ranks, chosen from a candidate pool."},
+    {"policy.fastermoe", "FasterMoE: shadows the hottest experts on every rank, step by step."},
+    {"policy.keel",
+     "Keel: incremental placement that pays for its moves, plus transient replicas for bursts."},
+};
+
+constexpr std::string_view ParentOf(std::string_view path) {
+  size_t dot = path.rfind('.');
+  return dot == std::string_view::npos ? std::string_view() : path.substr(0, dot);
+}
+
+constexpr std::string_view LastPart(std::string_view path) {
+  size_t dot = path.rfind('.');
+  return dot == std::string_view::npos ? path : path.substr(dot + 1);
+}
+
+constexpr bool IsDescendant(std::string_view path, std::string_view ancestor) {
+  return ancestor.empty() || (path.size() > ancestor.size() && path.starts_with(ancestor) &&
+                              path[ancestor.size()] == '.');
+}
+
+constexpr int SectionIndex(std::string_view path) {
+  for (size_t i = 0; i < std::size(kConfigSections); ++i) {
+    if (kConfigSections[i].path == path) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+// Sections in preorder and every key inside a listed section: the YAML writer relies on both.
+constexpr bool TablesAreConsistent() {
+  for (size_t i = 0; i < std::size(kConfigSections); ++i) {
+    std::string_view parent = ParentOf(kConfigSections[i].path);
+    if (parent.empty()) continue;
+    int p = SectionIndex(parent);
+    if (p < 0 || p >= static_cast<int>(i)) return false;
+    for (size_t j = static_cast<size_t>(p) + 1; j < i; ++j) {
+      if (!IsDescendant(kConfigSections[j].path, parent)) return false;
+    }
+  }
+  for (const ConfigKey& key : kConfigKeys) {
+    if (SectionIndex(ParentOf(key.path)) < 0) return false;
+    if (key.doc.empty()) return false;
+  }
+  return true;
+}
+static_assert(TablesAreConsistent(), "kConfigSections must be in preorder and contain every key");
+
+enum class ValueType { kInt, kDouble, kBool, kString, kEnum };
+
+ValueType TypeOf(const ConfigKey& key) {
+  KeelConfig probe;
+  FieldRef ref = key.field(probe);
+  switch (ref.index()) {
+    case 0:
+      return ValueType::kInt;
+    case 1:
+      return ValueType::kDouble;
+    case 2:
+      return ValueType::kBool;
+    case 3:
+      return key.choices.empty() ? ValueType::kString : ValueType::kEnum;
+    default:
+      return ValueType::kEnum;
+  }
+}
+
+const ConfigKey* FindKey(std::string_view path) {
+  for (const ConfigKey& key : kConfigKeys) {
+    if (key.path == path) return &key;
+  }
+  return nullptr;
+}
+
+// Shortest text that reads back to the same double, with ".0" on whole numbers so that a float
+// key never looks like an int.
+std::string FormatDouble(double value) {
+  char buffer[64];
+  auto [end, error] = std::to_chars(buffer, buffer + sizeof(buffer), value);
+  if (error != std::errc()) return std::to_string(value);
+  std::string text(buffer, end);
+  if (std::isfinite(value) && text.find_first_of(".eE") == std::string::npos) text += ".0";
+  return text;
+}
+
+// Range bounds read as plain numbers: "> 0", "in [0, 1)".
+std::string FormatBound(double bound) {
+  char buffer[64];
+  auto [end, error] = std::to_chars(buffer, buffer + sizeof(buffer), bound);
+  return error == std::errc() ? std::string(buffer, end) : std::to_string(bound);
+}
+
+// ">= 1", "> 0", "in [0, 1)"; empty when the key has no range.
+std::string RangeText(const ConfigKey& key) {
+  bool has_min = std::isfinite(key.min);
+  bool has_max = std::isfinite(key.max);
+  if (has_min && has_max) {
+    return "in " + std::string(key.min_exclusive ? "(" : "[") + FormatBound(key.min) + ", " +
+           FormatBound(key.max) + (key.max_exclusive ? ")" : "]");
+  }
+  if (has_min) return (key.min_exclusive ? "> " : ">= ") + FormatBound(key.min);
+  if (has_max) return (key.max_exclusive ? "< " : "<= ") + FormatBound(key.max);
+  return "";
+}
+
+std::string ChoicesText(const ConfigKey& key, std::string_view quote) {
+  std::string text;
+  for (size_t i = 0; i < key.choices.size(); ++i) {
+    if (i > 0) text += ", ";
+    text += quote;
+    text += key.choices[i];
+    text += quote;
+  }
+  return text;
+}
+
+std::string_view TypeName(ValueType type) {
+  switch (type) {
+    case ValueType::kInt:
+      return "int";
+    case ValueType::kDouble:
+      return "float";
+    case ValueType::kBool:
+      return "bool";
+    case ValueType::kString:
+      return "string";
+    case ValueType::kEnum:
+      return "enum";
+  }
+  return "?";
+}
+
+// "int, >= 1", "float, in [0, 1)", "enum: one of last, window, ema", "bool".
+std::string TypeText(const ConfigKey& key, std::string_view quote) {
+  ValueType type = TypeOf(key);
+  std::string text(TypeName(type));
+  if (type == ValueType::kEnum) return text + ": one of " + ChoicesText(key, quote);
+  std::string range = RangeText(key);
+  if (!range.empty()) text += ", " + range;
+  return text;
+}
+
+std::string FormatValue(const ConfigKey& key, const KeelConfig& config) {
+  KeelConfig copy = config;
+  FieldRef ref = key.field(copy);
+  if (auto* value = std::get_if<int*>(&ref)) return std::to_string(**value);
+  if (auto* value = std::get_if<double*>(&ref)) return FormatDouble(**value);
+  if (auto* value = std::get_if<bool*>(&ref)) return **value ? "true" : "false";
+  if (auto* value = std::get_if<std::string*>(&ref)) return **value;
+  return std::string(EstimatorKindName(*std::get<EstimatorKind*>(ref)));
+}
+
+// Empty when `value` lies within the key's range, else "is out of range (must be >= 1)".
+std::string RangeProblem(const ConfigKey& key, double value) {
+  bool below = key.min_exclusive ? value <= key.min : value < key.min;
+  bool above = key.max_exclusive ? value >= key.max : value > key.max;
+  if (!below && !above) return "";
+  return "is out of range (must be " + RangeText(key) + ")";
+}
+
+std::string ChoiceProblem(const ConfigKey& key, std::string_view value) {
+  for (std::string_view choice : key.choices) {
+    if (choice == value) return "";
+  }
+  return "is not allowed (must be one of " + ChoicesText(key, "") + ")";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading YAML
+
+// Where the values came from, for messages: the source name and each key's line.
+struct ParseOrigin {
+  std::string source;
+  std::map<std::string, int, std::less<>> key_lines;  // dotted path -> 1-based line
+
+  // "configs/x.yaml:7: " or "configs/x.yaml: " when the line is unknown.
+  std::string Where(int line) const {
+    if (source.empty()) return line > 0 ? "line " + std::to_string(line) + ": " : "";
+    return line > 0 ? source + ":" + std::to_string(line) + ": " : source + ": ";
+  }
+  std::string WhereKey(std::string_view path) const {
+    auto it = key_lines.find(path);
+    return Where(it == key_lines.end() ? 0 : it->second);
+  }
+};
+
+int LineOf(const YAML::Node& node) {
+  YAML::Mark mark = node.Mark();
+  return mark.line >= 0 ? mark.line + 1 : 0;
+}
+
+std::string DescribeNode(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Map:
+      return "a map";
+    case YAML::NodeType::Sequence:
+      return "a list";
+    case YAML::NodeType::Null:
+      return "nothing";
+    case YAML::NodeType::Scalar:
+      return node.Scalar().empty() ? "''" : node.Scalar();
+    case YAML::NodeType::Undefined:
+      break;
+  }
+  return "nothing";
+}
+
+std::string ShownValue(std::string_view text) {
+  return text.empty() ? std::string("''") : std::string(text);
+}
+
+bool ParseInteger(std::string_view text, long long& out) {
+  if (text.starts_with('+')) text.remove_prefix(1);
+  if (text.empty()) return false;
+  auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), out);
+  return error == std::errc() && end == text.data() + text.size();
+}
+
+bool ParseNumber(std::string_view text, double& out) {
+  if (text.starts_with('+')) text.remove_prefix(1);
+  if (text.empty()) return false;
+  auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), out);
+  return error == std::errc() && end == text.data() + text.size() && std::isfinite(out);
+}
+
+bool ParseBool(std::string_view text, bool& out) {
+  if (text == "true" || text == "True" || text == "TRUE") {
+    out = true;
+    return true;
+  }
+  if (text == "false" || text == "False" || text == "FALSE") {
+    out = false;
+    return true;
+  }
+  return false;
+}
+
+// Sets one key from its YAML value, checking type, range and choices.
+Status SetKey(const ConfigKey& key, const YAML::Node& node, int line, const ParseOrigin& origin,
+              KeelConfig& config) {
+  auto fail = [&](std::string_view value, std::string_view problem) {
+    return InvalidArgument(origin.Where(line) + std::string(key.path) + ": " + std::string(value) +
+                           " " + std::string(problem));
+  };
+  ValueType type = TypeOf(key);
+  if (!node.IsScalar()) {
+    std::string expected = type == ValueType::kInt      ? "an integer"
+                           : type == ValueType::kDouble ? "a number"
+                           : type == ValueType::kBool   ? "true or false"
+                           : type == ValueType::kEnum   ? "one of " + ChoicesText(key, "")
+                                                        : "a string";
+    return InvalidArgument(origin.Where(line) + std::string(key.path) + ": expected " + expected +
+                           ", got " + DescribeNode(node));
+  }
+  const std::string& text = node.Scalar();
+  FieldRef ref = key.field(config);
+  switch (type) {
+    case ValueType::kInt: {
+      long long value = 0;
+      if (!ParseInteger(text, value)) return fail(ShownValue(text), "is not an integer");
+      std::string problem = RangeProblem(key, static_cast<double>(value));
+      if (problem.empty() && (value < INT_MIN || value > INT_MAX)) {
+        problem = "is out of range (must fit in a 32-bit int)";
+      }
+      if (!problem.empty()) return fail(text, problem);
+      *std::get<int*>(ref) = static_cast<int>(value);
+      return Status::Ok();
+    }
+    case ValueType::kDouble: {
+      double value = 0;
+      if (!ParseNumber(text, value)) return fail(ShownValue(text), "is not a finite number");
+      std::string problem = RangeProblem(key, value);
+      if (!problem.empty()) return fail(text, problem);
+      *std::get<double*>(ref) = value;
+      return Status::Ok();
+    }
+    case ValueType::kBool: {
+      bool value = false;
+      if (!ParseBool(text, value)) {
+        return fail(ShownValue(text), "is not a boolean (must be true or false)");
+      }
+      *std::get<bool*>(ref) = value;
+      return Status::Ok();
+    }
+    case ValueType::kString:
+    case ValueType::kEnum: {
+      std::string problem = ChoiceProblem(key, text);
+      if (!key.choices.empty() && !problem.empty()) return fail(ShownValue(text), problem);
+      if (auto* value = std::get_if<std::string*>(&ref)) {
+        **value = text;
+      } else {
+        auto it = std::find(std::begin(kEstimatorKindNames), std::end(kEstimatorKindNames), text);
+        *std::get<EstimatorKind*>(ref) =
+            static_cast<EstimatorKind>(it - std::begin(kEstimatorKindNames));
+      }
+      return Status::Ok();
+    }
+  }
+  return Internal("config key " + std::string(key.path) + " has no type");
+}
+
+// The names a map at `section` may hold: its keys, then its subsections.
+std::vector<std::string_view> ChildNames(std::string_view section) {
+  std::vector<std::string_view> names;
+  for (const ConfigKey& key : kConfigKeys) {
+    if (ParentOf(key.path) == section) names.push_back(LastPart(key.path));
+  }
+  for (const ConfigSection& child : kConfigSections) {
+    if (ParentOf(child.path) == section) names.push_back(LastPart(child.path));
+  }
+  return names;
+}
+
+size_t EditDistance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+Status UnknownKey(std::string_view section, std::string_view name, int line,
+                  const ParseOrigin& origin) {
+  std::string path =
+      section.empty() ? std::string(name) : std::string(section) + "." + std::string(name);
+  std::vector<std::string_view> names = ChildNames(section);
+  std::string message = origin.Where(line) + "unknown key '" + path + "'";
+  std::string_view closest;
+  // Suggest only near misses: a few edits, more for longer names.
+  size_t best = std::max<size_t>(2, name.size() / 3) + 1;
+  for (std::string_view candidate : names) {
+    // A part of a longer name ("trigger" for "balance_ratio_trigger") counts as a near miss.
+    bool part = name.size() >= 4 && (candidate.find(name) != std::string_view::npos ||
+                                     name.find(candidate) != std::string_view::npos);
+    size_t distance = part ? 1 : EditDistance(name, candidate);
+    if (distance < best) {
+      best = distance;
+      closest = candidate;
+    }
+  }
+  if (!closest.empty()) message += " (did you mean '" + std::string(closest) + "'?)";
+  message += section.empty() ? "; valid top-level keys: "
+                             : "; valid keys in '" + std::string(section) + "': ";
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (i > 0) message += ", ";
+    message += names[i];
+  }
+  return InvalidArgument(std::move(message));
+}
+
+Status ParseSection(const YAML::Node& map, std::string_view section, ParseOrigin& origin,
+                    KeelConfig& config) {
+  std::map<std::string, int, std::less<>> seen;  // name -> line, to catch duplicates
+  for (auto entry = map.begin(); entry != map.end(); ++entry) {
+    YAML::Node key_node = entry->first;  // copies: the iterator hands out a temporary
+    YAML::Node value = entry->second;
+    int line = LineOf(key_node);
+    if (!key_node.IsScalar()) {
+      return InvalidArgument(origin.Where(line) + "a key in '" +
+                             std::string(section.empty() ? "the top level" : section) + "' is " +
+                             DescribeNode(key_node) + ", not a name");
+    }
+    const std::string& name = key_node.Scalar();
+    std::string path = section.empty() ? name : std::string(section) + "." + name;
+    auto [previous, inserted] = seen.emplace(name, line);
+    if (!inserted) {
+      return InvalidArgument(origin.Where(line) + path + ": key appears twice (first on line " +
+                             std::to_string(previous->second) + ")");
+    }
+    if (const ConfigKey* key = FindKey(path)) {
+      if (value.IsNull()) {
+        return InvalidArgument(origin.Where(line) + path + ": has no value (expected " +
+                               TypeText(*key, "") + "; leave the key out to keep the default)");
+      }
+      KEEL_RETURN_IF_ERROR(SetKey(*key, value, line, origin, config));
+      origin.key_lines[path] = line;
+    } else if (SectionIndex(path) >= 0) {
+      if (value.IsNull()) continue;  // "policy:" with nothing under it keeps the defaults
+      if (!value.IsMap()) {
+        std::string names;
+        for (std::string_view child : ChildNames(path)) {
+          names += names.empty() ? "" : ", ";
+          names += child;
+        }
+        return InvalidArgument(origin.Where(line) + path + ": expected a map of keys (" + names +
+                               "), got " + DescribeNode(value));
+      }
+      KEEL_RETURN_IF_ERROR(ParseSection(value, path, origin, config));
+    } else {
+      return UnknownKey(section, name, line, origin);
+    }
+  }
+  return Status::Ok();
+}
+
+// Range and choice checks of every key, then the constraints between keys.
+Status Validate(const KeelConfig& config, const ParseOrigin& origin) {
+  for (const ConfigKey& key : kConfigKeys) {
+    KeelConfig copy = config;
+    FieldRef ref = key.field(copy);
+    std::string problem;
+    if (auto* value = std::get_if<int*>(&ref)) problem = RangeProblem(key, **value);
+    if (auto* value = std::get_if<double*>(&ref)) {
+      problem = std::isfinite(**value) ? RangeProblem(key, **value) : "is not a finite number";
+    }
+    if (auto* value = std::get_if<std::string*>(&ref); value && !key.choices.empty()) {
+      problem = ChoiceProblem(key, **value);
+    }
+    if (auto* value = std::get_if<EstimatorKind*>(&ref)) {
+      auto index = static_cast<size_t>(**value);
+      if (index >= std::size(kEstimatorKindNames)) problem = "is not a known estimator kind";
+    }
+    if (!problem.empty()) {
+      std::string shown = std::holds_alternative<EstimatorKind*>(ref)
+                              ? std::to_string(static_cast<int>(*std::get<EstimatorKind*>(ref)))
+                              : ShownValue(FormatValue(key, config));
+      return InvalidArgument(origin.WhereKey(key.path) + std::string(key.path) + ": " + shown +
+                             " " + problem);
+    }
+  }
+
+  // Names a constraint between keys at the line of the first of them that the file set.
+  auto cross_error = [&](std::string_view first, std::string_view second, std::string message) {
+    bool first_set = origin.key_lines.count(first) > 0;
+    return InvalidArgument(origin.WhereKey(first_set ? first : second) + message);
+  };
+
+  const TopologyConfig& topology = config.topology;
+  int64_t num_ranks = int64_t{topology.num_nodes} * topology.gpus_per_node;
+  if (num_ranks > INT_MAX) {
+    return cross_error("topology.num_nodes", "topology.gpus_per_node",
+                       "topology.num_nodes x topology.gpus_per_node: " + std::to_string(num_ranks) +
+                           " ranks is too many");
+  }
+  const CostModelConfig& cost = config.cost_model;
+  if (cost.home_move_bytes_per_parameter < cost.dtype_bytes) {
+    return cross_error("cost_model.home_move_bytes_per_parameter", "cost_model.dtype_bytes",
+                       "cost_model.home_move_bytes_per_parameter: " +
+                           FormatDouble(cost.home_move_bytes_per_parameter) +
+                           " is less than cost_model.dtype_bytes (" +
+                           std::to_string(cost.dtype_bytes) +
+                           "); moving a home moves at least the weights");
+  }
+  if (config.policy.name == "keel" && config.policy.keel.transient_replicas &&
+      config.slots.transient_per_rank == 0) {
+    return cross_error("policy.keel.transient_replicas", "slots.transient_per_rank",
+                       "policy.keel.transient_replicas: true needs slots.transient_per_rank >= 1 "
+                       "(it is 0); set transient_replicas to false or add a transient slot");
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writing documentation
+
+// Greedy word wrap of `text` into lines of at most `width` characters (longer words stay whole).
+std::vector<std::string> WrapWords(std::string_view text, size_t width) {
+  std::vector<std::string> lines;
+  std::string line;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find(' ', start);
+    if (end == std::string_view::npos) end = text.size();
+    std::string_view word = text.substr(start, end - start);
+    start = end + 1;
+    if (word.empty()) continue;
+    if (!line.empty() && line.size() + 1 + word.size() > width) {
+      lines.push_back(std::move(line));
+      line.clear();
+    }
+    if (!line.empty()) line += ' ';
+    line += word;
+  }
+  if (!line.empty()) lines.push_back(std::move(line));
+  return lines;
+}
+
+void AppendWrapped(std::string& out, std::string_view text, std::string_view indent,
+                   size_t width = 100) {
+  size_t room = width > indent.size() + 20 ? width - indent.size() : 20;
+  for (const std::string& line : WrapWords(text, room)) {
+    out += indent;
+    out += line;
+    out += '\n';
+  }
+}
+
+// "GB/s; float, > 0", "one of last, window, ema", "bool": the note after a value in YAML.
+std::string ValueNote(const ConfigKey& key) {
+  std::string type = TypeText(key, "");
+  if (TypeOf(key) == ValueType::kEnum) type = "one of " + ChoicesText(key, "");
+  return key.unit.empty() ? type : std::string(key.unit) + "; " + type;
+}
+
+std::string EscapeMarkdownCell(std::string_view text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '|') out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+constexpr std::string_view kExampleYaml = R"(topology:
+  num_nodes: 2
+  gpus_per_node: 8
+policy:
+  name: flexmoe
+  flexmoe:
+    balance_ratio_trigger: 1.1
+)";
+
+}  // namespace
+
+std::string_view EstimatorKindName(EstimatorKind kind) {
+  auto index = static_cast<size_t>(kind);
+  return index < std::size(kEstimatorKindNames) ? kEstimatorKindNames[index] : "unknown";
+}
+
+Result<KeelConfig> ParseConfig(std::string_view yaml_text, std::string_view source) {
+  ParseOrigin origin;
+  origin.source = std::string(source);
+  KeelConfig config;
+  try {
+    YAML::Node root = YAML::Load(std::string(yaml_text));
+    if (root.IsMap()) {
+      KEEL_RETURN_IF_ERROR(ParseSection(root, "", origin, config));
+    } else if (!root.IsNull()) {
+      std::string names;
+      for (std::string_view child : ChildNames("")) {
+        names += names.empty() ? "" : ", ";
+        names += child;
+      }
+      return InvalidArgument(origin.Where(LineOf(root)) +
+                             "expected a map of sections at the top level (" + names + "), got " +
+                             DescribeNode(root));
+    }
+  } catch (const YAML::Exception& error) {
+    int line = error.mark.line >= 0 ? error.mark.line + 1 : 0;
+    return InvalidArgument(origin.Where(line) + "YAML syntax error: " + error.msg);
+  } catch (const std::exception& error) {
+    return InvalidArgument(origin.Where(0) + "cannot read YAML: " + error.what());
+  }
+  KEEL_RETURN_IF_ERROR(Validate(config, origin));
+  return config;
+}
+
+Result<KeelConfig> LoadConfigFile(const std::string& path) {
+  std::FILE* file = std::fopen(path.c_str(), "rb");
+  if (file == nullptr) {
+    int error = errno;
+    std::string message = path + ": cannot open config file: " + std::strerror(error);
+    return error == ENOENT ? NotFound(std::move(message)) : IoError(std::move(message));
+  }
+  std::string text;
+  char buffer[8192];
+  size_t count = 0;
+  while ((count = std::fread(buffer, 1, sizeof(buffer), file)) > 0) text.append(buffer, count);
+  bool failed = std::ferror(file) != 0;
+  std::fclose(file);
+  if (failed) return IoError(path + ": cannot read config file");
+  return ParseConfig(text, path);
+}
+
+Status ValidateConfig(const KeelConfig& config) { return Validate(config, ParseOrigin{}); }
+
+std::string ConfigReferenceMarkdown() {
+  const KeelConfig defaults;
+  std::string out;
+  out += "# Keel configuration reference\n\n";
+  out +=
+      "<!-- Generated by `keel config --markdown` from the key table in common/config.cc; "
+      "edit that table, not this file. -->\n\n";
+  out +=
+      "Keel reads its settings from one YAML file. This page names every key by its dotted "
+      "path, such as `policy.flexmoe.balance_ratio_trigger`; in the file, each dot is one level "
+      "of nesting:\n\n";
+  out += "```yaml\n";
+  out += kExampleYaml;
+  out += "```\n\n";
+  out +=
+      "Keys left out keep their defaults, so an empty file is a complete configuration. An "
+      "unknown key, a value of the wrong type or out of range, and a syntax error are all "
+      "errors that name the key, the value and the line. `keel config --check FILE` checks a "
+      "file; `keel config --defaults` prints every key at its default, with its meaning as a "
+      "comment.\n";
+  for (const ConfigSection& section : kConfigSections) {
+    out += "\n## `" + std::string(section.path) + "`\n\n";
+    out += std::string(section.doc) + "\n";
+    bool header = false;
+    for (const ConfigKey& key : kConfigKeys) {
+      if (ParentOf(key.path) != section.path) continue;
+      if (!header) {
+        out += "\n| key | type | default | meaning |\n|---|---|---|---|\n";
+        header = true;
+      }
+      std::string default_text = "`" + FormatValue(key, defaults) + "`";
+      if (!key.unit.empty()) default_text += " " + std::string(key.unit);
+      out += "| `" + std::string(key.path) + "` | " + EscapeMarkdownCell(TypeText(key, "`")) +
+             " | " + default_text + " | " + EscapeMarkdownCell(key.doc) + " |\n";
+    }
+  }
+  return out;
+}
+
+std::string ConfigHelpText() {
+  const KeelConfig defaults;
+  std::string out =
+      "Configuration keys (YAML; each dot in a key is one level of nesting, and keys left\n"
+      "out keep their defaults):\n";
+  for (const ConfigSection& section : kConfigSections) {
+    bool first = true;
+    for (const ConfigKey& key : kConfigKeys) {
+      if (ParentOf(key.path) != section.path) continue;
+      if (first) {
+        out += "\n" + std::string(section.path) + ": " + std::string(section.doc) + "\n";
+        first = false;
+      }
+      out += "  " + std::string(key.path) + " = " + FormatValue(key, defaults);
+      if (!key.unit.empty()) out += " " + std::string(key.unit);
+      out += "  (" + TypeText(key, "") + ")\n";
+      AppendWrapped(out, key.doc, "      ");
+    }
+  }
+  return out;
+}
+
+std::string ConfigToYaml(const KeelConfig& config) {
+  std::string out =
+      "# Keel configuration. Keys left out keep their defaults; `keel config --markdown` "
+      "documents\n# every key.\n";
+  for (const ConfigSection& section : kConfigSections) {
+    size_t depth = static_cast<size_t>(std::count(section.path.begin(), section.path.end(), '.'));
+    std::string indent(2 * depth, ' ');
+    out += "\n";
+    AppendWrapped(out, section.doc, indent + "# ");
+    out += indent + std::string(LastPart(section.path)) + ":\n";
+    std::string key_indent(2 * (depth + 1), ' ');
+    for (const ConfigKey& key : kConfigKeys) {
+      if (ParentOf(key.path) != section.path) continue;
+      AppendWrapped(out, key.doc, key_indent + "# ");
+      out += key_indent + std::string(LastPart(key.path)) + ": " + FormatValue(key, config) +
+             "  # " + ValueNote(key) + "\n";
+    }
+  }
+  return out;
+}
+
 }  // namespace keel

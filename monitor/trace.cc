@@ -1,12 +1,341 @@
-// PLACEHOLDER: replaced by the real trace reader/writer.
+// The Keel trace format: a JSON Lines reader and writer, the Trace helpers, format names and the
+// format-guessing ReadTrace that dispatches to the importers (monitor/trace_import.h).
+// Format reference: docs/traces.md.
 #include "monitor/trace.h"
+
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <system_error>
+
+#include "monitor/trace_import.h"
+
 namespace keel {
-std::vector<double> Trace::ExpertCounts(int, int) const { return {}; }
-Status Trace::Validate() const { return Status::Ok(); }
-Result<TraceFormat> ParseTraceFormat(std::string_view) { return TraceFormat::kAuto; }
-std::string_view TraceFormatName(TraceFormat) { return "auto"; }
-Result<Trace> ReadTrace(const std::string&, TraceFormat) { return Unimplemented("trace"); }
-Result<Trace> ReadKeelTrace(const std::string&) { return Unimplemented("trace"); }
-Status WriteKeelTrace(const Trace&, const std::string&) { return Unimplemented("trace"); }
-Result<Trace> GenerateSyntheticTrace(const SyntheticTraceOptions&) { return Unimplemented("trace"); }
+namespace {
+
+constexpr int kKeelTraceVersion = 1;
+
+// Largest double below which every integer is exact; counts past it are written as doubles.
+constexpr double kMaxExactInteger = 9007199254740992.0;  // 2^53
+
+struct FormatName {
+  TraceFormat format;
+  std::string_view name;
+};
+constexpr FormatName kFormatNames[] = {
+    {TraceFormat::kAuto, "auto"},         {TraceFormat::kKeel, "keel"},
+    {TraceFormat::kSmartMoe, "smartmoe"}, {TraceFormat::kEsft, "esft"},
+    {TraceFormat::kOlmoe, "olmoe"},       {TraceFormat::kMegatron, "megatron"},
+};
+
+std::string KnownFormatList() {
+  std::string list;
+  for (const FormatName& entry : kFormatNames) {
+    if (!list.empty()) list += ", ";
+    list += entry.name;
+  }
+  return list;
+}
+
+Result<std::string> ReadWholeFile(const std::string& path) {
+  std::FILE* file = std::fopen(path.c_str(), "rb");
+  if (file == nullptr) {
+    return NotFound(path + ": cannot open: " + std::generic_category().message(errno));
+  }
+  std::string text;
+  char buffer[1 << 16];
+  size_t got = 0;
+  while ((got = std::fread(buffer, 1, sizeof(buffer), file)) > 0) text.append(buffer, got);
+  bool failed = std::ferror(file) != 0;
+  std::fclose(file);
+  if (failed) return IoError(path + ": read failed");
+  return text;
+}
+
+// Reads an integer member of the header; errors name the key and the bad value.
+Result<int64_t> HeaderInt(const nlohmann::json& header, const char* key, const std::string& where,
+                          int64_t min_value) {
+  auto it = header.find(key);
+  if (it == header.end()) return InvalidArgument(where + ": header has no \"" + key + "\"");
+  if (!it->is_number_integer()) {
+    return InvalidArgument(where + ": header \"" + key + "\" must be an integer, got " +
+                           it->dump());
+  }
+  int64_t value = it->get<int64_t>();
+  if (value < min_value || value > (int64_t{1} << 30)) {
+    return InvalidArgument(where + ": header \"" + key + "\" " + std::to_string(value) +
+                           " is out of range (minimum " + std::to_string(min_value) + ")");
+  }
+  return value;
+}
+
+// Parses one step line into `trace`. `where` is "path:line".
+Status ParseStepLine(std::string_view line, const std::string& where, Trace& trace) {
+  nlohmann::json step;
+  try {
+    step = nlohmann::json::parse(line.begin(), line.end());
+  } catch (const nlohmann::json::exception& error) {
+    return InvalidArgument(where + ": not a JSON object (truncated file?): " + error.what());
+  }
+  if (!step.is_object()) return InvalidArgument(where + ": a step line must be a JSON object");
+  auto step_id = step.find("step");
+  if (step_id == step.end() || !step_id->is_number_integer()) {
+    return InvalidArgument(where + ": \"step\" is missing or not an integer");
+  }
+  auto layers = step.find("layers");
+  if (layers == step.end() || !layers->is_array()) {
+    return InvalidArgument(where + ": \"layers\" is missing or not an array");
+  }
+  if (static_cast<int>(layers->size()) != trace.num_layers) {
+    return InvalidArgument(where + ": step has " + std::to_string(layers->size()) +
+                           " layers, header says num_layers " + std::to_string(trace.num_layers));
+  }
+  const size_t row_size = static_cast<size_t>(trace.row_size());
+  std::vector<double> values;
+  values.reserve(row_size * trace.num_layers);
+  int layer = 0;
+  for (const nlohmann::json& row : *layers) {
+    if (!row.is_array() || row.size() != row_size) {
+      return InvalidArgument(
+          where + ": layer " + std::to_string(layer) + " has " +
+          (row.is_array() ? std::to_string(row.size()) + " counts" : std::string("no array")) +
+          ", expected " + std::to_string(row_size) +
+          (trace.num_sources > 0 ? " (num_sources * num_experts)" : " (num_experts)"));
+    }
+    int index = 0;
+    for (const nlohmann::json& count : row) {
+      if (!count.is_number()) {
+        return InvalidArgument(where + ": layer " + std::to_string(layer) + " entry " +
+                               std::to_string(index) + " is not a number: " + count.dump());
+      }
+      double value = count.get<double>();
+      if (!(value >= 0.0) || !std::isfinite(value)) {
+        return InvalidArgument(where + ": layer " + std::to_string(layer) + " entry " +
+                               std::to_string(index) +
+                               " is negative or not finite: " + count.dump());
+      }
+      values.push_back(value);
+      ++index;
+    }
+    ++layer;
+  }
+  trace.step_ids.push_back(step_id->get<int64_t>());
+  trace.steps.push_back(std::move(values));
+  return Status::Ok();
+}
+
+void AppendCount(std::string& out, double value) {
+  char buffer[32];
+  std::to_chars_result result;
+  if (value == std::floor(value) && std::fabs(value) < kMaxExactInteger) {
+    result = std::to_chars(buffer, buffer + sizeof(buffer), static_cast<int64_t>(value));
+  } else {
+    result = std::to_chars(buffer, buffer + sizeof(buffer), value);
+  }
+  out.append(buffer, result.ptr);
+}
+
+}  // namespace
+
+std::vector<double> Trace::ExpertCounts(int step, int layer) const {
+  std::span<const double> row = layer_row(step, layer);
+  if (num_sources == 0) return {row.begin(), row.end()};
+  std::vector<double> counts(num_experts, 0.0);
+  for (int source = 0; source < num_sources; ++source) {
+    for (int expert = 0; expert < num_experts; ++expert) {
+      counts[expert] += row[static_cast<size_t>(source) * num_experts + expert];
+    }
+  }
+  return counts;
+}
+
+Status Trace::Validate() const {
+  if (num_layers <= 0)
+    return InvalidArgument("trace: num_layers " + std::to_string(num_layers) + " must be positive");
+  if (num_experts <= 0) {
+    return InvalidArgument("trace: num_experts " + std::to_string(num_experts) +
+                           " must be positive");
+  }
+  if (num_sources < 0) {
+    return InvalidArgument("trace: num_sources " + std::to_string(num_sources) +
+                           " must be 0 or positive");
+  }
+  if (step_ids.size() != steps.size()) {
+    return InvalidArgument("trace: " + std::to_string(step_ids.size()) + " step ids for " +
+                           std::to_string(steps.size()) + " steps");
+  }
+  const size_t expected = static_cast<size_t>(num_layers) * row_size();
+  for (size_t step = 0; step < steps.size(); ++step) {
+    if (steps[step].size() != expected) {
+      return InvalidArgument("trace: step " + std::to_string(step) + " has " +
+                             std::to_string(steps[step].size()) + " counts, expected " +
+                             std::to_string(expected) + " (num_layers * row size)");
+    }
+    for (size_t i = 0; i < expected; ++i) {
+      double value = steps[step][i];
+      if (!(value >= 0.0) || !std::isfinite(value)) {
+        return InvalidArgument("trace: step " + std::to_string(step) + " layer " +
+                               std::to_string(i / row_size()) + " entry " +
+                               std::to_string(i % row_size()) + " is negative or not finite (" +
+                               std::to_string(value) + ")");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Result<TraceFormat> ParseTraceFormat(std::string_view name) {
+  for (const FormatName& entry : kFormatNames) {
+    if (entry.name == name) return entry.format;
+  }
+  return InvalidArgument("unknown trace format '" + std::string(name) +
+                         "'; known formats: " + KnownFormatList());
+}
+
+std::string_view TraceFormatName(TraceFormat format) {
+  for (const FormatName& entry : kFormatNames) {
+    if (entry.format == format) return entry.name;
+  }
+  return "unknown";
+}
+
+Result<Trace> ReadTrace(const std::string& path, TraceFormat format) {
+  if (format == TraceFormat::kAuto) {
+    KEEL_ASSIGN_OR_RETURN(format, DetectTraceFormat(path));
+  }
+  switch (format) {
+    case TraceFormat::kKeel:
+      return ReadKeelTrace(path);
+    case TraceFormat::kSmartMoe:
+      return ImportSmartMoeTrace(path);
+    case TraceFormat::kEsft:
+      return ImportEsftTrace(path);
+    case TraceFormat::kOlmoe:
+      return ImportOlmoeTrace(path);
+    case TraceFormat::kMegatron:
+      return ImportMegatronTrace(path);
+    case TraceFormat::kAuto:
+      break;
+  }
+  return Internal("ReadTrace: unhandled format");
+}
+
+Result<Trace> ReadKeelTrace(const std::string& path) {
+  KEEL_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(path));
+  Trace trace;
+  std::string_view rest = text;
+  int line_number = 0;
+  bool have_header = false;
+  while (!rest.empty()) {
+    size_t end = rest.find('\n');
+    std::string_view line = rest.substr(0, end);
+    rest = end == std::string_view::npos ? std::string_view() : rest.substr(end + 1);
+    ++line_number;
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (line.find_first_not_of(" \t") == std::string_view::npos) continue;  // blank line
+    const std::string where = path + ":" + std::to_string(line_number);
+    if (!have_header) {
+      nlohmann::json header;
+      try {
+        header = nlohmann::json::parse(line.begin(), line.end());
+      } catch (const nlohmann::json::exception& error) {
+        return InvalidArgument(where + ": header is not JSON: " + error.what());
+      }
+      if (!header.is_object() || !header.contains("keel_trace")) {
+        return InvalidArgument(where + ": first line must be a Keel header object with " +
+                               "\"keel_trace\": " + std::to_string(kKeelTraceVersion));
+      }
+      KEEL_ASSIGN_OR_RETURN(int64_t version, HeaderInt(header, "keel_trace", where, 1));
+      if (version != kKeelTraceVersion) {
+        return InvalidArgument(where + ": keel_trace version " + std::to_string(version) +
+                               " is not supported (this build reads version " +
+                               std::to_string(kKeelTraceVersion) + ")");
+      }
+      KEEL_ASSIGN_OR_RETURN(int64_t layers, HeaderInt(header, "num_layers", where, 1));
+      KEEL_ASSIGN_OR_RETURN(int64_t experts, HeaderInt(header, "num_experts", where, 1));
+      KEEL_ASSIGN_OR_RETURN(int64_t sources, HeaderInt(header, "num_sources", where, 0));
+      const int64_t row_size = sources > 0 ? sources * experts : experts;
+      if (layers * row_size > (int64_t{1} << 31)) {
+        return InvalidArgument(where + ": num_layers * num_sources * num_experts " +
+                               std::to_string(layers * row_size) + " is too large");
+      }
+      trace.num_layers = static_cast<int>(layers);
+      trace.num_experts = static_cast<int>(experts);
+      trace.num_sources = static_cast<int>(sources);
+      auto description = header.find("description");
+      if (description != header.end()) {
+        if (!description->is_string()) {
+          return InvalidArgument(where + ": header \"description\" must be a string");
+        }
+        trace.description = description->get<std::string>();
+      }
+      have_header = true;
+      continue;
+    }
+    KEEL_RETURN_IF_ERROR(ParseStepLine(line, where, trace));
+  }
+  if (!have_header) return InvalidArgument(path + ": empty file, expected a Keel header line");
+  return trace;
+}
+
+Status WriteKeelTrace(const Trace& trace, const std::string& path) {
+  KEEL_RETURN_IF_ERROR(trace.Validate().WithContext(path));
+  // Written next to the destination and renamed over it, so a failure never leaves a half file.
+  const std::string temporary = path + ".tmp";
+  std::FILE* file = std::fopen(temporary.c_str(), "wb");
+  if (file == nullptr) {
+    return IoError(temporary + ": cannot create: " + std::generic_category().message(errno));
+  }
+  std::string out = "{\"keel_trace\": " + std::to_string(kKeelTraceVersion) + ", \"description\": ";
+  try {
+    out += nlohmann::json(trace.description)
+               .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  } catch (const nlohmann::json::exception& error) {
+    std::fclose(file);
+    std::remove(temporary.c_str());
+    return InvalidArgument(path + ": cannot encode description: " + error.what());
+  }
+  out += ", \"num_layers\": " + std::to_string(trace.num_layers) +
+         ", \"num_experts\": " + std::to_string(trace.num_experts) +
+         ", \"num_sources\": " + std::to_string(trace.num_sources) + "}";
+  out += '\n';
+  bool ok = true;
+  const int row_size = trace.row_size();
+  for (int step = 0; step < trace.num_steps() && ok; ++step) {
+    out += "{\"step\": ";
+    char id[24];
+    out.append(id, std::to_chars(id, id + sizeof(id), trace.step_ids[step]).ptr);
+    out += ", \"layers\": [";
+    for (int layer = 0; layer < trace.num_layers; ++layer) {
+      out += layer == 0 ? "[" : ", [";
+      std::span<const double> row = trace.layer_row(step, layer);
+      for (int i = 0; i < row_size; ++i) {
+        if (i > 0) out += ", ";
+        AppendCount(out, row[i]);
+      }
+      out += ']';
+    }
+    out += "]}\n";
+    if (out.size() > (1 << 20)) {
+      ok = std::fwrite(out.data(), 1, out.size(), file) == out.size();
+      out.clear();
+    }
+  }
+  if (ok && !out.empty()) ok = std::fwrite(out.data(), 1, out.size(), file) == out.size();
+  ok = std::fclose(file) == 0 && ok;
+  if (!ok) {
+    std::remove(temporary.c_str());
+    return IoError(temporary + ": write failed (disk full?)");
+  }
+  std::error_code error;
+  std::filesystem::rename(temporary, path, error);
+  if (error) {
+    std::remove(temporary.c_str());
+    return IoError(path + ": cannot rename " + temporary + " into place: " + error.message());
+  }
+  return Status::Ok();
+}
+
 }  // namespace keel

@@ -70,35 +70,61 @@ LayerCost CostModel::Estimate(const Placement& placement, const StepRouting& rou
   LinkLoad a2a(topology_);
   for (int src = 0; src < g_count; ++src) {
     for (int dst = 0; dst < g_count; ++dst) {
-      a2a.Add(src, dst, routing.sent_tokens[static_cast<size_t>(src) * g_count + dst] *
-                            token_row_bytes());
+      a2a.Add(src, dst,
+              routing.sent_tokens[static_cast<size_t>(src) * g_count + dst] * token_row_bytes());
     }
   }
   cost.all_to_all_seconds = a2a.SlowestRankSeconds() * config_.all_to_all_passes;
 
-  // Every replica off the home reduces its gradient into the home and gets the new weights back.
-  LinkLoad sync(topology_);
-  for (int slot = 0; slot < placement.num_slots(); ++slot) {
-    const int e = placement.expert_at(slot);
-    if (e == kEmptySlot) continue;
-    const int rank = placement.rank_of_slot(slot);
-    const int home = placement.home(e);
-    sync.Add(rank, home, expert_weight_bytes() * config_.replica_sync_passes / 2.0);
-    sync.Add(home, rank, expert_weight_bytes() * config_.replica_sync_passes / 2.0);
-  }
-  cost.replica_sync_seconds = sync.SlowestRankSeconds();
+  cost.replica_sync_seconds = ReplicaSyncSeconds(placement);
 
-  // A transient replica is filled with weights before use and returns its gradient after.
+  // Transient replicas of one expert are filled by a pipelined chain from the source through
+  // the receivers in the order they were added, and return their gradients along the reverse chain.
   LinkLoad fill(topology_);
+  std::vector<int> chain_end;  // [num_experts] last rank of each expert's chain, -1 = none yet
+  if (!routing.transients.empty()) chain_end.assign(placement.num_experts(), -1);
   for (const TransientReplica& t : routing.transients) {
-    fill.Add(t.source_rank, t.rank, expert_weight_bytes());
-    fill.Add(t.rank, placement.home(t.expert), expert_weight_bytes());
+    const int previous = chain_end[t.expert] >= 0 ? chain_end[t.expert] : t.source_rank;
+    fill.Add(previous, t.rank, expert_weight_bytes());
+    fill.Add(t.rank, previous, expert_weight_bytes());
+    chain_end[t.expert] = t.rank;
   }
   cost.transient_seconds = fill.SlowestRankSeconds();
 
   const double overlap_window = cost.compute_seconds + cost.all_to_all_seconds;
   cost.exposed_migration_seconds = std::max(0.0, migration_seconds - overlap_window);
   return cost;
+}
+
+double CostModel::ReplicaSyncSeconds(const Placement& placement) const {
+  // The copies of an expert form a ring over their distinct ranks (ascending, so node-local
+  // neighbours): gradients reduce into the home and new weights return along it, each edge
+  // carrying (m-1)/m of the weights per pass, as a ring reduce / broadcast does.
+  LinkLoad sync(topology_);
+  for (int e = 0; e < placement.num_experts(); ++e) {
+    const auto slots = placement.copies(e);
+    if (slots.size() < 2) continue;
+    // Copies are in slot order, so equal ranks are adjacent.
+    int m = 0, first = -1, previous = -1;
+    for (int slot : slots) {
+      const int rank = placement.rank_of_slot(slot);
+      if (rank == previous) continue;
+      if (first < 0) first = rank;
+      previous = rank;
+      ++m;
+    }
+    if (m < 2) continue;
+    const double edge_bytes = expert_weight_bytes() * config_.replica_sync_passes * (m - 1) / m;
+    previous = -1;
+    for (int slot : slots) {
+      const int rank = placement.rank_of_slot(slot);
+      if (rank == previous) continue;
+      if (previous >= 0) sync.Add(previous, rank, edge_bytes);
+      previous = rank;
+    }
+    sync.Add(previous, first, edge_bytes);  // close the ring
+  }
+  return sync.SlowestRankSeconds();
 }
 
 MigrationCost CostModel::Migration(const Placement& from, const Placement& to) const {

@@ -15,8 +15,10 @@ namespace keel {
 struct LayerCost {
   double compute_seconds = 0;         // slowest rank's expert compute, forward + backward
   double all_to_all_seconds = 0;      // slowest rank's dispatch/combine traffic, all passes
-  double replica_sync_seconds = 0;    // slowest rank's replica gradient reduce + weight push
-  double transient_seconds = 0;       // slowest rank's transient-replica weight fills + grads
+  double replica_sync_seconds = 0;    // slowest rank's replica gradient reduce + weight push,
+                                      // a ring over each expert's copies
+  double transient_seconds = 0;       // slowest rank's transient-replica weight fills + grads,
+                                      // a chain per expert from its source
   double exposed_migration_seconds = 0;
 
   double total_seconds() const {
@@ -54,6 +56,9 @@ class CostModel {
                      double migration_seconds = 0) const;
 
   MigrationCost Migration(const Placement& from, const Placement& to) const;
+
+  // The replica_sync_seconds term of Estimate alone: it depends only on the placement.
+  double ReplicaSyncSeconds(const Placement& placement) const;
 
  private:
   Topology topology_;

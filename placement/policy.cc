@@ -5,6 +5,35 @@
 
 namespace keel {
 
+Result<PolicyContext> PolicyContext::FromConfig(const KeelConfig& config, int num_layers,
+                                                int num_experts) {
+  KEEL_ASSIGN_OR_RETURN(Topology topology, Topology::Create(config.topology));
+  if (num_layers < 1) {
+    return InvalidArgument("num_layers must be >= 1, got " + std::to_string(num_layers));
+  }
+  if (num_experts < 1) {
+    return InvalidArgument("num_experts must be >= 1, got " + std::to_string(num_experts));
+  }
+  if (config.slots.persistent_per_rank < 1) {
+    return InvalidArgument("slots.persistent_per_rank must be >= 1, got " +
+                           std::to_string(config.slots.persistent_per_rank));
+  }
+  if (static_cast<long long>(config.slots.persistent_per_rank) * topology.num_ranks() <
+      num_experts) {
+    return InvalidArgument(
+        "slots.persistent_per_rank " + std::to_string(config.slots.persistent_per_rank) +
+        " x " + std::to_string(topology.num_ranks()) + " ranks cannot hold " +
+        std::to_string(num_experts) + " experts");
+  }
+  return PolicyContext{topology,
+                       CostModel(topology, config.cost_model),
+                       num_layers,
+                       num_experts,
+                       config.slots.persistent_per_rank,
+                       config.slots.transient_per_rank,
+                       config.policy};
+}
+
 Result<Placement> Policy::Initial(int /*layer*/) {
   return Placement::Contiguous(context_.num_experts, context_.topology.num_ranks(),
                                context_.slots_per_rank);

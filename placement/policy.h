@@ -21,13 +21,17 @@ namespace keel {
 
 // Fixed facts a policy plans within.
 struct PolicyContext {
+  // Topology, cost model, slots and policy parameters from a validated config.
+  static Result<PolicyContext> FromConfig(const KeelConfig& config, int num_layers,
+                                          int num_experts);
+
   Topology topology;
   CostModel cost;
   int num_layers = 1;
   int num_experts = 0;
   int slots_per_rank = 0;      // persistent slots
   int transient_per_rank = 0;  // transient slots
-  PolicyConfig config;
+  PolicyConfig config = {};
 };
 
 // What a replan of one layer sees.

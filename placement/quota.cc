@@ -1,10 +1,740 @@
-// PLACEHOLDER: replaced by the exact quota planner.
+// Keel's per-step quota planner: the exact integer split of each expert's tokens among its copies
+// (a parametric bipartite max-flow), the locality-first assignment of source ranks to those
+// copies, and greedy transient replicas kept only while the cost model says the layer gets faster.
+#include <algorithm>
+#include <cassert>
+#include <cmath>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "placement/cost_model.h"
 #include "placement/routing.h"
+
 namespace keel {
-Result<StepRouting> PlanStepQuotas(const Placement& p, const StepLoad& l, const Topology&,
-                                   const CostModel&, const QuotaPlanOptions&) {
-  return RouteEvenly(p, l);
+namespace {
+
+// Token counts beyond this are input errors (and would overflow the integer quotas).
+constexpr double kMaxTokens = 1e15;
+
+long long CeilDiv(long long a, long long b) { return (a + b - 1) / b; }
+
+// Minimizes the max rank load over integer splits of every expert's tokens among its copies.
+//
+// A bound T is feasible iff a max-flow routes every token: source -> expert e (capacity tokens_e)
+// -> each rank holding a copy of e (unbounded) -> sink (capacity T - fixed_r), where fixed_r is
+// the load of experts whose copies all sit on rank r. T starts at the lower bound
+// max(ceil(total / G), max fixed_r). When the flow cannot route every token, the ranks S and
+// experts X reachable from unrouted tokens in the residual graph form a min cut: every copy of X
+// lies in S and S is full, so any split needs T >= ceil((tokens(X) + fixed(S)) / |S|). T jumps
+// there and the flow resumes where it stood (raising every sink capacity keeps it valid). Each
+// jump is a lower bound, so the first feasible T is optimal; a handful of jumps is typical.
+//
+// Among optimal splits the solver returns the one found by pouring experts, heaviest first (ties:
+// lower id), onto their least-loaded copy ranks up to T (water-filling, ties: lower rank), then
+// repairing it with augmenting paths from breadth-first search in ascending expert, copy and rank
+// order. Copies of one expert on one rank share that rank's tokens evenly, lower slots (then
+// extra copies in their given order) taking the remainder. Buffers persist between calls, so
+// re-solving with one more copy allocates nothing.
+class QuotaSolver {
+ public:
+  void Solve(const Placement& placement, std::span<const long long> tokens,
+             std::span<const TransientReplica> extras, QuotaSplit& split);
+
+  // Copies of `expert` after Solve: id < num_slots is a persistent slot, otherwise the extra copy
+  // id - num_slots. Persistent slots first (ascending), then extras in their given order.
+  int copy_begin(int expert) const { return copy_begin_[expert]; }
+  int copy_end(int expert) const { return copy_begin_[expert + 1]; }
+  int copy_id(int copy) const { return copy_id_[copy]; }
+  int copy_rank(int copy) const { return copy_rank_[copy]; }
+  // Number of distinct ranks that hold `expert`.
+  int rank_count(int expert) const { return arc_begin_[expert + 1] - arc_begin_[expert]; }
+
+  // [num_ranks] load of each rank under the split.
+  std::span<const long long> rank_load() const { return rank_load_; }
+  // Experts that pin the max rank load: every split needs max load >= max_rank_tokens unless one
+  // of them gets a copy outside the ranks they fill. Ascending ids.
+  const std::vector<int>& bottleneck_experts() const { return bottleneck_experts_; }
+
+ private:
+  void BuildCopies(const Placement& placement, std::span<const TransientReplica> extras);
+  void Pour(long long bound);
+  // Routes remaining excess with augmenting paths; false when some is stuck (the last search's
+  // marks then describe the min cut).
+  bool RouteExcess();
+  void Search();
+  long long Augment(int rank);
+  void RecordBottleneck();
+
+  int num_experts_ = 0;
+  int num_ranks_ = 0;
+  std::span<const long long> tokens_;
+
+  std::vector<int> copy_begin_;  // [num_experts + 1]
+  std::vector<int> copy_id_;     // [copies]
+  std::vector<int> copy_rank_;   // [copies]
+  std::vector<int> copy_arc_;    // [copies] arc of the copy's rank
+
+  // Arcs: one per (expert, distinct rank holding it).
+  std::vector<int> arc_begin_;  // [num_experts + 1]
+  std::vector<int> arc_rank_;
+  std::vector<int> arc_expert_;
+  std::vector<int> arc_copies_;  // copies of the expert on the arc's rank
+  std::vector<long long> arc_flow_;
+  std::vector<int> arc_given_;  // scratch for splitting an arc among its copies
+
+  std::vector<int> flexible_;        // experts with tokens on >= 2 ranks, ascending
+  std::vector<int> pour_order_;      // flexible_ by tokens descending
+  std::vector<int> rank_arc_begin_;  // [num_ranks + 1] flexible arcs into each rank
+  std::vector<int> rank_arcs_;
+  std::vector<int> rank_fill_;
+  std::vector<long long> fixed_;      // [num_ranks]
+  std::vector<long long> spare_;      // [num_ranks] bound - fixed - inflow
+  std::vector<long long> excess_;     // [num_experts] tokens not yet routed
+  std::vector<long long> rank_load_;  // [num_ranks]
+
+  // Breadth-first search state; marks compare against a stamp so nothing is cleared per search.
+  int stamp_ = 0;
+  std::vector<int> expert_seen_, rank_seen_;
+  std::vector<int> expert_parent_;  // arc through which an expert was reached, -1 for a root
+  std::vector<int> rank_parent_;    // arc through which a rank was reached
+  std::vector<int> queue_;          // experts as e, ranks as num_experts + r
+  std::vector<int> reached_ranks_;
+
+  std::vector<int> cut_experts_;  // experts of the last min cut, ascending
+  std::vector<char> in_cut_;      // [num_ranks] ranks of the last min cut
+  std::vector<int> bottleneck_experts_;
+  std::vector<std::pair<long long, int>> pour_ranks_;
+};
+
+void QuotaSolver::BuildCopies(const Placement& placement,
+                              std::span<const TransientReplica> extras) {
+  const int num_slots = placement.num_slots();
+  copy_begin_.assign(num_experts_ + 1, 0);
+  for (int e = 0; e < num_experts_; ++e) {
+    copy_begin_[e + 1] = static_cast<int>(placement.copies(e).size());
+  }
+  for (const TransientReplica& x : extras) ++copy_begin_[x.expert + 1];
+  for (int e = 0; e < num_experts_; ++e) copy_begin_[e + 1] += copy_begin_[e];
+  const int num_copies = copy_begin_[num_experts_];
+  copy_id_.resize(num_copies);
+  copy_rank_.resize(num_copies);
+  copy_arc_.resize(num_copies);
+  rank_fill_.resize(std::max(num_experts_, num_ranks_));
+  for (int e = 0; e < num_experts_; ++e) {
+    int pos = copy_begin_[e];
+    for (int slot : placement.copies(e)) {
+      copy_id_[pos] = slot;
+      copy_rank_[pos++] = placement.rank_of_slot(slot);
+    }
+    rank_fill_[e] = pos;
+  }
+  for (size_t i = 0; i < extras.size(); ++i) {
+    const int pos = rank_fill_[extras[i].expert]++;
+    copy_id_[pos] = num_slots + static_cast<int>(i);
+    copy_rank_[pos] = extras[i].rank;
+  }
+
+  arc_begin_.assign(num_experts_ + 1, 0);
+  arc_rank_.clear();
+  arc_expert_.clear();
+  arc_copies_.clear();
+  for (int e = 0; e < num_experts_; ++e) {
+    for (int c = copy_begin_[e]; c < copy_begin_[e + 1]; ++c) {
+      int arc = arc_begin_[e];
+      const int end = static_cast<int>(arc_rank_.size());
+      while (arc < end && arc_rank_[arc] != copy_rank_[c]) ++arc;
+      if (arc == end) {
+        arc_rank_.push_back(copy_rank_[c]);
+        arc_expert_.push_back(e);
+        arc_copies_.push_back(0);
+      }
+      copy_arc_[c] = arc;
+      ++arc_copies_[arc];
+    }
+    arc_begin_[e + 1] = static_cast<int>(arc_rank_.size());
+  }
+  arc_flow_.assign(arc_rank_.size(), 0);
 }
-QuotaSplit SplitQuotas(const Placement&, const std::vector<long long>&,
-                       const std::vector<TransientReplica>&) { return {}; }
+
+// Water-fills each flexible expert, heaviest first, onto its least-loaded ranks up to `bound`.
+void QuotaSolver::Pour(long long bound) {
+  for (int e : pour_order_) {
+    pour_ranks_.clear();
+    for (int a = arc_begin_[e]; a < arc_begin_[e + 1]; ++a) {
+      const long long load = bound - spare_[arc_rank_[a]];
+      if (load < bound) pour_ranks_.push_back({load, a});
+    }
+    if (pour_ranks_.empty()) continue;
+    std::sort(pour_ranks_.begin(), pour_ranks_.end(), [&](const auto& x, const auto& y) {
+      return x.first != y.first ? x.first < y.first : arc_rank_[x.second] < arc_rank_[y.second];
+    });
+    const int n = static_cast<int>(pour_ranks_.size());
+    long long amount = excess_[e];
+    long long level = pour_ranks_[0].first;
+    long long remainder = 0;
+    int filled = 1;  // ranks raised to `level`
+    while (amount > 0) {
+      const long long next = filled < n ? pour_ranks_[filled].first : bound;
+      const long long room = (next - level) * filled;
+      if (room <= amount) {
+        amount -= room;
+        level = next;
+        if (filled == n) break;  // every rank at the bound
+        ++filled;
+      } else {
+        level += amount / filled;
+        remainder = amount % filled;
+        amount = 0;
+      }
+    }
+    for (int i = 0; i < filled; ++i) {
+      const long long give = level + (i < remainder ? 1 : 0) - pour_ranks_[i].first;
+      if (give <= 0) continue;
+      const int a = pour_ranks_[i].second;
+      arc_flow_[a] += give;
+      spare_[arc_rank_[a]] -= give;
+      excess_[e] -= give;
+    }
+  }
+}
+
+void QuotaSolver::Search() {
+  ++stamp_;
+  queue_.clear();
+  reached_ranks_.clear();
+  for (int e : flexible_) {
+    if (excess_[e] == 0) continue;
+    expert_seen_[e] = stamp_;
+    expert_parent_[e] = -1;
+    queue_.push_back(e);
+  }
+  for (size_t head = 0; head < queue_.size(); ++head) {
+    const int node = queue_[head];
+    if (node < num_experts_) {
+      for (int a = arc_begin_[node]; a < arc_begin_[node + 1]; ++a) {
+        const int r = arc_rank_[a];
+        if (rank_seen_[r] == stamp_) continue;
+        rank_seen_[r] = stamp_;
+        rank_parent_[r] = a;
+        reached_ranks_.push_back(r);
+        if (spare_[r] == 0) queue_.push_back(num_experts_ + r);  // a rank with room ends a path
+      }
+    } else {
+      const int r = node - num_experts_;
+      for (int i = rank_arc_begin_[r]; i < rank_arc_begin_[r + 1]; ++i) {
+        const int a = rank_arcs_[i];
+        const int e = arc_expert_[a];
+        if (arc_flow_[a] == 0 || expert_seen_[e] == stamp_) continue;
+        expert_seen_[e] = stamp_;
+        expert_parent_[e] = a;
+        queue_.push_back(e);
+      }
+    }
+  }
+}
+
+// Pushes as much as the search tree's path to `rank` allows; returns the amount.
+long long QuotaSolver::Augment(int rank) {
+  long long amount = spare_[rank];
+  for (int r = rank;;) {
+    const int e = arc_expert_[rank_parent_[r]];
+    const int back = expert_parent_[e];
+    if (back < 0) {
+      amount = std::min(amount, excess_[e]);
+      break;
+    }
+    amount = std::min(amount, arc_flow_[back]);
+    r = arc_rank_[back];
+  }
+  if (amount <= 0) return 0;
+  spare_[rank] -= amount;
+  for (int r = rank;;) {
+    const int a = rank_parent_[r];
+    arc_flow_[a] += amount;
+    const int e = arc_expert_[a];
+    const int back = expert_parent_[e];
+    if (back < 0) {
+      excess_[e] -= amount;
+      break;
+    }
+    arc_flow_[back] -= amount;
+    r = arc_rank_[back];
+  }
+  return amount;
+}
+
+bool QuotaSolver::RouteExcess() {
+  for (;;) {
+    bool stuck = false;
+    for (int e : flexible_) stuck |= excess_[e] > 0;
+    if (!stuck) return true;
+    Search();
+    bool pushed = false;
+    for (int r : reached_ranks_) {
+      if (spare_[r] > 0 && Augment(r) > 0) pushed = true;
+    }
+    if (!pushed) return false;
+  }
+}
+
+// Experts that pin the bound: those of the last min cut (`cut_experts_`), plus the experts whose
+// copies all sit on one of the cut's ranks (`in_cut_`).
+void QuotaSolver::RecordBottleneck() {
+  bottleneck_experts_.clear();
+  auto cut = cut_experts_.begin();
+  for (int e = 0; e < num_experts_; ++e) {
+    const bool in_cut = cut != cut_experts_.end() && *cut == e;
+    if (in_cut) ++cut;
+    if (tokens_[e] == 0) continue;
+    if (in_cut || (rank_count(e) == 1 && in_cut_[arc_rank_[arc_begin_[e]]])) {
+      bottleneck_experts_.push_back(e);
+    }
+  }
+}
+
+void QuotaSolver::Solve(const Placement& placement, std::span<const long long> tokens,
+                        std::span<const TransientReplica> extras, QuotaSplit& split) {
+  num_experts_ = placement.num_experts();
+  num_ranks_ = placement.num_ranks();
+  tokens_ = tokens;
+  BuildCopies(placement, extras);
+
+  fixed_.assign(num_ranks_, 0);
+  excess_.assign(num_experts_, 0);
+  flexible_.clear();
+  long long total = 0;
+  for (int e = 0; e < num_experts_; ++e) {
+    total += tokens[e];
+    if (tokens[e] == 0) continue;
+    if (rank_count(e) == 1) {
+      fixed_[arc_rank_[arc_begin_[e]]] += tokens[e];
+    } else {
+      flexible_.push_back(e);
+      excess_[e] = tokens[e];
+    }
+  }
+  rank_arc_begin_.assign(num_ranks_ + 1, 0);
+  for (int e : flexible_) {
+    for (int a = arc_begin_[e]; a < arc_begin_[e + 1]; ++a) ++rank_arc_begin_[arc_rank_[a] + 1];
+  }
+  for (int r = 0; r < num_ranks_; ++r) rank_arc_begin_[r + 1] += rank_arc_begin_[r];
+  rank_arcs_.resize(rank_arc_begin_[num_ranks_]);
+  std::copy(rank_arc_begin_.begin(), rank_arc_begin_.end() - 1, rank_fill_.begin());
+  for (int e : flexible_) {
+    for (int a = arc_begin_[e]; a < arc_begin_[e + 1]; ++a)
+      rank_arcs_[rank_fill_[arc_rank_[a]]++] = a;
+  }
+  pour_order_.assign(flexible_.begin(), flexible_.end());
+  std::sort(pour_order_.begin(), pour_order_.end(),
+            [&](int a, int b) { return tokens[a] != tokens[b] ? tokens[a] > tokens[b] : a < b; });
+
+  const long long max_fixed = *std::max_element(fixed_.begin(), fixed_.end());
+  long long bound = std::max(CeilDiv(total, num_ranks_), max_fixed);
+  spare_.resize(num_ranks_);
+  for (int r = 0; r < num_ranks_; ++r) spare_[r] = bound - fixed_[r];
+  expert_seen_.assign(num_experts_, 0);
+  rank_seen_.assign(num_ranks_, 0);
+  expert_parent_.resize(num_experts_);
+  rank_parent_.resize(num_ranks_);
+  stamp_ = 0;
+  in_cut_.assign(num_ranks_, 0);
+  cut_experts_.clear();
+
+  Pour(bound);
+  bool cut_found = false;
+  while (!RouteExcess()) {
+    // The last search reached only full ranks: its marks are the min cut (X experts, S ranks).
+    long long need = 0;
+    long long cut_ranks = 0;
+    for (int r = 0; r < num_ranks_; ++r) {
+      in_cut_[r] = rank_seen_[r] == stamp_;
+      if (in_cut_[r]) {
+        need += fixed_[r];
+        ++cut_ranks;
+      }
+    }
+    cut_experts_.clear();
+    for (int e : flexible_) {
+      if (expert_seen_[e] != stamp_) continue;
+      need += tokens[e];
+      cut_experts_.push_back(e);
+    }
+    // Stuck tokens make need exceed the cut's capacity, so the bound always rises.
+    const long long raised = std::max(CeilDiv(need, cut_ranks), bound + 1);
+    for (int r = 0; r < num_ranks_; ++r) spare_[r] += raised - bound;
+    bound = raised;
+    cut_found = true;
+  }
+  if (!cut_found) {
+    // The bound is ceil(total / G), which no copy can lower, or the fixed load of some ranks.
+    for (int r = 0; r < num_ranks_; ++r) in_cut_[r] = bound > 0 && fixed_[r] == bound;
+  }
+  RecordBottleneck();
+
+  // Flows to per-copy quotas.
+  const int num_slots = placement.num_slots();
+  split.slot_quota.assign(num_slots, 0);
+  split.extra_quota.assign(extras.size(), 0);
+  rank_load_.assign(fixed_.begin(), fixed_.end());
+  arc_given_.assign(arc_rank_.size(), 0);
+  for (int e = 0; e < num_experts_; ++e) {
+    const bool single = rank_count(e) == 1;
+    for (int c = copy_begin_[e]; c < copy_begin_[e + 1]; ++c) {
+      const int a = copy_arc_[c];
+      const long long flow = single ? tokens[e] : arc_flow_[a];
+      const int on_rank = arc_copies_[a];  // almost always 1: skip the slow 64-bit division
+      const long long share =
+          on_rank == 1 ? flow : flow / on_rank + (arc_given_[a]++ < flow % on_rank ? 1 : 0);
+      const int id = copy_id_[c];
+      (id < num_slots ? split.slot_quota[id] : split.extra_quota[id - num_slots]) = share;
+    }
+    if (!single) {
+      for (int a = arc_begin_[e]; a < arc_begin_[e + 1]; ++a)
+        rank_load_[arc_rank_[a]] += arc_flow_[a];
+    }
+  }
+  split.max_rank_tokens = *std::max_element(rank_load_.begin(), rank_load_.end());
+}
+
+// Turns per-copy quotas into a routing: which source sends how many tokens to which copy.
+class SourceAssigner {
+ public:
+  SourceAssigner(const Placement& placement, const StepLoad& load, const Topology& topology)
+      : placement_(placement), load_(load), topology_(topology) {
+    const int num_ranks = placement.num_ranks();
+    source_rank_.resize(load.num_sources);
+    for (int s = 0; s < load.num_sources; ++s) source_rank_[s] = s % num_ranks;
+    totals_.assign(load.num_experts, 0.0);
+    for (int s = 0; s < load.num_sources; ++s) {
+      const double* row = load.traffic.data() + static_cast<size_t>(s) * load.num_experts;
+      for (int e = 0; e < load.num_experts; ++e) totals_[e] += row[e];
+    }
+    rounded_.resize(load.num_experts);
+    for (int e = 0; e < load.num_experts; ++e) rounded_[e] = std::llround(totals_[e]);
+    remaining_.resize(load.num_sources);
+  }
+
+  const std::vector<long long>& rounded_totals() const { return rounded_; }
+
+  // Fills `routing` for the copies in `solver` (solved with `extras`) and the quotas in `split`.
+  // Each call after the first may only add copies to those of the first.
+  void Assign(const QuotaSolver& solver, const std::vector<TransientReplica>& extras,
+              const QuotaSplit& split, StepRouting& routing);
+
+ private:
+  // Tokens of `expert` with copies on several ranks: local copies first, then copies on the same
+  // node, then the rest, each pass in copy order and ascending source order.
+  void AssignSpread(const QuotaSolver& solver, int expert, const QuotaSplit& split,
+                    StepRouting& routing);
+  void Give(int source, int copy_id, int rank, double tokens, StepRouting& routing);
+
+  const Placement& placement_;
+  const StepLoad& load_;
+  const Topology& topology_;
+  std::vector<int> source_rank_;
+  std::vector<double> totals_;
+  std::vector<long long> rounded_;
+  std::vector<double> remaining_;  // [num_sources] tokens of the current expert still unsent
+  std::vector<double> room_;       // [copies of the current expert] quota still open
+  std::vector<int> single_rank_;   // [num_experts] the one rank holding the expert, else -1
+  // From the first call: traffic to single-rank experts, and those experts grouped by rank.
+  std::vector<double> single_sent_;
+  std::vector<int> rank_single_begin_;
+  std::vector<int> rank_single_;
+};
+
+void SourceAssigner::Give(int source, int copy_id, int rank, double tokens, StepRouting& routing) {
+  remaining_[source] -= tokens;
+  const int num_slots = placement_.num_slots();
+  (copy_id < num_slots ? routing.slot_tokens[copy_id]
+                       : routing.transient_tokens[copy_id - num_slots]) += tokens;
+  routing.rank_tokens[rank] += tokens;
+  routing.sent_tokens[static_cast<size_t>(source_rank_[source]) * routing.num_ranks + rank] +=
+      tokens;
+}
+
+void SourceAssigner::AssignSpread(const QuotaSolver& solver, int expert, const QuotaSplit& split,
+                                  StepRouting& routing) {
+  const int num_slots = placement_.num_slots();
+  const int num_sources = load_.num_sources;
+  const int num_ranks = routing.num_ranks;
+  const int begin = solver.copy_begin(expert);
+  const int count = solver.copy_end(expert) - begin;
+  // Quotas count rounded tokens; scale them to the expert's exact total.
+  const double scale = rounded_[expert] > 0 ? totals_[expert] / rounded_[expert] : 0.0;
+  room_.resize(count);
+  for (int i = 0; i < count; ++i) {
+    const int id = solver.copy_id(begin + i);
+    const long long quota =
+        id < num_slots ? split.slot_quota[id] : split.extra_quota[id - num_slots];
+    room_[i] = static_cast<double>(quota) * scale;
+  }
+  if (rounded_[expert] == 0) room_[0] = totals_[expert];  // under half a token: first copy
+  for (int s = 0; s < num_sources; ++s) {
+    remaining_[s] = load_.traffic[static_cast<size_t>(s) * load_.num_experts + expert];
+  }
+  auto take = [&](int s, int i) {
+    const double tokens = std::min(remaining_[s], room_[i]);
+    if (tokens <= 0) return;
+    room_[i] -= tokens;
+    Give(s, solver.copy_id(begin + i), solver.copy_rank(begin + i), tokens, routing);
+  };
+  // Local: sources on the copy's own rank.
+  for (int i = 0; i < count; ++i) {
+    for (int s = solver.copy_rank(begin + i); s < num_sources; s += num_ranks) take(s, i);
+  }
+  // Same node.
+  const int per_node = topology_.gpus_per_node();
+  for (int i = 0; i < count; ++i) {
+    const int first = topology_.node_of(solver.copy_rank(begin + i)) * per_node;
+    for (int r = first; r < first + per_node; ++r) {
+      for (int s = r; s < num_sources; s += num_ranks) take(s, i);
+    }
+  }
+  // The rest, in source order; rounding dust goes to the copy last used.
+  int open = 0;
+  for (int s = 0; s < num_sources; ++s) {
+    while (remaining_[s] > 0 && open < count) {
+      take(s, open);
+      if (room_[open] <= 0) ++open;
+    }
+    if (remaining_[s] > 0) {
+      const int last = std::min(open, count - 1);
+      Give(s, solver.copy_id(begin + last), solver.copy_rank(begin + last), remaining_[s], routing);
+    }
+  }
+}
+
+void SourceAssigner::Assign(const QuotaSolver& solver, const std::vector<TransientReplica>& extras,
+                            const QuotaSplit& split, StepRouting& routing) {
+  const int num_ranks = placement_.num_ranks();
+  const int num_slots = placement_.num_slots();
+  const int num_experts = load_.num_experts;
+  routing.num_ranks = num_ranks;
+  routing.rank_tokens.assign(num_ranks, 0.0);
+  routing.sent_tokens.assign(static_cast<size_t>(num_ranks) * num_ranks, 0.0);
+  routing.slot_tokens.assign(num_slots, 0.0);
+  routing.transients = extras;
+  routing.transient_tokens.assign(extras.size(), 0.0);
+
+  // Experts on one rank: every source sends there. The first call walks the traffic row by row
+  // (for the cache) and keeps the result; later calls, which only add copies, redo just the
+  // columns of ranks that lost a single-rank expert, in the same order, so the sums are identical.
+  single_rank_.resize(num_experts);
+  for (int e = 0; e < num_experts; ++e) {
+    single_rank_[e] = solver.rank_count(e) == 1 ? solver.copy_rank(solver.copy_begin(e)) : -1;
+  }
+  if (single_sent_.empty()) {
+    for (int s = 0; s < load_.num_sources; ++s) {
+      const double* row = load_.traffic.data() + static_cast<size_t>(s) * num_experts;
+      double* sent = routing.sent_tokens.data() + static_cast<size_t>(source_rank_[s]) * num_ranks;
+      for (int e = 0; e < num_experts; ++e) {
+        if (single_rank_[e] >= 0) sent[single_rank_[e]] += row[e];
+      }
+    }
+    single_sent_ = routing.sent_tokens;
+    rank_single_begin_.assign(num_ranks + 1, 0);
+    for (int e = 0; e < num_experts; ++e) {
+      if (single_rank_[e] >= 0) ++rank_single_begin_[single_rank_[e] + 1];
+    }
+    for (int r = 0; r < num_ranks; ++r) rank_single_begin_[r + 1] += rank_single_begin_[r];
+    rank_single_.resize(rank_single_begin_[num_ranks]);
+    std::vector<int> fill(rank_single_begin_.begin(), rank_single_begin_.end() - 1);
+    for (int e = 0; e < num_experts; ++e) {
+      if (single_rank_[e] >= 0) rank_single_[fill[single_rank_[e]]++] = e;
+    }
+  } else {
+    std::copy(single_sent_.begin(), single_sent_.end(), routing.sent_tokens.begin());
+    for (int rank = 0; rank < num_ranks; ++rank) {
+      bool changed = false;
+      for (int i = rank_single_begin_[rank]; i < rank_single_begin_[rank + 1]; ++i) {
+        changed |= single_rank_[rank_single_[i]] != rank;
+      }
+      if (!changed) continue;
+      for (int src = 0; src < num_ranks; ++src) routing.sent_tokens[src * num_ranks + rank] = 0;
+      for (int s = 0; s < load_.num_sources; ++s) {
+        const double* row = load_.traffic.data() + static_cast<size_t>(s) * num_experts;
+        double& sent = routing.sent_tokens[static_cast<size_t>(source_rank_[s]) * num_ranks + rank];
+        for (int i = rank_single_begin_[rank]; i < rank_single_begin_[rank + 1]; ++i) {
+          const int e = rank_single_[i];
+          if (single_rank_[e] == rank) sent += row[e];
+        }
+      }
+    }
+  }
+  for (int e = 0; e < num_experts; ++e) {
+    if (totals_[e] == 0) continue;
+    if (solver.rank_count(e) > 1) {
+      AssignSpread(solver, e, split, routing);
+      continue;
+    }
+    const int begin = solver.copy_begin(e);
+    const int end = solver.copy_end(e);
+    const double scale = rounded_[e] > 0 ? totals_[e] / rounded_[e] : 0.0;
+    routing.rank_tokens[solver.copy_rank(begin)] += totals_[e];
+    for (int c = begin; c < end; ++c) {
+      const int id = solver.copy_id(c);
+      const double tokens =
+          rounded_[e] == 0
+              ? (c == begin ? totals_[e] : 0.0)
+              : static_cast<double>(id < num_slots ? split.slot_quota[id]
+                                                   : split.extra_quota[id - num_slots]) *
+                    scale;
+      (id < num_slots ? routing.slot_tokens[id] : routing.transient_tokens[id - num_slots]) +=
+          tokens;
+    }
+  }
+}
+
+Status ValidateInputs(const Placement& placement, const StepLoad& load, const Topology& topology,
+                      const CostModel& cost, const QuotaPlanOptions& options) {
+  if (load.num_experts != placement.num_experts()) {
+    return InvalidArgument("load.num_experts " + std::to_string(load.num_experts) +
+                           " does not match placement.num_experts " +
+                           std::to_string(placement.num_experts()));
+  }
+  if (load.num_sources < 1) {
+    return InvalidArgument("load.num_sources must be >= 1, got " +
+                           std::to_string(load.num_sources));
+  }
+  if (load.traffic.size() != static_cast<size_t>(load.num_sources) * load.num_experts) {
+    return InvalidArgument("load.traffic has " + std::to_string(load.traffic.size()) +
+                           " entries, expected " + std::to_string(load.num_sources) + " x " +
+                           std::to_string(load.num_experts));
+  }
+  // One branch-free pass; the slow scan below only runs to name the bad entry.
+  bool bad = false;
+  for (double tokens : load.traffic) bad |= !(tokens >= 0 && tokens <= kMaxTokens);
+  for (size_t i = 0; bad && i < load.traffic.size(); ++i) {
+    if (!std::isfinite(load.traffic[i]) || load.traffic[i] < 0) {
+      return InvalidArgument("load.traffic[" + std::to_string(i) +
+                             "] = " + std::to_string(load.traffic[i]) +
+                             " is not a non-negative token count");
+    }
+    if (load.traffic[i] > kMaxTokens) {
+      return InvalidArgument("load.traffic[" + std::to_string(i) +
+                             "] = " + std::to_string(load.traffic[i]) + " exceeds 1e15 tokens");
+    }
+  }
+  if (topology.num_ranks() != placement.num_ranks()) {
+    return InvalidArgument("topology has " + std::to_string(topology.num_ranks()) +
+                           " ranks, placement.num_ranks is " +
+                           std::to_string(placement.num_ranks()));
+  }
+  if (cost.topology().num_ranks() != placement.num_ranks()) {
+    return InvalidArgument(
+        "cost model topology has " + std::to_string(cost.topology().num_ranks()) +
+        " ranks, placement.num_ranks is " + std::to_string(placement.num_ranks()));
+  }
+  if (options.transient_per_rank < 0) {
+    return InvalidArgument("transient_per_rank must be >= 0, got " +
+                           std::to_string(options.transient_per_rank));
+  }
+  return Status::Ok();
+}
+
+// The next transient replica to try: the hottest expert per copy among those that pin the max
+// rank load, on the least-loaded rank that has a free transient slot and no copy of it, fed from
+// a holder on that rank's node, else from the home. False when there is none.
+bool NextTransient(const Placement& placement, const Topology& topology, const QuotaSolver& solver,
+                   std::span<const long long> tokens,
+                   const std::vector<TransientReplica>& transients,
+                   const std::vector<int>& transients_on_rank, int transient_per_rank,
+                   TransientReplica& next) {
+  const auto rank_load = solver.rank_load();
+  auto holds = [&](int rank, int expert) {
+    if (placement.holds(rank, expert)) return true;
+    for (const TransientReplica& t : transients) {
+      if (t.expert == expert && t.rank == rank) return true;
+    }
+    return false;
+  };
+  bool found = false;
+  long long best_tokens = 0;
+  long long best_copies = 1;
+  for (int e : solver.bottleneck_experts()) {
+    const long long copies = solver.copy_end(e) - solver.copy_begin(e);
+    // tokens[e] / copies > best_tokens / best_copies, in integers.
+    if (found && tokens[e] * best_copies <= best_tokens * copies) continue;
+    int target = -1;
+    for (int g = 0; g < placement.num_ranks(); ++g) {
+      if (transients_on_rank[g] >= transient_per_rank || holds(g, e)) continue;
+      if (target < 0 || rank_load[g] < rank_load[target]) target = g;
+    }
+    if (target < 0) continue;
+    int source = placement.home(e);
+    for (int slot : placement.copies(e)) {
+      const int holder = placement.rank_of_slot(slot);
+      if (topology.same_node(holder, target)) {
+        source = holder;
+        break;
+      }
+    }
+    next = {e, target, source};
+    best_tokens = tokens[e];
+    best_copies = copies;
+    found = true;
+  }
+  return found;
+}
+
+}  // namespace
+
+QuotaSplit SplitQuotas(const Placement& placement, const std::vector<long long>& expert_tokens,
+                       const std::vector<TransientReplica>& extra_copies) {
+  // Callers own these preconditions: one non-negative count per expert, extras in range.
+  assert(expert_tokens.size() == static_cast<size_t>(placement.num_experts()));
+  assert(
+      std::all_of(expert_tokens.begin(), expert_tokens.end(), [](long long t) { return t >= 0; }));
+  assert(std::all_of(extra_copies.begin(), extra_copies.end(), [&](const TransientReplica& x) {
+    return x.expert >= 0 && x.expert < placement.num_experts() && x.rank >= 0 &&
+           x.rank < placement.num_ranks();
+  }));
+  QuotaSolver solver;
+  QuotaSplit split;
+  solver.Solve(placement, expert_tokens, extra_copies, split);
+  return split;
+}
+
+Result<StepRouting> PlanStepQuotas(const Placement& placement, const StepLoad& load,
+                                   const Topology& topology, const CostModel& cost,
+                                   const QuotaPlanOptions& options) {
+  KEEL_RETURN_IF_ERROR(ValidateInputs(placement, load, topology, cost, options));
+  SourceAssigner assigner(placement, load, topology);
+  const std::vector<long long>& tokens = assigner.rounded_totals();
+  QuotaSolver solver;
+  QuotaSplit split;
+  std::vector<TransientReplica> transients;
+  solver.Solve(placement, tokens, transients, split);
+  StepRouting best;
+  assigner.Assign(solver, transients, split, best);
+  if (options.transient_per_rank == 0) return best;
+
+  // Greedy transients: each must lower the max rank load and the cost model's predicted layer
+  // time; the first candidate that does not ends the search. The baseline is priced only once a
+  // candidate gets that far.
+  std::vector<int> transients_on_rank(placement.num_ranks(), 0);
+  double best_seconds = -1;
+  QuotaSplit trial_split;
+  StepRouting trial;
+  TransientReplica next;
+  while (NextTransient(placement, topology, solver, tokens, transients, transients_on_rank,
+                       options.transient_per_rank, next)) {
+    transients.push_back(next);
+    solver.Solve(placement, tokens, transients, trial_split);
+    if (trial_split.max_rank_tokens >= split.max_rank_tokens) break;
+    assigner.Assign(solver, transients, trial_split, trial);
+    if (best_seconds < 0) best_seconds = cost.Estimate(placement, best).total_seconds();
+    const double trial_seconds = cost.Estimate(placement, trial).total_seconds();
+    if (!(trial_seconds < best_seconds)) break;
+    ++transients_on_rank[next.rank];
+    best_seconds = trial_seconds;
+    std::swap(best, trial);
+    std::swap(split, trial_split);
+  }
+  return best;
+}
+
 }  // namespace keel

@@ -73,12 +73,20 @@ StepRouting RouteWithShadows(const Placement& placement, const StepLoad& load,
       }
     }
   }
-  // A shadow on a rank without a persistent copy is a transient replica fed from the home.
+  // A shadow on a rank without a persistent copy is a transient replica fed from the home;
+  // a shadow on a rank with a persistent copy runs in that slot.
   for (int e : shadowed) {
     for (int g = 0; g < routing.num_ranks; ++g) {
-      if (placement.holds(g, e)) continue;
+      const double tokens = shadow_tokens[static_cast<size_t>(e) * routing.num_ranks + g];
+      const auto slots = placement.copies(e);
+      const auto local = std::find_if(slots.begin(), slots.end(),
+                                      [&](int s) { return placement.rank_of_slot(s) == g; });
+      if (local != slots.end()) {
+        routing.slot_tokens[*local] += tokens;
+        continue;
+      }
       routing.transients.push_back({e, g, placement.home(e)});
-      routing.transient_tokens.push_back(shadow_tokens[static_cast<size_t>(e) * routing.num_ranks + g]);
+      routing.transient_tokens.push_back(tokens);
     }
   }
   return routing;

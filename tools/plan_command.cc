@@ -1,6 +1,317 @@
-// PLACEHOLDER: replaced by the real `keel plan`.
+// `keel plan`: one placement from a per-expert load, with DeepSeek EPLB's inputs and outputs
+// (weight, num_replicas, num_groups, num_nodes, num_gpus in; phy2log, log2phy, logcnt out), so
+// any Keel policy can stand in wherever EPLB's function is called.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <span>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/config.h"
+#include "placement/eplb.h"
+#include "placement/load.h"
+#include "placement/policy.h"
 #include "tools/commands.h"
+#include "tools/flags.h"
+#include "tools/replay.h"
+
 namespace keel::tools {
-int RunPlan(int, char**) { std::fputs("keel plan: not built yet\n", stderr); return 1; }
+namespace {
+
+using Json = nlohmann::json;
+
+struct PlanInput {
+  int num_layers = 0;
+  int num_experts = 0;
+  std::vector<double> weight;  // [num_layers * num_experts]
+  int num_replicas = 0;
+  int num_groups = 0;
+  int num_nodes = 0;
+  int num_gpus = 0;
+};
+
+// The EPLB-shaped answer, whichever policy produced it.
+struct PlanOutput {
+  std::vector<std::vector<int>> phy2log;               // [layers][replicas]
+  std::vector<std::vector<std::vector<int>>> log2phy;  // [layers][experts][max copies]
+  std::vector<std::vector<int>> logcnt;                // [layers][experts]
+};
+
+Result<int> PositiveIntField(const Json& input, const char* name) {
+  if (!input.contains(name)) return InvalidArgument(std::string("missing field '") + name + "'");
+  const Json& value = input.at(name);
+  if (!value.is_number_integer()) {
+    return InvalidArgument(std::string("field '") + name + "' must be an integer, got " +
+                           value.dump());
+  }
+  const long long parsed = value.get<long long>();
+  if (parsed < 1 || parsed > 1'000'000'000) {
+    return InvalidArgument(std::string("field '") + name + "' must be >= 1, got " +
+                           std::to_string(parsed));
+  }
+  return static_cast<int>(parsed);
+}
+
+Result<PlanInput> ParsePlanInput(const Json& input) {
+  if (!input.is_object()) return InvalidArgument("input must be a JSON object");
+  PlanInput plan;
+  if (!input.contains("weight")) return InvalidArgument("missing field 'weight'");
+  const Json& weight = input.at("weight");
+  if (!weight.is_array() || weight.empty()) {
+    return InvalidArgument("field 'weight' must be a non-empty array of rows (layers x experts)");
+  }
+  plan.num_layers = static_cast<int>(weight.size());
+  for (int layer = 0; layer < plan.num_layers; ++layer) {
+    const Json& row = weight[layer];
+    const std::string where = "weight[" + std::to_string(layer) + "]";
+    if (!row.is_array() || row.empty()) {
+      return InvalidArgument(where + " must be a non-empty array of per-expert loads, got " +
+                             row.dump());
+    }
+    if (layer == 0) plan.num_experts = static_cast<int>(row.size());
+    if (static_cast<int>(row.size()) != plan.num_experts) {
+      return InvalidArgument("ragged rows: " + where + " has " + std::to_string(row.size()) +
+                             " entries, weight[0] has " + std::to_string(plan.num_experts));
+    }
+    for (int e = 0; e < plan.num_experts; ++e) {
+      const Json& value = row[e];
+      const std::string cell = where + "[" + std::to_string(e) + "]";
+      if (!value.is_number()) {
+        return InvalidArgument(cell + " is not a number: " + value.dump());
+      }
+      const double load = value.get<double>();
+      if (!std::isfinite(load)) return InvalidArgument(cell + " is not finite");
+      if (load < 0) return InvalidArgument(cell + " = " + value.dump() + " is negative");
+      plan.weight.push_back(load);
+    }
+  }
+  KEEL_ASSIGN_OR_RETURN(plan.num_replicas, PositiveIntField(input, "num_replicas"));
+  KEEL_ASSIGN_OR_RETURN(plan.num_groups, PositiveIntField(input, "num_groups"));
+  KEEL_ASSIGN_OR_RETURN(plan.num_nodes, PositiveIntField(input, "num_nodes"));
+  KEEL_ASSIGN_OR_RETURN(plan.num_gpus, PositiveIntField(input, "num_gpus"));
+  const std::string replicas = std::to_string(plan.num_replicas);
+  const std::string gpus = std::to_string(plan.num_gpus);
+  if (plan.num_replicas % plan.num_gpus != 0) {
+    return InvalidArgument("num_replicas " + replicas + " is not divisible by num_gpus " + gpus);
+  }
+  if (plan.num_gpus % plan.num_nodes != 0) {
+    return InvalidArgument("num_gpus " + gpus + " is not divisible by num_nodes " +
+                           std::to_string(plan.num_nodes));
+  }
+  if (plan.num_replicas < plan.num_experts) {
+    return InvalidArgument("num_replicas " + replicas + " is smaller than the " +
+                           std::to_string(plan.num_experts) +
+                           " experts per row of weight (every expert needs a slot)");
+  }
+  if (plan.num_experts % plan.num_groups != 0) {
+    return InvalidArgument("the " + std::to_string(plan.num_experts) +
+                           " experts per row of weight are not divisible by num_groups " +
+                           std::to_string(plan.num_groups));
+  }
+  return plan;
+}
+
+Result<PlanOutput> PlanWithEplb(const PlanInput& in) {
+  EplbInput eplb;
+  eplb.num_layers = in.num_layers;
+  eplb.num_experts = in.num_experts;
+  eplb.weight.assign(in.weight.begin(), in.weight.end());
+  eplb.num_replicas = in.num_replicas;
+  eplb.num_groups = in.num_groups;
+  eplb.num_nodes = in.num_nodes;
+  eplb.num_gpus = in.num_gpus;
+  KEEL_ASSIGN_OR_RETURN(EplbOutput out, RebalanceExperts(eplb));
+  PlanOutput plan;
+  const size_t replicas = static_cast<size_t>(in.num_replicas);
+  const size_t experts = static_cast<size_t>(in.num_experts);
+  const size_t width = static_cast<size_t>(out.max_replicas);
+  for (int layer = 0; layer < in.num_layers; ++layer) {
+    const size_t l = static_cast<size_t>(layer);
+    plan.phy2log.emplace_back(out.phy2log.begin() + l * replicas,
+                              out.phy2log.begin() + (l + 1) * replicas);
+    plan.logcnt.emplace_back(out.logcnt.begin() + l * experts,
+                             out.logcnt.begin() + (l + 1) * experts);
+    auto& map = plan.log2phy.emplace_back();
+    for (size_t e = 0; e < experts; ++e) {
+      const auto begin = out.log2phy.begin() + (l * experts + e) * width;
+      map.emplace_back(begin, begin + width);
+    }
+  }
+  return plan;
+}
+
+// Any other policy: its initial placement of each layer, replanned once for the layer's load.
+Result<PlanOutput> PlanWithPolicy(const std::string& name, const PlanInput& in,
+                                  const KeelConfig& base) {
+  KeelConfig config = base;
+  config.topology.num_nodes = in.num_nodes;
+  config.topology.gpus_per_node = in.num_gpus / in.num_nodes;
+  config.slots.persistent_per_rank = in.num_replicas / in.num_gpus;
+  config.policy.name = name;
+  config.policy.eplb.num_groups = in.num_groups;
+  KEEL_ASSIGN_OR_RETURN(const Topology topology, Topology::Create(config.topology));
+  const PolicyContext context{
+      topology,       CostModel(topology, config.cost_model), in.num_layers,
+      in.num_experts, config.slots.persistent_per_rank,       config.slots.transient_per_rank,
+      config.policy};
+  KEEL_ASSIGN_OR_RETURN(std::unique_ptr<Policy> policy, MakePolicy(name, context));
+
+  std::vector<Placement> placements;
+  int width = 1;
+  for (int layer = 0; layer < in.num_layers; ++layer) {
+    const std::string where = "policy " + name + ", layer " + std::to_string(layer) + ": ";
+    Result<Placement> initial = policy->Initial(layer);
+    if (!initial.ok()) return initial.status().WithContext(where + "Initial");
+    std::span<const double> row(in.weight.data() + static_cast<size_t>(layer) * in.num_experts,
+                                static_cast<size_t>(in.num_experts));
+    KEEL_ASSIGN_OR_RETURN(StepLoad traffic, StepLoad::FromExpertCounts(in.num_gpus, row));
+    LayerView view;
+    view.layer = layer;
+    view.current = &*initial;
+    view.expert_load = row;
+    view.traffic = &traffic;
+    Result<Placement> next = policy->Replan(view);
+    if (!next.ok()) return next.status().WithContext(where + "Replan");
+    if (next->num_slots() != in.num_replicas) {
+      return Internal(where + "Replan returned " + std::to_string(next->num_slots()) +
+                      " slots, expected num_replicas " + std::to_string(in.num_replicas));
+    }
+    width = std::max(width, next->max_copies());
+    placements.push_back(std::move(next).value());
+  }
+  PlanOutput plan;
+  for (const Placement& p : placements) {
+    plan.phy2log.push_back(p.phy2log());
+    plan.logcnt.push_back(p.logcnt());
+    const std::vector<int> flat = p.Log2Phy(width);
+    auto& map = plan.log2phy.emplace_back();
+    for (int e = 0; e < p.num_experts(); ++e) {
+      map.emplace_back(flat.begin() + static_cast<size_t>(e) * width,
+                       flat.begin() + static_cast<size_t>(e + 1) * width);
+    }
+  }
+  return plan;
+}
+
+// Prints {"error": ...} on stdout, the message on stderr, and returns the exit code.
+int Fail(const Status& status) {
+  const bool bad_input =
+      status.code() == StatusCode::kInvalidArgument || status.code() == StatusCode::kNotFound;
+  std::cout << Json{{"error", status.message()}}.dump() << "\n";
+  std::cerr << "keel plan: " << status.message() << "\n";
+  return bad_input ? 2 : 1;
+}
+
+Result<Json> ReadJsonFile(const std::string& path) {
+  std::string text;
+  if (path == "-") {
+    text.assign(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
+  } else {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) return NotFound("cannot open --input '" + path + "'");
+    std::ostringstream buffer;
+    buffer << in.rdbuf();
+    text = buffer.str();
+  }
+  Json json = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (json.is_discarded()) return InvalidArgument("--input '" + path + "' is not valid JSON");
+  return json;
+}
+
+}  // namespace
+
+int RunPlan(int argc, char** argv) {
+  std::string policy_name = "eplb";
+  std::string input_path;
+  std::string output_path;
+  std::string config_path;
+  int repeat = 1;
+  FlagParser flags("keel plan",
+                   "Plans one placement per layer from a per-expert load, with DeepSeek EPLB's "
+                   "inputs and outputs.\n"
+                   "Input JSON: {\"weight\": [[...]] (layers x experts, loads >= 0), "
+                   "\"num_replicas\": R,\n"
+                   "  \"num_groups\": n, \"num_nodes\": m, \"num_gpus\": g}  (R divisible by g, "
+                   "g by m)\n"
+                   "Output JSON: {\"phy2log\": [[...]], \"log2phy\": [[[...]]], \"logcnt\": "
+                   "[[...]],\n"
+                   "  \"timing\": {\"median_seconds\": s}}; an empty slot is -1 in phy2log.\n"
+                   "Errors print {\"error\": \"...\"} and exit 2 (bad input) or 1.");
+  flags.Add("policy", "NAME", &policy_name,
+            "policy: static, eplb, flexmoe, smartmoe, fastermoe or keel; eplb calls DeepSeek's "
+            "algorithm directly, the others plan on a num_nodes x (num_gpus/num_nodes) topology "
+            "with num_replicas/num_gpus slots per GPU");
+  flags.Add("input", "FILE", &input_path, "input JSON ('-' reads stdin)",
+            FlagRequirement::kRequired);
+  flags.Add("output", "FILE", &output_path, "write the output JSON here instead of stdout");
+  flags.Add("config", "FILE", &config_path,
+            "Keel config for policy parameters and the cost model (its topology and slots are "
+            "replaced by the input's)");
+  flags.Add("repeat", "N", &repeat,
+            "plan N times and report the median wall time of the whole planning call");
+  flags.SetEpilogue("Config keys: keel config --markdown");
+  if (Status status = flags.Parse(argc, argv); !status.ok()) return Fail(status);
+  if (flags.help_requested()) {
+    std::fputs(flags.HelpText().c_str(), stdout);
+    return 0;
+  }
+  if (repeat < 1)
+    return Fail(InvalidArgument("--repeat must be >= 1, got " + std::to_string(repeat)));
+  const auto& names = PolicyNames();
+  if (std::find(names.begin(), names.end(), policy_name) == names.end()) {
+    std::string known;
+    for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
+    return Fail(
+        InvalidArgument("--policy '" + policy_name + "' is unknown (known: " + known + ")"));
+  }
+
+  KeelConfig config;
+  if (!config_path.empty()) {
+    Result<KeelConfig> loaded = LoadConfigFile(config_path);
+    if (!loaded.ok()) return Fail(loaded.status());
+    config = *loaded;
+  }
+  Result<Json> json = ReadJsonFile(input_path);
+  if (!json.ok()) return Fail(json.status());
+  Result<PlanInput> input = ParsePlanInput(*json);
+  if (!input.ok()) return Fail(input.status());
+
+  std::vector<double> seconds;
+  std::optional<PlanOutput> plan;
+  for (int i = 0; i < repeat; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    Result<PlanOutput> result =
+        policy_name == "eplb" ? PlanWithEplb(*input) : PlanWithPolicy(policy_name, *input, config);
+    seconds.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    if (!result.ok()) return Fail(result.status());
+    plan = std::move(result).value();
+  }
+  const Distribution timing = Summarize(seconds);
+
+  Json out;
+  out["phy2log"] = plan->phy2log;
+  out["log2phy"] = plan->log2phy;
+  out["logcnt"] = plan->logcnt;
+  out["policy"] = policy_name;
+  out["timing"] = {{"median_seconds", timing.p50}, {"repeat", repeat}};
+  const std::string text = out.dump() + "\n";
+  if (output_path.empty()) {
+    std::fputs(text.c_str(), stdout);
+    return 0;
+  }
+  if (Status status = WriteFileAtomically(output_path, text); !status.ok()) return Fail(status);
+  return 0;
+}
+
 }  // namespace keel::tools

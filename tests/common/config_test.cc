@@ -1,0 +1,338 @@
+// Tests of the configuration table and its YAML reader: good files, every kind of error (each must
+// name the key, the value and the line), cross-field checks, the shipped configs, and that
+// docs/config.md and `keel config --defaults` stay in step with the table.
+#include "common/config.h"
+
+#include <gtest/gtest.h>
+#include <yaml-cpp/yaml.h>
+
+#include <cstddef>
+#include <fstream>
+#include <functional>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+
+namespace keel {
+// Defined in common/config.cc (used by `keel config --defaults`).
+std::string ConfigToYaml(const KeelConfig& config);
+
+namespace {
+
+// Fails the test unless parsing `yaml` fails with a message that contains every one of `parts`.
+void ExpectError(const std::string& yaml, std::initializer_list<std::string> parts) {
+  Result<KeelConfig> config = ParseConfig(yaml, "configs/x.yaml");
+  ASSERT_FALSE(config.ok()) << "expected an error for:\n" << yaml;
+  EXPECT_EQ(config.status().code(), StatusCode::kInvalidArgument);
+  for (const std::string& part : parts) {
+    EXPECT_NE(config.status().message().find(part), std::string::npos)
+        << "message: " << config.status().message() << "\nlacks: " << part;
+  }
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+TEST(ConfigTest, EmptyTextIsTheDefaults) {
+  const std::string defaults = ConfigToYaml(KeelConfig{});
+  for (const char* text : {"", "\n", "# nothing set\n", "---\n"}) {
+    Result<KeelConfig> config = ParseConfig(text);
+    ASSERT_TRUE(config.ok()) << config.status().ToString();
+    EXPECT_EQ(ConfigToYaml(*config), defaults) << "for text: " << text;
+  }
+  EXPECT_TRUE(ValidateConfig(KeelConfig{}).ok());
+}
+
+TEST(ConfigTest, ParsesNestedKeysOfEveryType) {
+  Result<KeelConfig> config = ParseConfig(R"(
+topology:
+  num_nodes: 2
+  gpus_per_node: 4
+  inter_node_gb_per_s: 25
+slots:
+  transient_per_rank: 0
+estimator:
+  kind: window
+  window_steps: 5
+policy:
+  name: flexmoe
+  replan_interval_steps: 10
+  flexmoe:
+    balance_ratio_trigger: 1.2
+  keel:
+    transient_replicas: false
+)");
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  EXPECT_EQ(config->topology.num_nodes, 2);
+  EXPECT_EQ(config->topology.gpus_per_node, 4);
+  EXPECT_EQ(config->num_ranks(), 8);
+  EXPECT_DOUBLE_EQ(config->topology.inter_node_gb_per_s, 25.0);
+  EXPECT_EQ(config->slots.transient_per_rank, 0);
+  EXPECT_EQ(config->estimator.kind, EstimatorKind::kSlidingWindow);
+  EXPECT_EQ(config->estimator.window_steps, 5);
+  EXPECT_EQ(config->policy.name, "flexmoe");
+  EXPECT_EQ(config->policy.replan_interval_steps, 10);
+  EXPECT_DOUBLE_EQ(config->policy.flexmoe.balance_ratio_trigger, 1.2);
+  EXPECT_FALSE(config->policy.keel.transient_replicas);
+  // Keys left out keep their defaults.
+  const KeelConfig defaults;
+  EXPECT_DOUBLE_EQ(config->topology.intra_node_gb_per_s, defaults.topology.intra_node_gb_per_s);
+  EXPECT_EQ(config->cost_model.hidden_size, defaults.cost_model.hidden_size);
+  EXPECT_EQ(config->policy.flexmoe.max_actions_per_replan,
+            defaults.policy.flexmoe.max_actions_per_replan);
+}
+
+TEST(ConfigTest, EmptySectionKeepsDefaults) {
+  Result<KeelConfig> config = ParseConfig("topology:\npolicy:\n  eplb:\n");
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  EXPECT_EQ(config->topology.num_nodes, KeelConfig{}.topology.num_nodes);
+}
+
+TEST(ConfigTest, OutOfRangeNamesKeyValueLineAndBound) {
+  ExpectError("cost_model:\n  expert_ffn_size: 8192\n  hidden_size: -3\n",
+              {"configs/x.yaml:3: cost_model.hidden_size: -3 is out of range (must be >= 1)"});
+  ExpectError("topology:\n  intra_node_gb_per_s: 0\n",
+              {"configs/x.yaml:2: topology.intra_node_gb_per_s: 0 is out of range (must be > 0)"});
+  ExpectError("estimator:\n  ema_decay: 1.0\n",
+              {"configs/x.yaml:2: estimator.ema_decay: 1.0 is out of range (must be in [0, 1))"});
+  ExpectError("cost_model:\n  dtype_bytes: 16\n",
+              {":2:", "cost_model.dtype_bytes", "16", "[1, 8]"});
+  ExpectError("topology:\n  num_nodes: 99999999999\n",
+              {":2:", "topology.num_nodes", "99999999999"});
+}
+
+TEST(ConfigTest, WrongTypeNamesKeyValueAndLine) {
+  ExpectError("slots:\n  persistent_per_rank: three\n",
+              {"configs/x.yaml:2:", "slots.persistent_per_rank", "three", "not an integer"});
+  ExpectError("slots:\n  persistent_per_rank: 2.5\n",
+              {"configs/x.yaml:2:", "slots.persistent_per_rank", "2.5", "not an integer"});
+  ExpectError("cost_model:\n  expert_tflops: fast\n",
+              {"configs/x.yaml:2:", "cost_model.expert_tflops", "fast", "not a finite number"});
+  ExpectError("cost_model:\n  expert_tflops: .inf\n", {":2:", "cost_model.expert_tflops", ".inf"});
+  ExpectError("policy:\n  keel:\n    transient_replicas: maybe\n",
+              {"configs/x.yaml:3:", "policy.keel.transient_replicas", "maybe", "true or false"});
+  ExpectError("topology:\n  num_nodes: [1, 2]\n",
+              {"configs/x.yaml:2:", "topology.num_nodes", "expected an integer", "a list"});
+  ExpectError("topology:\n  num_nodes:\n", {"configs/x.yaml:2:", "topology.num_nodes", "no value"});
+}
+
+TEST(ConfigTest, BadEnumValueListsAllowedValues) {
+  ExpectError("estimator:\n  kind: emma\n",
+              {"configs/x.yaml:2: estimator.kind: emma is not allowed",
+               "must be one of last, window, ema"});
+  ExpectError("\npolicy:\n  name: deepspeed\n",
+              {"configs/x.yaml:3: policy.name: deepspeed",
+               "static, eplb, flexmoe, smartmoe, fastermoe, keel"});
+}
+
+TEST(ConfigTest, UnknownKeysNameTheFullPathAndTheValidKeys) {
+  ExpectError("topology:\n  num_node: 2\n",
+              {"configs/x.yaml:2: unknown key 'topology.num_node'", "did you mean 'num_nodes'",
+               "valid keys in 'topology': num_nodes, gpus_per_node, intra_node_gb_per_s, "
+               "inter_node_gb_per_s"});
+  ExpectError("policy:\n  name: keel\n  flexmoe:\n    trigger: 1.1\n",
+              {"configs/x.yaml:4: unknown key 'policy.flexmoe.trigger'",
+               "did you mean 'balance_ratio_trigger'",
+               "valid keys in 'policy.flexmoe': balance_ratio_trigger, max_actions_per_replan"});
+  ExpectError("policy:\n  keel:\n    transient_replicas: true\n  deepep: {}\n",
+              {"configs/x.yaml:4: unknown key 'policy.deepep'",
+               "name, replan_interval_steps, eplb, flexmoe, smartmoe, fastermoe, keel"});
+  ExpectError("topologies:\n  num_nodes: 2\n",
+              {"configs/x.yaml:1: unknown key 'topologies'", "did you mean 'topology'",
+               "valid top-level keys: topology, slots, cost_model, estimator, policy"});
+}
+
+TEST(ConfigTest, StructuralErrorsNameTheLine) {
+  ExpectError("topology: 3\n", {"configs/x.yaml:1: topology: expected a map", "num_nodes", "3"});
+  ExpectError("- 1\n- 2\n", {"configs/x.yaml:1:", "top level", "a list"});
+  ExpectError("topology:\n  num_nodes: 2\n  num_nodes: 3\n",
+              {"configs/x.yaml:3: topology.num_nodes: key appears twice (first on line 2)"});
+}
+
+TEST(ConfigTest, SyntaxErrorNamesTheLine) {
+  ExpectError("topology:\n  num_nodes: 2\n  gpus_per_node: [8\nslots:\n",
+              {"configs/x.yaml:", "YAML"});
+  ExpectError("topology:\n  num_nodes: 2\n bad_indent: 1\n",
+              {"configs/x.yaml:3: YAML syntax error"});
+}
+
+TEST(ConfigTest, CrossFieldChecksNameBothKeys) {
+  // EPLB itself falls back to global balancing for groups that do not divide among nodes.
+  EXPECT_TRUE(ParseConfig("topology:\n  num_nodes: 2\npolicy:\n  eplb:\n    num_groups: 3\n").ok());
+  ExpectError("cost_model:\n  dtype_bytes: 4\n  home_move_bytes_per_parameter: 2\n",
+              {"configs/x.yaml:3: cost_model.home_move_bytes_per_parameter: 2.0",
+               "cost_model.dtype_bytes (4)"});
+  ExpectError(
+      "slots:\n  transient_per_rank: 0\n",
+      {"configs/x.yaml:2:", "policy.keel.transient_replicas", "slots.transient_per_rank >= 1"});
+  // Other policies do not use transient replicas.
+  EXPECT_TRUE(ParseConfig("slots:\n  transient_per_rank: 0\npolicy:\n  name: eplb\n").ok());
+}
+
+TEST(ConfigTest, ValidateConfigChecksBuiltConfigs) {
+  auto expect_invalid = [](const KeelConfig& config, const std::string& part) {
+    Status status = ValidateConfig(config);
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << part;
+    EXPECT_NE(status.message().find(part), std::string::npos) << status.message();
+  };
+  KeelConfig config;
+  config.estimator.ema_decay = 1.0;
+  expect_invalid(config, "estimator.ema_decay: 1.0 is out of range (must be in [0, 1))");
+  config = KeelConfig{};
+  config.slots.persistent_per_rank = 0;
+  expect_invalid(config, "slots.persistent_per_rank: 0 is out of range (must be >= 1)");
+  config = KeelConfig{};
+  config.slots.transient_per_rank = -1;
+  expect_invalid(config, "slots.transient_per_rank: -1");
+  config = KeelConfig{};
+  config.policy.replan_interval_steps = 0;
+  expect_invalid(config, "policy.replan_interval_steps: 0");
+  config = KeelConfig{};
+  config.policy.name = "random";
+  expect_invalid(config, "policy.name: random is not allowed");
+  config = KeelConfig{};
+  config.topology.num_nodes = 1 << 16;
+  config.topology.gpus_per_node = 1 << 16;
+  expect_invalid(config, "ranks is too many");
+}
+
+TEST(ConfigTest, EstimatorKindNames) {
+  EXPECT_EQ(EstimatorKindName(EstimatorKind::kLastStep), "last");
+  EXPECT_EQ(EstimatorKindName(EstimatorKind::kSlidingWindow), "window");
+  EXPECT_EQ(EstimatorKindName(EstimatorKind::kEma), "ema");
+  for (EstimatorKind kind :
+       {EstimatorKind::kLastStep, EstimatorKind::kSlidingWindow, EstimatorKind::kEma}) {
+    Result<KeelConfig> config =
+        ParseConfig("estimator:\n  kind: " + std::string(EstimatorKindName(kind)) + "\n");
+    ASSERT_TRUE(config.ok()) << config.status().ToString();
+    EXPECT_EQ(config->estimator.kind, kind);
+  }
+}
+
+TEST(ConfigTest, ShippedSmartMoeConfigLoads) {
+  Result<KeelConfig> config = LoadConfigFile(KEEL_SOURCE_DIR "/configs/smartmoe-16gpu.yaml");
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  EXPECT_EQ(config->num_ranks(), 16);
+  EXPECT_EQ(config->topology.num_nodes, 2);
+  EXPECT_EQ(config->slots.persistent_per_rank, 3);
+  EXPECT_EQ(config->slots.transient_per_rank, 1);
+  EXPECT_DOUBLE_EQ(config->topology.intra_node_gb_per_s, 400.0);
+  EXPECT_DOUBLE_EQ(config->topology.inter_node_gb_per_s, 50.0);
+  EXPECT_DOUBLE_EQ(config->cost_model.expert_tflops, 600.0);
+  EXPECT_EQ(config->cost_model.hidden_size, 2048);
+  EXPECT_EQ(config->cost_model.expert_ffn_size, 8192);
+  EXPECT_EQ(config->cost_model.expert_matrices, 2);
+  EXPECT_EQ(config->cost_model.dtype_bytes, 2);
+  EXPECT_DOUBLE_EQ(config->cost_model.home_move_bytes_per_parameter, 14.0);
+  EXPECT_EQ(config->policy.name, "keel");
+}
+
+TEST(ConfigTest, MissingFileIsNotFound) {
+  Result<KeelConfig> config = LoadConfigFile("/nonexistent/keel.yaml");
+  ASSERT_FALSE(config.ok());
+  EXPECT_EQ(config.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(config.status().message().find("/nonexistent/keel.yaml"), std::string::npos);
+}
+
+TEST(ConfigTest, DocsConfigMdIsUpToDate) {
+  const std::string path = KEEL_SOURCE_DIR "/docs/config.md";
+  EXPECT_TRUE(ReadFile(path) == ConfigReferenceMarkdown())
+      << path << " is stale or missing; regenerate it with `keel config --markdown > "
+      << "docs/config.md`";
+}
+
+TEST(ConfigTest, MarkdownExampleParses) {
+  const std::string markdown = ConfigReferenceMarkdown();
+  size_t start = markdown.find("```yaml\n");
+  ASSERT_NE(start, std::string::npos);
+  start += 8;
+  size_t end = markdown.find("```", start);
+  ASSERT_NE(end, std::string::npos);
+  Result<KeelConfig> config = ParseConfig(markdown.substr(start, end - start));
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  EXPECT_EQ(config->policy.name, "flexmoe");
+}
+
+TEST(ConfigTest, YamlOfAnyConfigRoundTrips) {
+  KeelConfig config;
+  config.topology.num_nodes = 4;
+  config.topology.inter_node_gb_per_s = 12.5;
+  config.estimator.kind = EstimatorKind::kLastStep;
+  config.estimator.ema_decay = 0.1 + 0.2;  // not exactly representable in short decimal
+  config.policy.name = "smartmoe";
+  config.policy.smartmoe.stickiness = 1e-7;
+  config.policy.keel.transient_replicas = false;
+  const std::string yaml = ConfigToYaml(config);
+  Result<KeelConfig> parsed = ParseConfig(yaml, "<defaults>");
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString() << "\n" << yaml;
+  EXPECT_EQ(ConfigToYaml(*parsed), yaml);
+  EXPECT_EQ(parsed->estimator.ema_decay, 0.1 + 0.2);
+  EXPECT_EQ(parsed->policy.smartmoe.stickiness, 1e-7);
+  EXPECT_EQ(parsed->estimator.kind, EstimatorKind::kLastStep);
+}
+
+TEST(ConfigTest, HelpTextNamesEveryKey) {
+  const std::string help = ConfigHelpText();
+  YAML::Node root = YAML::Load(ConfigToYaml(KeelConfig{}));
+  // Walks the defaults YAML and looks for each dotted path in the help.
+  std::function<void(const YAML::Node&, const std::string&)> walk = [&](const YAML::Node& map,
+                                                                        const std::string& at) {
+    for (auto entry = map.begin(); entry != map.end(); ++entry) {
+      std::string path = at.empty() ? entry->first.Scalar() : at + "." + entry->first.Scalar();
+      YAML::Node value = entry->second;
+      if (value.IsMap()) {
+        walk(value, path);
+      } else {
+        EXPECT_NE(help.find("  " + path + " = "), std::string::npos) << path;
+      }
+    }
+  };
+  walk(root, "");
+}
+
+// Counts the members of an aggregate: the largest N for which T{f1, ..., fN} compiles, where
+// each fi converts to any member type.
+struct AnyMember {
+  template <typename T>
+  operator T() const;  // NOLINT(google-explicit-constructor): only used unevaluated
+};
+
+template <typename T, typename... Members>
+constexpr size_t CountMembers() {
+  if constexpr (requires { T{Members{}..., AnyMember{}}; }) {
+    return CountMembers<T, Members..., AnyMember>();
+  } else {
+    return sizeof...(Members);
+  }
+}
+
+size_t EntriesAt(const YAML::Node& root, const std::string& dotted) {
+  YAML::Node node = root;
+  std::stringstream parts(dotted);
+  std::string part;
+  while (std::getline(parts, part, '.')) node.reset(node[part]);  // `=` would write into root
+  return node.IsMap() ? node.size() : 0;
+}
+
+// A member added to a config struct without a row in the key table fails here.
+TEST(ConfigTest, EveryStructMemberHasAKey) {
+  YAML::Node root = YAML::Load(ConfigToYaml(KeelConfig{}));
+  EXPECT_EQ(root.size(), CountMembers<KeelConfig>());
+  EXPECT_EQ(EntriesAt(root, "topology"), CountMembers<TopologyConfig>());
+  EXPECT_EQ(EntriesAt(root, "slots"), CountMembers<SlotsConfig>());
+  EXPECT_EQ(EntriesAt(root, "cost_model"), CountMembers<CostModelConfig>());
+  EXPECT_EQ(EntriesAt(root, "estimator"), CountMembers<EstimatorConfig>());
+  EXPECT_EQ(EntriesAt(root, "policy"), CountMembers<PolicyConfig>());
+  EXPECT_EQ(EntriesAt(root, "policy.eplb"), CountMembers<EplbConfig>());
+  EXPECT_EQ(EntriesAt(root, "policy.flexmoe"), CountMembers<FlexMoeConfig>());
+  EXPECT_EQ(EntriesAt(root, "policy.smartmoe"), CountMembers<SmartMoeConfig>());
+  EXPECT_EQ(EntriesAt(root, "policy.fastermoe"), CountMembers<FasterMoeConfig>());
+  EXPECT_EQ(EntriesAt(root, "policy.keel"), CountMembers<KeelPolicyConfig>());
+}
+
+}  // namespace
+}  // namespace keel

@@ -1,0 +1,215 @@
+// Tests of the Keel trace format: writer/reader round trips, reader errors that name the line,
+// format names, format guessing and Trace's own helpers.
+#include "monitor/trace.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+
+#include "monitor/trace_import.h"
+#include "tests/monitor/trace_test_util.h"
+
+namespace keel {
+namespace {
+
+using ::keel::testing::ReadText;
+using ::keel::testing::ScratchFolder;
+
+Trace SmallTrace(int num_sources) {
+  Trace trace;
+  trace.description = "unit \"test\" trace";
+  trace.num_layers = 2;
+  trace.num_experts = 3;
+  trace.num_sources = num_sources;
+  const int row = trace.row_size();
+  for (int step = 0; step < 3; ++step) {
+    trace.step_ids.push_back(10 * step + 1);
+    std::vector<double> values;
+    for (int i = 0; i < 2 * row; ++i) values.push_back(step * 100 + i);
+    trace.steps.push_back(values);
+  }
+  trace.steps[1][2] = 2.5;   // a fractional count (an averaged load) survives exactly
+  trace.steps[2][0] = 1e17;  // beyond 2^53: written as a double
+  return trace;
+}
+
+void ExpectSameTrace(const Trace& a, const Trace& b) {
+  EXPECT_EQ(a.description, b.description);
+  EXPECT_EQ(a.num_layers, b.num_layers);
+  EXPECT_EQ(a.num_experts, b.num_experts);
+  EXPECT_EQ(a.num_sources, b.num_sources);
+  EXPECT_EQ(a.step_ids, b.step_ids);
+  EXPECT_EQ(a.steps, b.steps);
+}
+
+TEST(KeelTraceTest, RoundTripWithSources) {
+  ScratchFolder folder;
+  Trace trace = SmallTrace(2);
+  ASSERT_TRUE(WriteKeelTrace(trace, folder.File("t.jsonl")).ok());
+  Result<Trace> read = ReadKeelTrace(folder.File("t.jsonl"));
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  ExpectSameTrace(trace, *read);
+  EXPECT_FALSE(std::filesystem::exists(folder.File("t.jsonl.tmp")));
+}
+
+TEST(KeelTraceTest, RoundTripPerExpertAndEmpty) {
+  ScratchFolder folder;
+  Trace trace = SmallTrace(0);
+  ASSERT_TRUE(WriteKeelTrace(trace, folder.File("t.jsonl")).ok());
+  Result<Trace> read = ReadTrace(folder.File("t.jsonl"));  // auto-detected as keel
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  ExpectSameTrace(trace, *read);
+
+  trace.steps.clear();
+  trace.step_ids.clear();
+  ASSERT_TRUE(WriteKeelTrace(trace, folder.File("empty.jsonl")).ok());
+  read = ReadKeelTrace(folder.File("empty.jsonl"));
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  EXPECT_EQ(read->num_steps(), 0);
+}
+
+TEST(KeelTraceTest, WriterFormatsIntegersWithoutFraction) {
+  ScratchFolder folder;
+  Trace trace = SmallTrace(0);
+  ASSERT_TRUE(WriteKeelTrace(trace, folder.File("t.jsonl")).ok());
+  std::string text = ReadText(folder.File("t.jsonl"));
+  EXPECT_NE(text.find("{\"step\": 1, \"layers\": [[0, 1, 2], [3, 4, 5]]}\n"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("2.5"), std::string::npos);
+  EXPECT_EQ(text.find(".0,"), std::string::npos);
+  EXPECT_EQ(text.rfind("{\"keel_trace\": 1", 0), 0u) << text;
+}
+
+TEST(KeelTraceTest, FailedWriteLeavesExistingFile) {
+  ScratchFolder folder;
+  std::string path = folder.Write("t.jsonl", "precious");
+  Trace bad = SmallTrace(0);
+  bad.steps[1].pop_back();  // ragged: Validate fails before anything is written
+  Status status = WriteKeelTrace(bad, path);
+  EXPECT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("step 1"), std::string::npos) << status.message();
+  EXPECT_EQ(ReadText(path), "precious");
+  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+
+  status = WriteKeelTrace(SmallTrace(0), folder.File("no/such/folder/t.jsonl"));
+  EXPECT_EQ(status.code(), StatusCode::kIoError);
+}
+
+constexpr const char* kHeader =
+    "{\"keel_trace\": 1, \"description\": \"d\", \"num_layers\": 2, \"num_experts\": 3, "
+    "\"num_sources\": 0}\n";
+
+TEST(KeelTraceTest, ReaderErrorsNameLineAndProblem) {
+  struct Case {
+    std::string text;
+    std::string line;
+    std::string words;
+  };
+  const std::string good = "{\"step\": 0, \"layers\": [[1, 2, 3], [4, 5, 6]]}\n";
+  const Case cases[] = {
+      {std::string(kHeader) + good + "{\"step\": 1, \"layers\": [[1, 2, 3], [4, 5]]}\n",
+       ":3:", "layer 1 has 2 counts, expected 3"},
+      {std::string(kHeader) + "{\"step\": 0, \"layers\": [[1, -2, 3], [4, 5, 6]]}\n",
+       ":2:", "negative"},
+      {std::string(kHeader) + "{\"step\": 0, \"layers\": [[1, 2, 3]]}\n",
+       ":2:", "1 layers, header says num_layers 2"},
+      {std::string(kHeader) + good + "{\"step\": 1, \"layers\": [[1, 2, 3], [4,",
+       ":3:", "truncated"},
+      {std::string(kHeader) + "{\"step\": 0, \"layers\": [[1, \"x\", 3], [4, 5, 6]]}\n",
+       ":2:", "not a number"},
+      {std::string(kHeader) + "{\"layers\": [[1, 2, 3], [4, 5, 6]]}\n", ":2:", "\"step\""},
+      {"{\"keel_trace\": 1, \"num_layers\": 2, \"num_sources\": 0}\n", ":1:", "\"num_experts\""},
+      {"{\"keel_trace\": 1, \"num_layers\": -2, \"num_experts\": 3, \"num_sources\": 0}\n",
+       ":1:", "\"num_layers\" -2"},
+      {"{\"step\": 1}\n", ":1:", "Keel header"},
+      {"{\"keel_trace\": 1, \"num_layers\": 1000000, \"num_experts\": 1000000, "
+       "\"num_sources\": 1000000}\n",
+       ":1:", "too large"},
+      {"", "", "empty file"},
+      {"{\"keel_trace\": 7}\n", ":1:", "version 7"},
+      {"\n\n{\"keel_trace\": 1,\n", ":3:", "header is not JSON"},
+  };
+  for (const Case& c : cases) {
+    ScratchFolder folder;
+    std::string path = folder.Write("bad.jsonl", c.text);
+    Result<Trace> read = ReadKeelTrace(path);
+    ASSERT_FALSE(read.ok()) << c.text;
+    EXPECT_NE(read.status().message().find("bad.jsonl" + c.line), std::string::npos)
+        << read.status().message();
+    EXPECT_NE(read.status().message().find(c.words), std::string::npos) << read.status().message();
+  }
+}
+
+TEST(KeelTraceTest, MissingFileIsNotFound) {
+  Result<Trace> read = ReadKeelTrace("/nonexistent/keel/trace.jsonl");
+  ASSERT_FALSE(read.ok());
+  EXPECT_EQ(read.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(read.status().message().find("/nonexistent/keel/trace.jsonl"), std::string::npos);
+}
+
+TEST(TraceFormatTest, NamesRoundTrip) {
+  for (TraceFormat format : {TraceFormat::kAuto, TraceFormat::kKeel, TraceFormat::kSmartMoe,
+                             TraceFormat::kEsft, TraceFormat::kOlmoe, TraceFormat::kMegatron}) {
+    Result<TraceFormat> parsed = ParseTraceFormat(TraceFormatName(format));
+    ASSERT_TRUE(parsed.ok());
+    EXPECT_EQ(*parsed, format);
+  }
+  Result<TraceFormat> bad = ParseTraceFormat("csv");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("'csv'"), std::string::npos);
+  EXPECT_NE(bad.status().message().find("smartmoe"), std::string::npos);
+}
+
+TEST(TraceFormatTest, DetectsEachFormat) {
+  ScratchFolder folder;
+  ASSERT_TRUE(WriteKeelTrace(SmallTrace(0), folder.File("k.jsonl")).ok());
+  folder.Write("m.jsonl", "{\"step\": 0, \"layer\": 1, \"top_indices\": [[0]]}\n");
+  folder.Write("smart/table_iter1_rank0.log", "0:[[1.0]]\n");
+  folder.Write("esft/expert_weights_1.txt", "0\t\t1.0\n");
+  folder.Write("olmoe/expert_counts_derived.json", "{}");
+  folder.Write("mega/router_trace_rank0.jsonl", "");
+  folder.Write("archive/moe_trace.tar.xz", "");
+  folder.Write("other/readme.txt", "");
+  auto detect = [&](const std::string& name) { return DetectTraceFormat(folder.File(name)); };
+  EXPECT_EQ(*detect("k.jsonl"), TraceFormat::kKeel);
+  EXPECT_EQ(*detect("m.jsonl"), TraceFormat::kMegatron);
+  EXPECT_EQ(*detect("smart"), TraceFormat::kSmartMoe);
+  EXPECT_EQ(*detect("archive"), TraceFormat::kSmartMoe);
+  EXPECT_EQ(*detect("archive/moe_trace.tar.xz"), TraceFormat::kSmartMoe);
+  EXPECT_EQ(*detect("esft"), TraceFormat::kEsft);
+  EXPECT_EQ(*detect("olmoe"), TraceFormat::kOlmoe);
+  EXPECT_EQ(*detect("olmoe/expert_counts_derived.json"), TraceFormat::kOlmoe);
+  EXPECT_EQ(*detect("mega"), TraceFormat::kMegatron);
+  Result<TraceFormat> unknown = detect("other");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.status().message().find("keel, smartmoe, esft, olmoe, megatron"),
+            std::string::npos);
+  EXPECT_EQ(detect("missing").status().code(), StatusCode::kNotFound);
+}
+
+TEST(TraceTest, ExpertCountsSumsSources) {
+  Trace trace = SmallTrace(2);
+  // Step 0, layer 1: values 6..11, sources [6 7 8] and [9 10 11].
+  EXPECT_EQ(trace.ExpertCounts(0, 1), (std::vector<double>{15, 17, 19}));
+  Trace flat = SmallTrace(0);
+  EXPECT_EQ(flat.ExpertCounts(0, 1), (std::vector<double>{3, 4, 5}));
+}
+
+TEST(TraceTest, ValidateNamesStepAndLayer) {
+  Trace trace = SmallTrace(2);
+  EXPECT_TRUE(trace.Validate().ok());
+  trace.steps[2][7] = -1;
+  Status status = trace.Validate();
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("step 2 layer 1 entry 1"), std::string::npos) << status.message();
+  trace = SmallTrace(2);
+  trace.step_ids.pop_back();
+  EXPECT_FALSE(trace.Validate().ok());
+  trace = SmallTrace(2);
+  trace.num_experts = 0;
+  EXPECT_NE(trace.Validate().message().find("num_experts 0"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace keel

@@ -1,0 +1,139 @@
+// Cost model: each term of the predicted layer time and the cost of a placement change, checked
+// against hand-computed values on tiny topologies.
+#include "placement/cost_model.h"
+
+#include <gtest/gtest.h>
+
+namespace keel {
+namespace {
+
+CostModelConfig SmallModel() {
+  CostModelConfig config;
+  config.expert_tflops = 1.0;  // 1e12 FLOP/s
+  config.hidden_size = 4;
+  config.expert_ffn_size = 8;
+  config.expert_matrices = 2;
+  config.dtype_bytes = 2;
+  config.home_move_bytes_per_parameter = 14;
+  config.train_flops_multiplier = 3;
+  config.all_to_all_passes = 4;
+  config.replica_sync_passes = 2;
+  return config;
+}
+
+Topology TwoNodesOfTwo() {
+  TopologyConfig config;
+  config.num_nodes = 2;
+  config.gpus_per_node = 2;
+  config.intra_node_gb_per_s = 100;
+  config.inter_node_gb_per_s = 10;
+  return Topology::Create(config).value();
+}
+
+StepRouting EmptyRouting(int ranks, int slots) {
+  StepRouting routing;
+  routing.num_ranks = ranks;
+  routing.rank_tokens.assign(ranks, 0);
+  routing.sent_tokens.assign(ranks * ranks, 0);
+  routing.slot_tokens.assign(slots, 0);
+  return routing;
+}
+
+TEST(CostModelTest, SizesFollowTheConfig) {
+  CostModel cost(TwoNodesOfTwo(), SmallModel());
+  EXPECT_DOUBLE_EQ(cost.expert_parameters(), 64);
+  EXPECT_DOUBLE_EQ(cost.expert_weight_bytes(), 128);
+  EXPECT_DOUBLE_EQ(cost.home_move_bytes(), 64 * 14);
+  EXPECT_DOUBLE_EQ(cost.token_row_bytes(), 8);
+  // 2 FLOP per parameter per token, forward + backward = 3x.
+  EXPECT_DOUBLE_EQ(cost.ComputeSeconds(1000), 1000 * 2 * 64 * 3 / 1e12);
+}
+
+TEST(CostModelTest, ComputeIsTheSlowestRank) {
+  CostModel cost(TwoNodesOfTwo(), SmallModel());
+  auto p = Placement::Contiguous(4, 4, 1).value();
+  StepRouting routing = EmptyRouting(4, 4);
+  routing.rank_tokens = {10, 50, 20, 0};
+  routing.sent_tokens[0 * 4 + 0] = 10;  // local rows cross no link
+  LayerCost c = cost.Estimate(p, routing);
+  EXPECT_DOUBLE_EQ(c.compute_seconds, cost.ComputeSeconds(50));
+  EXPECT_DOUBLE_EQ(c.all_to_all_seconds, 0);
+  EXPECT_DOUBLE_EQ(c.replica_sync_seconds, 0);  // one copy per expert: nothing to sync
+}
+
+TEST(CostModelTest, AllToAllUsesTheLinkOfEachPair) {
+  CostModel cost(TwoNodesOfTwo(), SmallModel());
+  auto p = Placement::Contiguous(4, 4, 1).value();
+  StepRouting intra = EmptyRouting(4, 4);
+  intra.sent_tokens[0 * 4 + 1] = 1000;  // rank 0 -> 1, same node
+  EXPECT_DOUBLE_EQ(cost.Estimate(p, intra).all_to_all_seconds, 1000 * 8 / 100e9 * 4);
+  StepRouting inter = EmptyRouting(4, 4);
+  inter.sent_tokens[0 * 4 + 2] = 1000;  // rank 0 -> 2, other node
+  EXPECT_DOUBLE_EQ(cost.Estimate(p, inter).all_to_all_seconds, 1000 * 8 / 10e9 * 4);
+}
+
+TEST(CostModelTest, ReplicaSyncIsARingOverTheCopies) {
+  CostModel cost(TwoNodesOfTwo(), SmallModel());
+  // Expert 0 on ranks 0 and 1 (same node): each ring edge carries W * passes * (m-1)/m = W.
+  auto pair = Placement::Create(3, 4, {0, 1, 0, 2, kEmptySlot, kEmptySlot, kEmptySlot, kEmptySlot})
+                  .value();
+  StepRouting routing = EmptyRouting(4, 8);
+  EXPECT_DOUBLE_EQ(cost.Estimate(pair, routing).replica_sync_seconds, 128 / 100e9);
+  // Expert 0 on ranks 0, 1 and 2: the ring crosses nodes; edges carry 2W * 2/3.
+  auto three = Placement::Create(3, 4, {0, 1, 0, 2, 0, kEmptySlot, kEmptySlot, kEmptySlot})
+                   .value();
+  StepRouting routing3 = EmptyRouting(4, 8);
+  EXPECT_DOUBLE_EQ(cost.Estimate(three, routing3).replica_sync_seconds,
+                   128 * 2 * 2.0 / 3.0 / 10e9);
+}
+
+TEST(CostModelTest, TransientReplicasArePricedAsAChainFromTheSource) {
+  CostModel cost(TwoNodesOfTwo(), SmallModel());
+  auto p = Placement::Contiguous(4, 4, 1).value();
+  StepRouting routing = EmptyRouting(4, 4);
+  routing.transients = {{/*expert=*/0, /*rank=*/1, /*source_rank=*/0}};
+  routing.transient_tokens = {5};
+  EXPECT_DOUBLE_EQ(cost.Estimate(p, routing).transient_seconds, 128 / 100e9);
+  // A second copy on rank 2 is fed by rank 1 over the inter-node link.
+  routing.transients.push_back({0, 2, 0});
+  routing.transient_tokens.push_back(5);
+  EXPECT_DOUBLE_EQ(cost.Estimate(p, routing).transient_seconds, 128 / 10e9);
+}
+
+TEST(CostModelTest, OnlyMigrationBeyondOneForwardBackwardIsExposed) {
+  CostModel cost(TwoNodesOfTwo(), SmallModel());
+  auto p = Placement::Contiguous(4, 4, 1).value();
+  StepRouting routing = EmptyRouting(4, 4);
+  routing.rank_tokens = {1e6, 0, 0, 0};
+  const double window = cost.ComputeSeconds(1e6);
+  EXPECT_DOUBLE_EQ(cost.Estimate(p, routing, window / 2).exposed_migration_seconds, 0);
+  EXPECT_NEAR(cost.Estimate(p, routing, window * 3).exposed_migration_seconds, window * 2, 1e-15);
+}
+
+TEST(CostModelTest, MigrationChargesWeightsForReplicasAndOptimizerForHomes) {
+  CostModel cost(TwoNodesOfTwo(), SmallModel());
+  auto from = Placement::Create(2, 4, {0, 1, kEmptySlot, kEmptySlot}).value();
+  // A replica of expert 0 on rank 3 (other node than its home): weights only, inter-node.
+  auto replica = Placement::Create(2, 4, {0, 1, kEmptySlot, 0}, {0, 1}).value();
+  MigrationCost m = cost.Migration(from, replica);
+  EXPECT_EQ(m.changed_slots, 1);
+  EXPECT_EQ(m.moved_homes, 0);
+  EXPECT_DOUBLE_EQ(m.bytes, 128);
+  EXPECT_DOUBLE_EQ(m.seconds, 128 / 10e9);
+  // The next replica on rank 2 is fed from rank 3, its node neighbour.
+  auto two = Placement::Create(2, 4, {0, 1, 0, 0}, {0, 1}).value();
+  EXPECT_DOUBLE_EQ(cost.Migration(replica, two).seconds, 128 / 100e9);
+  // Expert 1's home moves to rank 2 on the other node: weights + optimizer state.
+  auto moved = Placement::Create(2, 4, {0, kEmptySlot, 1, kEmptySlot}).value();
+  MigrationCost h = cost.Migration(from, moved);
+  EXPECT_EQ(h.moved_homes, 1);
+  EXPECT_DOUBLE_EQ(h.bytes, 64 * 14);
+  EXPECT_DOUBLE_EQ(h.seconds, 64 * 14 / 10e9);
+  // Unchanged placement: nothing moves.
+  MigrationCost none = cost.Migration(from, from);
+  EXPECT_EQ(none.changed_slots, 0);
+  EXPECT_DOUBLE_EQ(none.bytes, 0);
+}
+
+}  // namespace
+}  // namespace keel

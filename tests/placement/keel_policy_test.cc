@@ -1,0 +1,100 @@
+// The `keel` policy: incremental replans that spread hot experts, never co-locate two copies of
+// one expert, respect the move budget, and leave a balanced layer alone.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "placement/policy.h"
+
+namespace keel {
+namespace {
+
+// Default cost model: the 2048 x 8192 bf16 expert of configs/smartmoe-16gpu.yaml.
+PolicyContext Context(int nodes, int gpus, int experts, int slots, int transient) {
+  KeelConfig config;
+  config.topology.num_nodes = nodes;
+  config.topology.gpus_per_node = gpus;
+  config.slots.persistent_per_rank = slots;
+  config.slots.transient_per_rank = transient;
+  return PolicyContext::FromConfig(config, /*num_layers=*/1, experts).value();
+}
+
+int ChangedSlots(const Placement& a, const Placement& b) {
+  return DiffPlacements(a, b).changed_slots;
+}
+
+TEST(KeelPolicyTest, LeavesABalancedLayerAlone) {
+  PolicyContext context = Context(1, 4, 8, 3, 1);
+  auto policy = MakePolicy("keel", context).value();
+  Placement initial = policy->Initial(0).value();
+  std::vector<double> uniform(8, 1000.0);
+  Placement next = policy->Replan({0, &initial, uniform, nullptr}).value();
+  EXPECT_EQ(next, initial);
+}
+
+TEST(KeelPolicyTest, SpreadsAHotExpertWithinTheMoveBudget) {
+  PolicyContext context = Context(2, 4, 16, 3, 0);
+  context.config.keel.max_moves_per_replan = 3;
+  auto policy = MakePolicy("keel", context).value();
+  Placement current = policy->Initial(0).value();
+  std::vector<double> load(16, 1000.0);
+  load[5] = 20000.0;  // one expert takes most tokens
+  Placement next = policy->Replan({0, &current, load, nullptr}).value();
+  EXPECT_GT(next.logcnt()[5], 1);
+  EXPECT_LE(ChangedSlots(current, next), 3);
+  for (int g = 0; g < next.num_ranks(); ++g) {
+    for (int e = 0; e < next.num_experts(); ++e) {
+      int copies_here = 0;
+      for (int s : next.copies(e)) copies_here += next.rank_of_slot(s) == g;
+      EXPECT_LE(copies_here, 1) << "expert " << e << " twice on rank " << g;
+    }
+  }
+  // Predicted max rank load under quota routing went down.
+  auto est = StepLoad::FromExpertCounts(8, load).value();
+  auto before = PlanStepQuotas(current, est, context.topology, context.cost, {}).value();
+  auto after = PlanStepQuotas(next, est, context.topology, context.cost, {}).value();
+  EXPECT_LT(after.max_rank_tokens(), before.max_rank_tokens());
+}
+
+TEST(KeelPolicyTest, RepeatedReplansConvergeAndStop) {
+  PolicyContext context = Context(1, 8, 16, 3, 0);
+  auto policy = MakePolicy("keel", context).value();
+  Placement current = policy->Initial(0).value();
+  std::vector<double> load(16, 500.0);
+  load[0] = 8000.0;
+  load[9] = 4000.0;
+  int changes = 0;
+  for (int round = 0; round < 20; ++round) {
+    Placement next = policy->Replan({0, &current, load, nullptr}).value();
+    if (next == current) break;
+    ++changes;
+    current = next;
+  }
+  EXPECT_GT(changes, 0);
+  EXPECT_LT(changes, 20) << "replans never settled on a fixed load";
+  Placement again = policy->Replan({0, &current, load, nullptr}).value();
+  EXPECT_EQ(again, current);
+}
+
+TEST(KeelPolicyTest, RouteAddsTransientReplicasForABurst) {
+  PolicyContext context = Context(1, 8, 8, 1, 1);
+  context.config.keel.transient_replicas = true;
+  auto policy = MakePolicy("keel", context).value();
+  Placement p = policy->Initial(0).value();
+  std::vector<double> burst(8, 1000.0);
+  burst[3] = 60000.0;
+  auto load = StepLoad::FromExpertCounts(8, burst).value();
+  StepRouting with = policy->Route(0, p, load).value();
+  EXPECT_FALSE(with.transients.empty());
+  for (const auto& t : with.transients) EXPECT_FALSE(p.holds(t.rank, t.expert));
+  EXPECT_LT(with.imbalance(), RouteEvenly(p, load).imbalance());
+  const double total = std::accumulate(with.rank_tokens.begin(), with.rank_tokens.end(), 0.0);
+  EXPECT_DOUBLE_EQ(total, load.TotalTokens());
+
+  context.config.keel.transient_replicas = false;
+  auto plain = MakePolicy("keel", context).value();
+  EXPECT_TRUE(plain->Route(0, p, load).value().transients.empty());
+}
+
+}  // namespace
+}  // namespace keel

@@ -1,0 +1,411 @@
+// Keel's quota planner: the exact split against a brute-force optimum, the locality of the
+// source assignment, and when transient replicas are (and are not) added.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "placement/cost_model.h"
+#include "placement/routing.h"
+
+namespace keel {
+namespace {
+
+Placement MakePlacement(int num_experts, int num_ranks, std::vector<int> phy2log,
+                        std::vector<int> home = {}) {
+  auto p = Placement::Create(num_experts, num_ranks, std::move(phy2log), std::move(home));
+  EXPECT_TRUE(p.ok()) << p.status().ToString();
+  return std::move(p).value();
+}
+
+Topology MakeTopology(int num_nodes, int gpus_per_node, double intra_gb = 400,
+                      double inter_gb = 50) {
+  TopologyConfig config;
+  config.num_nodes = num_nodes;
+  config.gpus_per_node = gpus_per_node;
+  config.intra_node_gb_per_s = intra_gb;
+  config.inter_node_gb_per_s = inter_gb;
+  auto t = Topology::Create(config);
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  return std::move(t).value();
+}
+
+// Rank of every copy: persistent slots, then extra copies.
+std::vector<long long> RankLoads(const Placement& p, const std::vector<TransientReplica>& extras,
+                                 const QuotaSplit& split) {
+  std::vector<long long> loads(p.num_ranks(), 0);
+  for (int s = 0; s < p.num_slots(); ++s) loads[p.rank_of_slot(s)] += split.slot_quota[s];
+  for (size_t i = 0; i < extras.size(); ++i) loads[extras[i].rank] += split.extra_quota[i];
+  return loads;
+}
+
+// Minimal max rank load over every integer split, by dynamic programming over rank-load vectors.
+long long BruteForceMaxLoad(const Placement& p, const std::vector<long long>& tokens,
+                            const std::vector<TransientReplica>& extras) {
+  const int num_ranks = p.num_ranks();
+  std::vector<std::vector<long long>> states = {std::vector<long long>(num_ranks, 0)};
+  for (int e = 0; e < p.num_experts(); ++e) {
+    std::vector<int> ranks;
+    for (int slot : p.copies(e)) ranks.push_back(p.rank_of_slot(slot));
+    for (const TransientReplica& x : extras) {
+      if (x.expert == e) ranks.push_back(x.rank);
+    }
+    std::vector<std::vector<long long>> next;
+    for (const auto& state : states) {
+      // Every composition of tokens[e] into ranks.size() parts.
+      std::vector<long long> part(ranks.size(), 0);
+      auto recurse = [&](auto&& self, size_t i, long long left) -> void {
+        if (i + 1 == ranks.size()) {
+          part[i] = left;
+          std::vector<long long> s = state;
+          for (size_t k = 0; k < ranks.size(); ++k) s[ranks[k]] += part[k];
+          next.push_back(std::move(s));
+          return;
+        }
+        for (long long x = 0; x <= left; ++x) {
+          part[i] = x;
+          self(self, i + 1, left - x);
+        }
+      };
+      recurse(recurse, 0, tokens[e]);
+    }
+    std::sort(next.begin(), next.end());
+    next.erase(std::unique(next.begin(), next.end()), next.end());
+    states = std::move(next);
+  }
+  long long best = -1;
+  for (const auto& s : states) {
+    const long long m = *std::max_element(s.begin(), s.end());
+    if (best < 0 || m < best) best = m;
+  }
+  return best;
+}
+
+TEST(SplitQuotasTest, MatchesBruteForceOnSmallRandomCases) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 150; ++trial) {
+    const int num_ranks = 1 + rng() % 4;
+    const int num_experts = 1 + rng() % 5;
+    const int slots_per_rank = (num_experts + num_ranks - 1) / num_ranks + 1 + rng() % 2;
+    // Every expert once, then random extra persistent copies (up to 3 copies in all), rest empty;
+    // a rank may hold two copies of one expert.
+    std::vector<int> phy2log(num_ranks * slots_per_rank, kEmptySlot);
+    std::vector<int> order(phy2log.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<int> copies(num_experts, 1);
+    size_t next = 0;
+    for (int e = 0; e < num_experts; ++e) phy2log[order[next++]] = e;
+    for (; next < order.size(); ++next) {
+      const int e = rng() % (num_experts + 1);
+      if (e < num_experts && copies[e] < 3) {
+        phy2log[order[next]] = e;
+        ++copies[e];
+      }
+    }
+    Placement p = MakePlacement(num_experts, num_ranks, phy2log);
+    std::vector<TransientReplica> extras;
+    if (rng() % 2) {
+      const int e = rng() % num_experts;
+      if (copies[e] < 3) extras.push_back({e, static_cast<int>(rng() % num_ranks), 0});
+    }
+    std::vector<long long> tokens(num_experts);
+    for (auto& t : tokens) t = rng() % 9;
+
+    const QuotaSplit split = SplitQuotas(p, tokens, extras);
+    ASSERT_EQ(split.slot_quota.size(), static_cast<size_t>(p.num_slots()));
+    ASSERT_EQ(split.extra_quota.size(), extras.size());
+    const auto loads = RankLoads(p, extras, split);
+    EXPECT_EQ(split.max_rank_tokens, *std::max_element(loads.begin(), loads.end()));
+    EXPECT_EQ(split.max_rank_tokens, BruteForceMaxLoad(p, tokens, extras)) << "trial " << trial;
+    // Quotas are non-negative, only on copies of the expert, and sum to its tokens.
+    std::vector<long long> sums(num_experts, 0);
+    for (int s = 0; s < p.num_slots(); ++s) {
+      EXPECT_GE(split.slot_quota[s], 0);
+      if (p.expert_at(s) == kEmptySlot) {
+        EXPECT_EQ(split.slot_quota[s], 0);
+      } else {
+        sums[p.expert_at(s)] += split.slot_quota[s];
+      }
+    }
+    for (size_t i = 0; i < extras.size(); ++i) sums[extras[i].expert] += split.extra_quota[i];
+    EXPECT_EQ(sums, tokens) << "trial " << trial;
+  }
+}
+
+TEST(SplitQuotasTest, SingleCopyExpertsStayPut) {
+  // Rank 0: experts 0, 1; rank 1: experts 2, 1. Expert 0 and 2 have one copy each.
+  Placement p = MakePlacement(3, 2, {0, 1, 2, 1});
+  const QuotaSplit split = SplitQuotas(p, {10, 6, 2}, {});
+  EXPECT_EQ(split.slot_quota[0], 10);
+  EXPECT_EQ(split.slot_quota[2], 2);
+  EXPECT_EQ(split.slot_quota[1], 0);  // expert 1 goes to the lighter rank 1
+  EXPECT_EQ(split.slot_quota[3], 6);
+  EXPECT_EQ(split.max_rank_tokens, 10);
+}
+
+TEST(SplitQuotasTest, TwoCopiesOnOneRankShareItEvenly) {
+  Placement p = MakePlacement(2, 2, {0, 0, 1, kEmptySlot});
+  const QuotaSplit split = SplitQuotas(p, {5, 1}, {});
+  EXPECT_EQ(split.slot_quota, (std::vector<long long>{3, 2, 1, 0}));
+  EXPECT_EQ(split.max_rank_tokens, 5);
+}
+
+TEST(SplitQuotasTest, ExtraCopyTakesShare) {
+  Placement p = MakePlacement(2, 2, {0, 1});
+  const QuotaSplit without = SplitQuotas(p, {10, 2}, {});
+  EXPECT_EQ(without.max_rank_tokens, 10);
+  const QuotaSplit with = SplitQuotas(p, {10, 2}, {{0, 1, 0}});
+  EXPECT_EQ(with.max_rank_tokens, 6);
+  EXPECT_EQ(with.slot_quota[0] + with.extra_quota[0], 10);
+}
+
+TEST(SplitQuotasTest, IsDeterministic) {
+  std::mt19937 rng(3);
+  std::vector<int> phy2log;
+  for (int s = 0; s < 40; ++s) phy2log.push_back(s < 32 ? s : static_cast<int>(rng() % 32));
+  Placement p = MakePlacement(32, 8, phy2log);
+  std::vector<long long> tokens(32);
+  for (auto& t : tokens) t = rng() % 1000;
+  const QuotaSplit a = SplitQuotas(p, tokens, {{3, 5, 0}});
+  const QuotaSplit b = SplitQuotas(p, tokens, {{3, 5, 0}});
+  EXPECT_EQ(a.slot_quota, b.slot_quota);
+  EXPECT_EQ(a.extra_quota, b.extra_quota);
+  EXPECT_EQ(a.max_rank_tokens, b.max_rank_tokens);
+}
+
+TEST(SplitQuotasTest, ZeroTokens) {
+  Placement p = MakePlacement(2, 2, {0, 1, 1, 0});
+  const QuotaSplit split = SplitQuotas(p, {0, 0}, {});
+  EXPECT_EQ(split.max_rank_tokens, 0);
+  EXPECT_EQ(split.slot_quota, (std::vector<long long>(4, 0)));
+}
+
+// --- PlanStepQuotas ---------------------------------------------------------------------------
+
+CostModelConfig SmallExperts() {
+  CostModelConfig config;
+  config.hidden_size = 64;
+  config.expert_ffn_size = 64;
+  config.expert_tflops = 1e-6;  // compute dominates: a transient replica pays for itself
+  return config;
+}
+
+void ExpectConsistent(const Placement& p, const StepLoad& load, const StepRouting& r) {
+  const int num_ranks = p.num_ranks();
+  const double total = load.TotalTokens();
+  EXPECT_NEAR(std::accumulate(r.rank_tokens.begin(), r.rank_tokens.end(), 0.0), total,
+              1e-9 * (1 + total));
+  double slots = std::accumulate(r.slot_tokens.begin(), r.slot_tokens.end(), 0.0);
+  slots = std::accumulate(r.transient_tokens.begin(), r.transient_tokens.end(), slots);
+  EXPECT_NEAR(slots, total, 1e-9 * (1 + total));
+  ASSERT_EQ(r.transient_tokens.size(), r.transients.size());
+  // Row sums of the traffic are what each source rank sent; column sums what each rank computes.
+  std::vector<double> sent(num_ranks, 0.0);
+  for (int s = 0; s < load.num_sources; ++s) {
+    for (int e = 0; e < load.num_experts; ++e) sent[s % num_ranks] += load.at(s, e);
+  }
+  for (int src = 0; src < num_ranks; ++src) {
+    double row = 0;
+    double column = 0;
+    for (int dst = 0; dst < num_ranks; ++dst) {
+      row += r.sent_tokens[src * num_ranks + dst];
+      column += r.sent_tokens[dst * num_ranks + src];
+      EXPECT_GE(r.sent_tokens[src * num_ranks + dst], -1e-9);
+    }
+    EXPECT_NEAR(row, sent[src], 1e-9 * (1 + total));
+    EXPECT_NEAR(column, r.rank_tokens[src], 1e-9 * (1 + total));
+  }
+}
+
+TEST(PlanStepQuotasTest, KeepsTokensLocalWhenQuotaAllows) {
+  // Expert 0 on ranks 0 and 1, 10 tokens from each: the split is 10/10 and nothing crosses.
+  Placement p = MakePlacement(3, 2, {0, 1, 0, 2});
+  auto load = StepLoad::FromTraffic(2, 3, {10, 5, 0, 10, 0, 5});
+  ASSERT_TRUE(load.ok());
+  const Topology topo = MakeTopology(1, 2);
+  const CostModel cost(topo, CostModelConfig{});
+  auto r = PlanStepQuotas(p, *load, topo, cost, {});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ExpectConsistent(p, *load, *r);
+  EXPECT_DOUBLE_EQ(r->sent_tokens[0 * 2 + 1], 0.0);
+  EXPECT_DOUBLE_EQ(r->sent_tokens[1 * 2 + 0], 0.0);
+  EXPECT_DOUBLE_EQ(r->rank_tokens[0], 15.0);
+  EXPECT_DOUBLE_EQ(r->rank_tokens[1], 15.0);
+}
+
+TEST(PlanStepQuotasTest, PrefersSameNodeCopyWhenLocalQuotaIsFull) {
+  // Two nodes of two ranks. Expert 0 on ranks 0, 1 (node 0) and 2 (node 1); all of its 30 tokens
+  // come from rank 0, whose local copy takes 10: the next 10 go to rank 1, not rank 2.
+  Placement p = MakePlacement(1, 4, {0, 0, 0, kEmptySlot});
+  std::vector<double> traffic = {30, 0, 0, 0};
+  auto load = StepLoad::FromTraffic(4, 1, traffic);
+  ASSERT_TRUE(load.ok());
+  const Topology topo = MakeTopology(2, 2);
+  const CostModel cost(topo, CostModelConfig{});
+  auto r = PlanStepQuotas(p, *load, topo, cost, {});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ExpectConsistent(p, *load, *r);
+  EXPECT_DOUBLE_EQ(r->sent_tokens[0], 10.0);
+  EXPECT_DOUBLE_EQ(r->sent_tokens[1], 10.0);
+  EXPECT_DOUBLE_EQ(r->sent_tokens[2], 10.0);
+}
+
+TEST(PlanStepQuotasTest, ManySourcesMapRoundRobin) {
+  Placement p = MakePlacement(2, 2, {0, 1});
+  auto load = StepLoad::FromTraffic(4, 2, {1, 2, 3, 4, 5, 6, 7, 8});
+  ASSERT_TRUE(load.ok());
+  const Topology topo = MakeTopology(1, 2);
+  const CostModel cost(topo, CostModelConfig{});
+  auto r = PlanStepQuotas(p, *load, topo, cost, {});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ExpectConsistent(p, *load, *r);
+  EXPECT_DOUBLE_EQ(r->sent_tokens[0 * 2 + 1], 2.0 + 6.0);  // sources 0 and 2 are rank 0
+}
+
+TEST(PlanStepQuotasTest, RejectsMismatchedInputs) {
+  Placement p = MakePlacement(2, 2, {0, 1});
+  const Topology topo = MakeTopology(1, 2);
+  const CostModel cost(topo, CostModelConfig{});
+  auto load = StepLoad::FromExpertCounts(2, std::vector<double>{1, 2, 3});
+  ASSERT_TRUE(load.ok());
+  auto r = PlanStepQuotas(p, *load, topo, cost, {});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("load.num_experts 3"), std::string::npos);
+  auto good = StepLoad::FromExpertCounts(2, std::vector<double>{1, 2});
+  ASSERT_TRUE(good.ok());
+  const Topology big = MakeTopology(1, 4);
+  r = PlanStepQuotas(p, *good, big, CostModel(big, {}), {});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("topology has 4 ranks"), std::string::npos);
+  r = PlanStepQuotas(p, *good, topo, cost, {.transient_per_rank = -1});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("transient_per_rank must be >= 0, got -1"),
+            std::string::npos);
+}
+
+// A hot expert with one copy on rank 0 of an 8-rank node.
+struct HotCase {
+  Placement placement = MakePlacement(8, 8, {0, 1, 2, 3, 4, 5, 6, 7});
+  StepLoad load;
+  HotCase() {
+    std::vector<double> counts = {800, 10, 10, 10, 10, 10, 10, 10};
+    load = StepLoad::FromExpertCounts(8, counts).value();
+  }
+};
+
+TEST(PlanStepQuotasTest, AddsTransientsForHotExpertWhenTheyPay) {
+  HotCase c;
+  const Topology topo = MakeTopology(1, 8);
+  const CostModel cost(topo, SmallExperts());
+  auto r = PlanStepQuotas(c.placement, c.load, topo, cost, {.transient_per_rank = 1});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ExpectConsistent(c.placement, c.load, *r);
+  EXPECT_FALSE(r->transients.empty());
+  std::vector<int> per_rank(8, 0);
+  for (const TransientReplica& t : r->transients) {
+    EXPECT_EQ(t.expert, 0);
+    EXPECT_FALSE(c.placement.holds(t.rank, t.expert));
+    EXPECT_EQ(t.source_rank, 0);  // same node: fed from the holder
+    EXPECT_LE(++per_rank[t.rank], 1);
+  }
+  auto none = PlanStepQuotas(c.placement, c.load, topo, cost, {});
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->transients.empty());
+  EXPECT_LT(r->max_rank_tokens(), none->max_rank_tokens());
+  EXPECT_LT(cost.Estimate(c.placement, *r).total_seconds(),
+            cost.Estimate(c.placement, *none).total_seconds());
+}
+
+TEST(PlanStepQuotasTest, NoTransientsWhenWeightsAreExpensive) {
+  HotCase c;
+  const Topology topo = MakeTopology(1, 8);
+  CostModelConfig config;
+  config.hidden_size = 16384;
+  config.expert_ffn_size = 65536;
+  const CostModel cost(topo, config);
+  auto r = PlanStepQuotas(c.placement, c.load, topo, cost, {.transient_per_rank = 2});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(r->transients.empty());
+}
+
+TEST(PlanStepQuotasTest, TransientsRespectPerRankLimitAndHolders) {
+  std::mt19937 rng(11);
+  const Topology topo = MakeTopology(2, 4, 400, 25);
+  const CostModel cost(topo, SmallExperts());
+  for (int trial = 0; trial < 30; ++trial) {
+    std::vector<int> phy2log;
+    for (int s = 0; s < 24; ++s) phy2log.push_back(s < 16 ? s : static_cast<int>(rng() % 16));
+    Placement p = MakePlacement(16, 8, phy2log);
+    std::vector<double> traffic(8 * 16);
+    for (int s = 0; s < 8; ++s) {
+      for (int e = 0; e < 16; ++e) traffic[s * 16 + e] = (e < 2 ? 400 : 1) * (rng() % 5);
+    }
+    auto load = StepLoad::FromTraffic(8, 16, traffic);
+    ASSERT_TRUE(load.ok());
+    const int limit = 1 + trial % 2;
+    auto r = PlanStepQuotas(p, *load, topo, cost, {.transient_per_rank = limit});
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ExpectConsistent(p, *load, *r);
+    std::vector<int> per_rank(8, 0);
+    for (size_t i = 0; i < r->transients.size(); ++i) {
+      const TransientReplica& t = r->transients[i];
+      EXPECT_FALSE(p.holds(t.rank, t.expert));
+      EXPECT_TRUE(p.holds(t.source_rank, t.expert));
+      EXPECT_LE(++per_rank[t.rank], limit);
+      for (size_t j = 0; j < i; ++j) {
+        EXPECT_FALSE(r->transients[j].expert == t.expert && r->transients[j].rank == t.rank);
+      }
+    }
+    auto plain = PlanStepQuotas(p, *load, topo, cost, {});
+    ASSERT_TRUE(plain.ok());
+    EXPECT_LE(cost.Estimate(p, *r).total_seconds(), cost.Estimate(p, *plain).total_seconds());
+  }
+}
+
+TEST(PlanStepQuotasTest, NeverLessBalancedThanEvenRouting) {
+  std::mt19937 rng(5);
+  const Topology topo = MakeTopology(2, 4);
+  const CostModel cost(topo, CostModelConfig{});
+  for (int trial = 0; trial < 100; ++trial) {
+    const int num_experts = 8 + rng() % 17;
+    std::vector<int> phy2log;
+    for (int s = 0; s < 8 * 4; ++s) {
+      phy2log.push_back(s < num_experts ? s : static_cast<int>(rng() % num_experts));
+    }
+    std::shuffle(phy2log.begin(), phy2log.end(), rng);
+    Placement p = MakePlacement(num_experts, 8, phy2log);
+    std::vector<double> traffic(8 * num_experts);
+    std::uniform_int_distribution<int> skew(0, 3);
+    for (auto& t : traffic) t = std::floor(std::pow(10.0, skew(rng)) * (rng() % 7));
+    auto load = StepLoad::FromTraffic(8, num_experts, traffic);
+    ASSERT_TRUE(load.ok());
+    auto r = PlanStepQuotas(p, *load, topo, cost, {});
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ExpectConsistent(p, *load, *r);
+    const StepRouting even = RouteEvenly(p, *load);
+    // Integer quotas can exceed a fractional even split by less than one token.
+    EXPECT_LE(r->max_rank_tokens(), std::ceil(even.max_rank_tokens() - 1e-9)) << "trial " << trial;
+    // The same inputs give the same routing.
+    auto again = PlanStepQuotas(p, *load, topo, cost, {});
+    ASSERT_TRUE(again.ok());
+    EXPECT_EQ(r->sent_tokens, again->sent_tokens);
+  }
+}
+
+TEST(PlanStepQuotasTest, FractionalLoadsKeepTheirTotals) {
+  Placement p = MakePlacement(3, 2, {0, 1, 0, 2});
+  auto load = StepLoad::FromTraffic(2, 3, {0.3, 2.6, 0.1, 1.7, 0.2, 3.9});
+  ASSERT_TRUE(load.ok());
+  const Topology topo = MakeTopology(1, 2);
+  const CostModel cost(topo, CostModelConfig{});
+  auto r = PlanStepQuotas(p, *load, topo, cost, {});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ExpectConsistent(p, *load, *r);
+}
+
+}  // namespace
+}  // namespace keel

@@ -1,0 +1,99 @@
+// Offline replay of a routing trace under placement policies: the engine behind `keel replay`.
+// Every policy sees the same trace, topology and cost model, plans causally from estimated loads
+// (or, in oracle mode, from the step's own load), and is scored on balance, moved state and the
+// cost model's simulated step time. Metrics are defined in docs/replay.md.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/config.h"
+#include "common/status.h"
+#include "monitor/trace.h"
+
+namespace keel::tools {
+
+struct ReplayOptions {
+  // Policies to replay, by name (see keel::PolicyNames()); empty means all of them.
+  std::vector<std::string> policies;
+  // Plan for step t from step t's own load (an upper bound) instead of the estimate from steps
+  // before t.
+  bool oracle = false;
+  // Called from worker threads after each replayed step: (index into `policies`, steps done,
+  // total steps). May be empty.
+  std::function<void(int policy, int steps_done, int total_steps)> progress;
+  // Policies replayed at the same time; 0 = std::thread::hardware_concurrency().
+  int max_threads = 0;
+  // Layer whose per-expert load the heatmap series shows; -1 = summed over all layers.
+  int heatmap_layer = -1;
+};
+
+// Summary statistics of one metric. Percentiles interpolate linearly between order statistics
+// (numpy's default), so p50 <= p90 <= p99 <= max always holds.
+struct Distribution {
+  int count = 0;
+  double mean = 0;
+  double p50 = 0;
+  double p90 = 0;
+  double p99 = 0;
+  double max = 0;
+};
+Distribution Summarize(std::vector<double> values);
+
+// One policy's results. Everything except the two wall-clock fields is deterministic.
+struct PolicyReplay {
+  std::string name;
+  Distribution imbalance;  // max/mean rank load over every (step, layer), after routing
+  double lb_gap = 0;       // mean over (step, layer) of max rank load / lower bound
+  long layer_replans = 0;  // Replan calls (one per layer per replan step)
+  long moved_slots_total = 0;
+  double moved_slots_per_replan = 0;  // moved_slots_total / layer_replans
+  long moved_homes_total = 0;
+  double moved_bytes_total = 0;
+  double transient_replicas_per_layer_step = 0;  // mean transient replicas per (step, layer)
+  Distribution sim_step_seconds;                 // per step: sum over layers of the cost model
+  double sim_total_seconds = 0;
+  Distribution planner_seconds_per_layer;  // wall time of each Replan call (not deterministic)
+  double wall_seconds = 0;                 // this policy's whole replay (not deterministic)
+  // Per-step series for plots: [num_steps] mean imbalance over layers, and simulated seconds.
+  std::vector<double> step_imbalance;
+  std::vector<double> step_seconds;
+};
+
+struct ReplayReport {
+  // The trace's shape.
+  std::string trace_description;
+  int num_steps = 0;
+  int num_layers = 0;
+  int num_experts = 0;
+  int num_sources = 0;
+  KeelConfig config;  // as replayed (topology, slots, cost model, estimator, policy parameters)
+  bool oracle = false;
+  std::vector<PolicyReplay> policies;  // in the order of ReplayOptions::policies
+  // [num_steps * num_experts] share of the layer's tokens per expert (of heatmap_layer, or of all
+  // layers together when heatmap_layer is -1), step-major.
+  int heatmap_layer = -1;
+  std::vector<double> expert_share;
+  double wall_seconds = 0;
+};
+
+// Replays `trace` under every policy in `options`, each policy in its own thread with its own
+// Policy and estimators, so results do not depend on threading. Fails on an invalid trace, a
+// config the trace does not fit (e.g. fewer slots than experts), an unknown policy name, or a
+// policy error (naming the policy, step and layer).
+Result<ReplayReport> ReplayTrace(const Trace& trace, const KeelConfig& config,
+                                 const ReplayOptions& options);
+
+// The report as JSON: trace shape, config summary, mode, "policies": {name: metrics}, and
+// "wall_seconds". `include_series` adds each policy's per-step series (compact: 4 significant
+// digits); the per-expert heatmap series is never included, it only feeds the plot.
+nlohmann::json ReplayReportToJson(const ReplayReport& report, bool include_series = true);
+
+// Writes `contents` to `path` through a temporary file in the same folder and a rename, so a
+// reader never sees a half-written file.
+Status WriteFileAtomically(const std::string& path, const std::string& contents);
+
+}  // namespace keel::tools
