@@ -22,10 +22,6 @@
 
 namespace keel {
 
-// Renders `config` as a complete YAML file with every key and its documentation as comments;
-// ParseConfig reads the result back to an equal config. Used by `keel config --defaults`.
-std::string ConfigToYaml(const KeelConfig& config);
-
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();

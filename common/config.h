@@ -102,6 +102,10 @@ Status ValidateConfig(const KeelConfig& config);
 std::string ConfigReferenceMarkdown();
 std::string ConfigHelpText();
 
+// `config` as a complete YAML file, every key documented in a comment; ParseConfig reads it back
+// to an equal config. `keel config --defaults` prints it for the defaults.
+std::string ConfigToYaml(const KeelConfig& config);
+
 std::string_view EstimatorKindName(EstimatorKind kind);
 
 }  // namespace keel

@@ -7,11 +7,6 @@
 #include "common/config.h"
 #include "tools/commands.h"
 
-namespace keel {
-// Defined in common/config.cc: every key of `config` as YAML, documented in comments.
-std::string ConfigToYaml(const KeelConfig& config);
-}  // namespace keel
-
 namespace keel::tools {
 namespace {
 

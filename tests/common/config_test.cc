@@ -14,9 +14,6 @@
 #include <string>
 
 namespace keel {
-// Defined in common/config.cc (used by `keel config --defaults`).
-std::string ConfigToYaml(const KeelConfig& config);
-
 namespace {
 
 // Fails the test unless parsing `yaml` fails with a message that contains every one of `parts`.

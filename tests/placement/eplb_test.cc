@@ -130,6 +130,30 @@ TEST(EplbTest, GlobalWhenGroupsDoNotDivideAmongNodes) {
   EXPECT_EQ(same->logcnt, out->logcnt);
 }
 
+TEST(EplbTest, ManyGpusPerNode) {
+  // 24 GPUs on one node, two slots each: more GPUs than the packing scans linearly. Expected
+  // values were checked against a straightforward model of the reference (a linear scan over
+  // packs at every step).
+  EplbInput in = ReadmeInput();
+  in.num_layers = 1;
+  in.weight.resize(12);
+  in.num_replicas = 48;
+  in.num_groups = 1;
+  in.num_nodes = 1;
+  in.num_gpus = 24;
+  auto out = RebalanceExperts(in);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out->phy2log,
+            (std::vector<int>{8,  9, 8,  9, 8,  7,  5,  3,  5,  3,  5,  2,  5,  2, 5,  6,
+                              5,  6, 5,  9, 10, 11, 10, 11, 10, 4,  10, 4,  10, 4, 10, 4,
+                              10, 4, 10, 3, 0,  1,  0,  1,  0,  11, 0,  11, 1,  1, 1,  1}));
+  EXPECT_EQ(out->logcnt, (std::vector<int>{4, 6, 2, 3, 5, 7, 2, 1, 3, 3, 8, 4}));
+  EXPECT_EQ(out->max_replicas, 8);
+  EXPECT_EQ(std::vector<int>(out->log2phy.begin() + 10 * 8, out->log2phy.begin() + 11 * 8),
+            (std::vector<int>{20, 22, 24, 26, 28, 30, 32, 34}));
+  ExpectConsistent(in, *out);
+}
+
 TEST(EplbTest, EqualWeightsGoToTheLowestIndex) {
   EplbInput in;
   in.num_layers = 1;
@@ -247,9 +271,9 @@ TEST(EplbTest, RandomLoadsKeepInvariantsAndAreDeterministic) {
   struct Case {
     int layers, experts, replicas, groups, nodes, gpus;
   };
-  const Case cases[] = {{4, 32, 48, 8, 2, 8},   {3, 64, 72, 8, 4, 8},  {5, 16, 16, 4, 4, 4},
-                        {2, 24, 40, 3, 2, 8},   {4, 60, 64, 1, 4, 16}, {3, 7, 9, 1, 1, 3},
-                        {2, 256, 288, 8, 8, 32}};
+  const Case cases[] = {{4, 32, 48, 8, 2, 8},    {3, 64, 72, 8, 4, 8},   {5, 16, 16, 4, 4, 4},
+                        {2, 24, 40, 3, 2, 8},    {4, 60, 64, 1, 4, 16},  {3, 7, 9, 1, 1, 3},
+                        {2, 256, 288, 8, 8, 32}, {2, 256, 288, 1, 8, 32}};
   std::mt19937 rng(20240611);
   for (const Case& c : cases) {
     for (int trial = 0; trial < 5; ++trial) {
