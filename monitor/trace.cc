@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <system_error>
 
+#include "common/file.h"
 #include "monitor/trace_import.h"
 
 namespace keel {
@@ -37,21 +38,6 @@ std::string KnownFormatList() {
     list += entry.name;
   }
   return list;
-}
-
-Result<std::string> ReadWholeFile(const std::string& path) {
-  std::FILE* file = std::fopen(path.c_str(), "rb");
-  if (file == nullptr) {
-    return NotFound(path + ": cannot open: " + std::generic_category().message(errno));
-  }
-  std::string text;
-  char buffer[1 << 16];
-  size_t got = 0;
-  while ((got = std::fread(buffer, 1, sizeof(buffer), file)) > 0) text.append(buffer, got);
-  bool failed = std::ferror(file) != 0;
-  std::fclose(file);
-  if (failed) return IoError(path + ": read failed");
-  return text;
 }
 
 // Reads an integer member of the header; errors name the key and the bad value.
@@ -223,7 +209,7 @@ Result<Trace> ReadTrace(const std::string& path, TraceFormat format) {
 }
 
 Result<Trace> ReadKeelTrace(const std::string& path) {
-  KEEL_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(path));
+  KEEL_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
   Trace trace;
   std::string_view rest = text;
   int line_number = 0;
@@ -282,28 +268,19 @@ Result<Trace> ReadKeelTrace(const std::string& path) {
 
 Status WriteKeelTrace(const Trace& trace, const std::string& path) {
   KEEL_RETURN_IF_ERROR(trace.Validate().WithContext(path));
-  // Written next to the destination and renamed over it, so a failure never leaves a half file.
-  const std::string temporary = path + ".tmp";
-  std::FILE* file = std::fopen(temporary.c_str(), "wb");
-  if (file == nullptr) {
-    return IoError(temporary + ": cannot create: " + std::generic_category().message(errno));
-  }
   std::string out = "{\"keel_trace\": " + std::to_string(kKeelTraceVersion) + ", \"description\": ";
   try {
     out += nlohmann::json(trace.description)
                .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   } catch (const nlohmann::json::exception& error) {
-    std::fclose(file);
-    std::remove(temporary.c_str());
     return InvalidArgument(path + ": cannot encode description: " + error.what());
   }
   out += ", \"num_layers\": " + std::to_string(trace.num_layers) +
          ", \"num_experts\": " + std::to_string(trace.num_experts) +
          ", \"num_sources\": " + std::to_string(trace.num_sources) + "}";
   out += '\n';
-  bool ok = true;
   const int row_size = trace.row_size();
-  for (int step = 0; step < trace.num_steps() && ok; ++step) {
+  for (int step = 0; step < trace.num_steps(); ++step) {
     out += "{\"step\": ";
     char id[24];
     out.append(id, std::to_chars(id, id + sizeof(id), trace.step_ids[step]).ptr);
@@ -318,24 +295,8 @@ Status WriteKeelTrace(const Trace& trace, const std::string& path) {
       out += ']';
     }
     out += "]}\n";
-    if (out.size() > (1 << 20)) {
-      ok = std::fwrite(out.data(), 1, out.size(), file) == out.size();
-      out.clear();
-    }
   }
-  if (ok && !out.empty()) ok = std::fwrite(out.data(), 1, out.size(), file) == out.size();
-  ok = std::fclose(file) == 0 && ok;
-  if (!ok) {
-    std::remove(temporary.c_str());
-    return IoError(temporary + ": write failed (disk full?)");
-  }
-  std::error_code error;
-  std::filesystem::rename(temporary, path, error);
-  if (error) {
-    std::remove(temporary.c_str());
-    return IoError(path + ": cannot rename " + temporary + " into place: " + error.message());
-  }
-  return Status::Ok();
+  return WriteFileAtomically(path, out);
 }
 
 }  // namespace keel

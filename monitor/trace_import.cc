@@ -3,6 +3,8 @@
 // turns its input into a keel::Trace and names the file, line and value it cannot use.
 #include "monitor/trace_import.h"
 
+#include "common/file.h"
+
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -29,26 +31,6 @@ namespace keel {
 namespace {
 
 namespace fs = std::filesystem;
-
-Result<std::string> ReadFileText(const std::string& path) {
-  std::FILE* file = std::fopen(path.c_str(), "rb");
-  if (file == nullptr) {
-    return NotFound(path + ": cannot open: " + std::generic_category().message(errno));
-  }
-  std::string text;
-  if (std::fseek(file, 0, SEEK_END) == 0) {
-    long size = std::ftell(file);
-    if (size > 0) text.reserve(static_cast<size_t>(size));
-    std::rewind(file);
-  }
-  char buffer[1 << 16];
-  size_t got = 0;
-  while ((got = std::fread(buffer, 1, sizeof(buffer), file)) > 0) text.append(buffer, got);
-  bool failed = std::ferror(file) != 0;
-  std::fclose(file);
-  if (failed) return IoError(path + ": read failed");
-  return text;
-}
 
 // Splits text into lines (without '\n' or a trailing '\r'); trailing empty lines are dropped.
 std::vector<std::string_view> SplitLines(std::string_view text) {
@@ -332,7 +314,7 @@ Result<Trace> ImportSmartMoeFolder(const std::string& folder, const std::string&
   }
 
   // The first file fixes the number of layers (lines) and experts (entries per list).
-  KEEL_ASSIGN_OR_RETURN(std::string first_text, ReadFileText(files[0].path));
+  KEEL_ASSIGN_OR_RETURN(std::string first_text, ReadFile(files[0].path));
   std::vector<std::string_view> first_lines = SplitLines(first_text);
   if (first_lines.empty()) return InvalidArgument(files[0].path + ": empty table");
   KEEL_ASSIGN_OR_RETURN(int num_experts, SmartMoeExpertsOf(first_lines[0], files[0].path + ":1"));
@@ -357,7 +339,7 @@ Result<Trace> ImportSmartMoeFolder(const std::string& folder, const std::string&
     if (i == 0) {
       text = std::move(first_text);
     } else {
-      KEEL_ASSIGN_OR_RETURN(text, ReadFileText(file.path));
+      KEEL_ASSIGN_OR_RETURN(text, ReadFile(file.path));
     }
     std::vector<std::string_view> lines = SplitLines(text);
     if (static_cast<int>(lines.size()) != trace.num_layers) {
@@ -641,7 +623,7 @@ Result<Trace> ImportEsftTrace(const std::string& path, const EsftImportOptions& 
   size_t num_sequences = 0;
   std::string first_file;
   for (const auto& [layer, file] : layer_files) {
-    KEEL_ASSIGN_OR_RETURN(std::string text, ReadFileText(file));
+    KEEL_ASSIGN_OR_RETURN(std::string text, ReadFile(file));
     std::vector<std::string_view> lines = SplitLines(text);
     if (layer == 1) {
       num_sequences = lines.size();
@@ -675,7 +657,7 @@ Result<Trace> ImportOlmoeTrace(const std::string& path, const OlmoeImportOptions
   if (IsFolder(path)) {
     file = (fs::path(path) / "expert_counts_derived.json").string();
   }
-  KEEL_ASSIGN_OR_RETURN(std::string text, ReadFileText(file));
+  KEEL_ASSIGN_OR_RETURN(std::string text, ReadFile(file));
   nlohmann::json root;
   try {
     root = nlohmann::json::parse(text);
@@ -781,7 +763,7 @@ Result<Trace> ImportMegatronTrace(const std::string& path, const MegatronImportO
   std::map<MegatronRecordKey, std::vector<double>> records;
   int records_read = 0;
   for (const std::string& file : files) {
-    KEEL_ASSIGN_OR_RETURN(std::string text, ReadFileText(file));
+    KEEL_ASSIGN_OR_RETURN(std::string text, ReadFile(file));
     std::vector<std::string_view> lines = SplitLines(text);
     for (size_t line = 0; line < lines.size(); ++line) {
       if (lines[line].find_first_not_of(" \t") == std::string_view::npos) continue;

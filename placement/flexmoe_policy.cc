@@ -10,22 +10,6 @@
 namespace keel {
 namespace {
 
-// The step a replan plans for: the estimated traffic matrix when known, otherwise the estimated
-// per-expert totals sent evenly from every rank.
-Result<StepLoad> ExpectedLoad(const LayerView& view, int num_ranks) {
-  const int num_experts = view.current->num_experts();
-  if (static_cast<int>(view.expert_load.size()) != num_experts) {
-    return InvalidArgument("expert_load has " + std::to_string(view.expert_load.size()) +
-                           " entries, expected num_experts " + std::to_string(num_experts));
-  }
-  if (view.traffic == nullptr) return StepLoad::FromExpertCounts(num_ranks, view.expert_load);
-  if (view.traffic->num_experts != num_experts) {
-    return InvalidArgument("traffic has " + std::to_string(view.traffic->num_experts) +
-                           " experts, expected num_experts " + std::to_string(num_experts));
-  }
-  return *view.traffic;
-}
-
 // Each copy's share of its expert's load when tokens split evenly among copies.
 std::vector<double> CopyShare(const Placement& placement, std::span<const double> expert_load) {
   std::vector<double> share(placement.num_experts());
@@ -56,7 +40,7 @@ class FlexMoePolicy final : public Policy {
   Result<Placement> Replan(const LayerView& view) override {
     if (view.current == nullptr) return InvalidArgument("flexmoe: LayerView.current is null");
     const Placement& current = *view.current;
-    KEEL_ASSIGN_OR_RETURN(const StepLoad load, ExpectedLoad(view, current.num_ranks()));
+    KEEL_ASSIGN_OR_RETURN(const StepLoad load, ExpectedStepLoad(view));
 
     const std::vector<double> rank_load = RankLoads(current, CopyShare(current, view.expert_load));
     double total = 0;

@@ -4,6 +4,7 @@
 // every expert's tokens exactly among its copies and adds transient replicas for bursts.
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "placement/policy.h"
@@ -96,7 +97,8 @@ Result<bool> KeelPolicy::SpreadHottest(const Placement& current,
   if (hot_expert < 0) return false;
 
   // Receivers: ranks without a copy, coolest first, the home's node breaking ties (cheaper
-  // sync). Only a few are tried so that a replan stays within tens of microseconds.
+  // sync). The first that helps is taken, and at most two are tried, so that a replan stays
+  // within tens of microseconds.
   constexpr int kReceiversTried = 2;
   const Topology& topology = context().topology;
   const int home = p.home(hot_expert);
@@ -145,6 +147,7 @@ Result<bool> KeelPolicy::SpreadHottest(const Placement& current,
     if (scored.seconds < best.seconds) {
       best = std::move(scored);
       improved = true;
+      break;  // the coolest receiver that helps is taken; the next move looks again
     }
   }
   if (improved || any_donor || receivers.empty()) return improved;
@@ -182,7 +185,13 @@ Result<bool> KeelPolicy::SwapWithCoolest(const Placement& current,
 }
 
 Result<Placement> KeelPolicy::Replan(const LayerView& view) {
+  if (view.current == nullptr) return InvalidArgument("keel: LayerView.current is null");
   const Placement& current = *view.current;
+  if (static_cast<int>(view.expert_load.size()) != current.num_experts()) {
+    return InvalidArgument("keel: expert_load has " + std::to_string(view.expert_load.size()) +
+                           " entries, expected num_experts " +
+                           std::to_string(current.num_experts()));
+  }
   const int num_ranks = current.num_ranks();
   std::vector<long long> tokens(view.expert_load.size());
   long long total = 0;

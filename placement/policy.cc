@@ -20,18 +20,33 @@ Result<PolicyContext> PolicyContext::FromConfig(const KeelConfig& config, int nu
   }
   if (static_cast<long long>(config.slots.persistent_per_rank) * topology.num_ranks() <
       num_experts) {
-    return InvalidArgument(
-        "slots.persistent_per_rank " + std::to_string(config.slots.persistent_per_rank) +
-        " x " + std::to_string(topology.num_ranks()) + " ranks cannot hold " +
-        std::to_string(num_experts) + " experts");
+    return InvalidArgument("slots.persistent_per_rank " +
+                           std::to_string(config.slots.persistent_per_rank) + " x " +
+                           std::to_string(topology.num_ranks()) + " ranks cannot hold " +
+                           std::to_string(num_experts) + " experts");
   }
-  return PolicyContext{topology,
-                       CostModel(topology, config.cost_model),
-                       num_layers,
-                       num_experts,
-                       config.slots.persistent_per_rank,
-                       config.slots.transient_per_rank,
-                       config.policy};
+  return PolicyContext{
+      topology,     CostModel(topology, config.cost_model), num_layers,
+      num_experts,  config.slots.persistent_per_rank,       config.slots.transient_per_rank,
+      config.policy};
+}
+
+Result<StepLoad> ExpectedStepLoad(const LayerView& view) {
+  if (view.current == nullptr) return InvalidArgument("LayerView.current is null");
+  const int num_experts = view.current->num_experts();
+  const int num_ranks = view.current->num_ranks();
+  if (static_cast<int>(view.expert_load.size()) != num_experts) {
+    return InvalidArgument("expert_load has " + std::to_string(view.expert_load.size()) +
+                           " entries, expected num_experts " + std::to_string(num_experts));
+  }
+  if (view.traffic == nullptr || view.traffic->num_sources != num_ranks) {
+    return StepLoad::FromExpertCounts(num_ranks, view.expert_load);
+  }
+  if (view.traffic->num_experts != num_experts) {
+    return InvalidArgument("traffic has " + std::to_string(view.traffic->num_experts) +
+                           " experts, expected num_experts " + std::to_string(num_experts));
+  }
+  return *view.traffic;
 }
 
 Result<Placement> Policy::Initial(int /*layer*/) {
@@ -39,8 +54,7 @@ Result<Placement> Policy::Initial(int /*layer*/) {
                                context_.slots_per_rank);
 }
 
-Result<StepRouting> Policy::Route(int /*layer*/, const Placement& placement,
-                                  const StepLoad& load) {
+Result<StepRouting> Policy::Route(int /*layer*/, const Placement& placement, const StepLoad& load) {
   return RouteEvenly(placement, load);
 }
 

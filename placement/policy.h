@@ -37,10 +37,15 @@ struct PolicyContext {
 // What a replan of one layer sees.
 struct LayerView {
   int layer = 0;
-  const Placement* current = nullptr;      // placement in force
-  std::span<const double> expert_load;     // [num_experts] estimated tokens for the next step
-  const StepLoad* traffic = nullptr;       // estimated traffic matrix, when known (may be null)
+  const Placement* current = nullptr;   // placement in force
+  std::span<const double> expert_load;  // [num_experts] estimated tokens for the next step
+  const StepLoad* traffic = nullptr;    // estimated traffic matrix, when known (may be null)
 };
+
+// The step a replan plans for: the estimated traffic matrix when it covers the placement's ranks,
+// otherwise the estimated per-expert totals sent evenly from every rank. Fails when the view is
+// missing its placement or its sizes disagree with it.
+Result<StepLoad> ExpectedStepLoad(const LayerView& view);
 
 class Policy {
  public:

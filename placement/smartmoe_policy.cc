@@ -13,22 +13,6 @@
 namespace keel {
 namespace {
 
-// The step a replan plans for: the estimated traffic matrix when known, otherwise the estimated
-// per-expert totals sent evenly from every rank.
-Result<StepLoad> ExpectedLoad(const LayerView& view, int num_ranks) {
-  const int num_experts = view.current->num_experts();
-  if (static_cast<int>(view.expert_load.size()) != num_experts) {
-    return InvalidArgument("expert_load has " + std::to_string(view.expert_load.size()) +
-                           " entries, expected num_experts " + std::to_string(num_experts));
-  }
-  if (view.traffic == nullptr) return StepLoad::FromExpertCounts(num_ranks, view.expert_load);
-  if (view.traffic->num_experts != num_experts) {
-    return InvalidArgument("traffic has " + std::to_string(view.traffic->num_experts) +
-                           " experts, expected num_experts " + std::to_string(num_experts));
-  }
-  return *view.traffic;
-}
-
 // Rank loads of a one-copy-per-expert phy2log: each expert's whole load lands on its rank.
 std::vector<double> RankLoads(const std::vector<int>& phy2log, int slots_per_rank, int num_ranks,
                               std::span<const double> expert_load) {
@@ -166,7 +150,7 @@ class SmartMoePolicy final : public Policy {
   Result<Placement> Replan(const LayerView& view) override {
     if (view.current == nullptr) return InvalidArgument("smartmoe: LayerView.current is null");
     const Placement& current = *view.current;
-    KEEL_ASSIGN_OR_RETURN(const StepLoad load, ExpectedLoad(view, current.num_ranks()));
+    KEEL_ASSIGN_OR_RETURN(const StepLoad load, ExpectedStepLoad(view));
     const SmartMoeConfig& config = context().config.smartmoe;
     const int per_rank = current.slots_per_rank();
     const int num_ranks = current.num_ranks();

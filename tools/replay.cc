@@ -10,13 +10,10 @@
 #include <cmath>
 #include <cstdio>
 #include <exception>
-#include <fstream>
 #include <memory>
 #include <numeric>
 #include <set>
 #include <thread>
-
-#include <unistd.h>
 
 #include "placement/cost_model.h"
 #include "placement/load.h"
@@ -462,25 +459,6 @@ nlohmann::json ReplayReportToJson(const ReplayReport& report, bool include_serie
   json["policies"] = std::move(policies);
   json["wall_seconds"] = report.wall_seconds;
   return json;
-}
-
-Status WriteFileAtomically(const std::string& path, const std::string& contents) {
-  const std::string temporary = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    if (!out) return IoError("cannot open '" + temporary + "' for writing");
-    out << contents;
-    out.flush();
-    if (!out) {
-      std::remove(temporary.c_str());
-      return IoError("writing '" + temporary + "' failed");
-    }
-  }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
-    std::remove(temporary.c_str());
-    return IoError("cannot rename '" + temporary + "' to '" + path + "'");
-  }
-  return Status::Ok();
 }
 
 }  // namespace keel::tools

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/config.h"
+#include "common/file.h"
 #include "common/status.h"
 #include "monitor/trace.h"
 
@@ -91,9 +92,5 @@ Result<ReplayReport> ReplayTrace(const Trace& trace, const KeelConfig& config,
 // "wall_seconds". `include_series` adds each policy's per-step series (compact: 4 significant
 // digits); the per-expert heatmap series is never included, it only feeds the plot.
 nlohmann::json ReplayReportToJson(const ReplayReport& report, bool include_series = true);
-
-// Writes `contents` to `path` through a temporary file in the same folder and a rename, so a
-// reader never sees a half-written file.
-Status WriteFileAtomically(const std::string& path, const std::string& contents);
 
 }  // namespace keel::tools
