@@ -2,6 +2,7 @@
 #include "placement/cost_model.h"
 
 #include <algorithm>
+#include <span>
 #include <vector>
 
 namespace keel {
@@ -19,6 +20,27 @@ class LinkLoad {
     const int link = topology_.same_node(src, dst) ? 0 : 1;
     bytes_[static_cast<size_t>(src) * 4 + link] += bytes;      // send
     bytes_[static_cast<size_t>(dst) * 4 + 2 + link] += bytes;  // receive
+  }
+
+  // Add(src, dst, rows[dst] * bytes_per_row) for dst = 0 .. num_rows - 1 in order, the hot loop of
+  // every estimate: ranks of a node are contiguous, so the row splits into the ranks before the
+  // node, the node and the ranks after it, with no per-pair lookup.
+  void AddRow(int src, const double* rows, int num_rows, double bytes_per_row) {
+    const int per_node = topology_.gpus_per_node();
+    const int node_begin = std::min(topology_.node_of(src) * per_node, num_rows);
+    const int node_end = std::min(node_begin + per_node, num_rows);
+    double* send = bytes_.data() + static_cast<size_t>(src) * 4;
+    double* receive = bytes_.data() + 2;
+    auto add = [&](int dst, int link) {
+      const double bytes = rows[dst] * bytes_per_row;
+      if (bytes <= 0) return;
+      send[link] += bytes;
+      receive[static_cast<size_t>(dst) * 4 + link] += bytes;
+    };
+    for (int dst = 0; dst < node_begin; ++dst) add(dst, 1);
+    for (int dst = node_begin; dst < std::min(src, node_end); ++dst) add(dst, 0);
+    for (int dst = src + 1; dst < node_end; ++dst) add(dst, 0);
+    for (int dst = node_end; dst < num_rows; ++dst) add(dst, 1);
   }
 
   double SlowestRankSeconds() const {
@@ -66,30 +88,15 @@ LayerCost CostModel::Estimate(const Placement& placement, const StepRouting& rou
   LayerCost cost;
   cost.compute_seconds = ComputeSeconds(routing.max_rank_tokens());
 
-  const int g_count = routing.num_ranks;
   LinkLoad a2a(topology_);
-  for (int src = 0; src < g_count; ++src) {
-    for (int dst = 0; dst < g_count; ++dst) {
-      a2a.Add(src, dst,
-              routing.sent_tokens[static_cast<size_t>(src) * g_count + dst] * token_row_bytes());
-    }
+  for (int src = 0; src < routing.num_ranks; ++src) {
+    a2a.AddRow(src, routing.sent_tokens.data() + static_cast<size_t>(src) * routing.num_ranks,
+               routing.num_ranks, token_row_bytes());
   }
   cost.all_to_all_seconds = a2a.SlowestRankSeconds() * config_.all_to_all_passes;
 
   cost.replica_sync_seconds = ReplicaSyncSeconds(placement);
-
-  // Transient replicas of one expert are filled by a pipelined chain from the source through
-  // the receivers in the order they were added, and return their gradients along the reverse chain.
-  LinkLoad fill(topology_);
-  std::vector<int> chain_end;  // [num_experts] last rank of each expert's chain, -1 = none yet
-  if (!routing.transients.empty()) chain_end.assign(placement.num_experts(), -1);
-  for (const TransientReplica& t : routing.transients) {
-    const int previous = chain_end[t.expert] >= 0 ? chain_end[t.expert] : t.source_rank;
-    fill.Add(previous, t.rank, expert_weight_bytes());
-    fill.Add(t.rank, previous, expert_weight_bytes());
-    chain_end[t.expert] = t.rank;
-  }
-  cost.transient_seconds = fill.SlowestRankSeconds();
+  cost.transient_seconds = TransientSeconds(placement, routing.transients);
 
   const double overlap_window = cost.compute_seconds + cost.all_to_all_seconds;
   cost.exposed_migration_seconds = std::max(0.0, migration_seconds - overlap_window);
@@ -125,6 +132,22 @@ double CostModel::ReplicaSyncSeconds(const Placement& placement) const {
     sync.Add(previous, first, edge_bytes);  // close the ring
   }
   return sync.SlowestRankSeconds();
+}
+
+double CostModel::TransientSeconds(const Placement& placement,
+                                   std::span<const TransientReplica> transients) const {
+  if (transients.empty()) return 0;
+  // Transient replicas of one expert are filled by a pipelined chain from the source through
+  // the receivers in the order they were added, and return their gradients along the reverse chain.
+  LinkLoad fill(topology_);
+  std::vector<int> chain_end(placement.num_experts(), -1);  // last rank of each expert's chain
+  for (const TransientReplica& t : transients) {
+    const int previous = chain_end[t.expert] >= 0 ? chain_end[t.expert] : t.source_rank;
+    fill.Add(previous, t.rank, expert_weight_bytes());
+    fill.Add(t.rank, previous, expert_weight_bytes());
+    chain_end[t.expert] = t.rank;
+  }
+  return fill.SlowestRankSeconds();
 }
 
 MigrationCost CostModel::Migration(const Placement& from, const Placement& to) const {

@@ -5,6 +5,8 @@
 // Constants come from config (CostModelConfig) and can be calibrated on the hardware.
 #pragma once
 
+#include <span>
+
 #include "common/config.h"
 #include "placement/placement.h"
 #include "placement/routing.h"
@@ -13,12 +15,12 @@
 namespace keel {
 
 struct LayerCost {
-  double compute_seconds = 0;         // slowest rank's expert compute, forward + backward
-  double all_to_all_seconds = 0;      // slowest rank's dispatch/combine traffic, all passes
-  double replica_sync_seconds = 0;    // slowest rank's replica gradient reduce + weight push,
-                                      // a ring over each expert's copies
-  double transient_seconds = 0;       // slowest rank's transient-replica weight fills + grads,
-                                      // a chain per expert from its source
+  double compute_seconds = 0;       // slowest rank's expert compute, forward + backward
+  double all_to_all_seconds = 0;    // slowest rank's dispatch/combine traffic, all passes
+  double replica_sync_seconds = 0;  // slowest rank's replica gradient reduce + weight push,
+                                    // a ring over each expert's copies
+  double transient_seconds = 0;     // slowest rank's transient-replica weight fills + grads,
+                                    // a chain per expert from its source
   double exposed_migration_seconds = 0;
 
   double total_seconds() const {
@@ -59,6 +61,11 @@ class CostModel {
 
   // The replica_sync_seconds term of Estimate alone: it depends only on the placement.
   double ReplicaSyncSeconds(const Placement& placement) const;
+
+  // The transient_seconds term of Estimate alone: the fills of `transients` (in the order they
+  // were added) on `placement`, each expert's copies a chain from its source.
+  double TransientSeconds(const Placement& placement,
+                          std::span<const TransientReplica> transients) const;
 
  private:
   Topology topology_;

@@ -16,16 +16,16 @@ struct EplbInput {
   int num_replicas = 0;       // physical experts per layer; multiple of num_gpus
   int num_groups = 1;         // expert groups
   int num_nodes = 1;
-  int num_gpus = 1;           // multiple of num_nodes
+  int num_gpus = 1;  // multiple of num_nodes
 };
 
 struct EplbOutput {
   int num_layers = 0;
   int num_replicas = 0;
-  int max_replicas = 0;         // last dimension of log2phy: the largest logcnt over all layers
-  std::vector<int> phy2log;     // [num_layers, num_replicas]
-  std::vector<int> log2phy;     // [num_layers, num_experts, max_replicas], padded with -1
-  std::vector<int> logcnt;      // [num_layers, num_experts]
+  int max_replicas = 0;      // last dimension of log2phy: the largest logcnt over all layers
+  std::vector<int> phy2log;  // [num_layers, num_replicas]
+  std::vector<int> log2phy;  // [num_layers, num_experts, max_replicas], padded with -1
+  std::vector<int> logcnt;   // [num_layers, num_experts]
 };
 
 // Validates the input (shapes, divisibility, non-negative finite weights) and balances every

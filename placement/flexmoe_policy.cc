@@ -51,7 +51,7 @@ class FlexMoePolicy final : public Policy {
     if (balance_ratio <= context().config.flexmoe.balance_ratio_trigger) return current;
 
     Placement working = current;
-    double working_score = Score(current, current, load);
+    double working_score = Score(view, current, load);
     for (int action = 0; action < context().config.flexmoe.max_actions_per_replan; ++action) {
       const Placement* best = nullptr;
       double best_score = working_score;
@@ -61,7 +61,7 @@ class FlexMoePolicy final : public Policy {
         if (candidate.ok()) candidates.push_back(std::move(candidate).value());
       }
       for (const Placement& candidate : candidates) {
-        const double score = Score(current, candidate, load);
+        const double score = Score(view, candidate, load);
         // A relative margin keeps rounding noise from counting as a gain.
         if (score < best_score && score < working_score * (1 - 1e-9)) {
           best = &candidate;
@@ -77,11 +77,11 @@ class FlexMoePolicy final : public Policy {
 
  private:
   // Predicted seconds per step of `candidate` over one replan interval: its steady layer time plus
-  // the migration from `current` that the first step cannot hide, spread over the interval. An
-  // action pays only when its gain exceeds its share of exposed migration.
-  double Score(const Placement& current, const Placement& candidate, const StepLoad& load) const {
+  // the migration from the placement in force that the first step cannot hide, spread over the
+  // interval. An action pays only when its gain exceeds its share of exposed migration.
+  double Score(const LayerView& view, const Placement& candidate, const StepLoad& load) const {
     const CostModel& cost = context().cost;
-    const double migration = cost.Migration(current, candidate).seconds;
+    const double migration = MigrationSeconds(view, candidate);
     const LayerCost layer = cost.Estimate(candidate, RouteEvenly(candidate, load), migration);
     const int interval = std::max(1, context().config.replan_interval_steps);
     return layer.total_seconds() - layer.exposed_migration_seconds +

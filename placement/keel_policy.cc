@@ -44,23 +44,23 @@ class KeelPolicy final : public Policy {
   }
 
  private:
-  Scored Score(const Placement& current, Placement placement,
+  Scored Score(const LayerView& view, Placement placement,
                const std::vector<long long>& tokens) const;
 
   // Adds a copy of the expert with the largest quota on the slowest rank to one of the coolest
   // ranks without it; true when that lowered the predicted time. When no such rank has a slot
   // to give (every slot holds a home or a sole copy), falls back to SwapWithCoolest.
-  Result<bool> SpreadHottest(const Placement& current, const std::vector<long long>& tokens,
+  Result<bool> SpreadHottest(const LayerView& view, const std::vector<long long>& tokens,
                              Scored& best) const;
 
   // Swaps the hot expert's copy on the slowest rank with the least-used copy on `cool_rank`:
   // homes relocate with their copies (weights + optimizer state), so the swap is kept only when
   // its gain per step pays the full transfer back within home_payback_horizon_steps.
-  Result<bool> SwapWithCoolest(const Placement& current, const std::vector<long long>& tokens,
+  Result<bool> SwapWithCoolest(const LayerView& view, const std::vector<long long>& tokens,
                                int hot_rank, int hot_expert, int cool_rank, Scored& best) const;
 };
 
-Scored KeelPolicy::Score(const Placement& current, Placement placement,
+Scored KeelPolicy::Score(const LayerView& view, Placement placement,
                          const std::vector<long long>& tokens) const {
   const CostModel& cost = context().cost;
   Scored scored{std::move(placement), {}, {}, 0};
@@ -71,13 +71,13 @@ Scored KeelPolicy::Score(const Placement& current, Placement placement,
     scored.rank_tokens[p.rank_of_slot(s)] += scored.split.slot_quota[s];
   }
   const double compute = cost.ComputeSeconds(static_cast<double>(scored.split.max_rank_tokens));
-  const double migration = cost.Migration(current, p).seconds;
+  const double migration = MigrationSeconds(view, p);
   scored.seconds = compute + cost.ReplicaSyncSeconds(p) + std::max(0.0, migration - compute);
   return scored;
 }
 
-Result<bool> KeelPolicy::SpreadHottest(const Placement& current,
-                                       const std::vector<long long>& tokens, Scored& best) const {
+Result<bool> KeelPolicy::SpreadHottest(const LayerView& view, const std::vector<long long>& tokens,
+                                       Scored& best) const {
   const Placement& p = best.placement;
   const int num_ranks = p.num_ranks();
   const std::vector<long long>& rank_tokens = best.rank_tokens;
@@ -143,7 +143,7 @@ Result<bool> KeelPolicy::SpreadHottest(const Placement& current,
     KEEL_ASSIGN_OR_RETURN(
         Placement candidate,
         Placement::Create(p.num_experts(), num_ranks, std::move(phy2log), best.placement.home()));
-    Scored scored = Score(current, std::move(candidate), tokens);
+    Scored scored = Score(view, std::move(candidate), tokens);
     if (scored.seconds < best.seconds) {
       best = std::move(scored);
       improved = true;
@@ -151,10 +151,10 @@ Result<bool> KeelPolicy::SpreadHottest(const Placement& current,
     }
   }
   if (improved || any_donor || receivers.empty()) return improved;
-  return SwapWithCoolest(current, tokens, hot_rank, hot_expert, receivers.front(), best);
+  return SwapWithCoolest(view, tokens, hot_rank, hot_expert, receivers.front(), best);
 }
 
-Result<bool> KeelPolicy::SwapWithCoolest(const Placement& current,
+Result<bool> KeelPolicy::SwapWithCoolest(const LayerView& view,
                                          const std::vector<long long>& tokens, int hot_rank,
                                          int hot_expert, int cool_rank, Scored& best) const {
   const Placement& p = best.placement;
@@ -175,8 +175,9 @@ Result<bool> KeelPolicy::SwapWithCoolest(const Placement& current,
   std::vector<int> phy2log = p.phy2log();
   std::swap(phy2log[hot_slot], phy2log[cool_slot]);
   KEEL_ASSIGN_OR_RETURN(Placement candidate, Placement::CreateKeepingHomes(p, std::move(phy2log)));
-  const double move_seconds = context().cost.Migration(p, candidate).seconds;
-  Scored scored = Score(current, std::move(candidate), tokens);
+  const double move_seconds =
+      view.fresh_start ? 0.0 : context().cost.Migration(p, candidate).seconds;
+  Scored scored = Score(view, std::move(candidate), tokens);
   const double gain_per_step = best.seconds - scored.seconds;
   const double horizon = context().config.keel.home_payback_horizon_steps;
   if (gain_per_step <= 0 || gain_per_step * horizon <= move_seconds) return false;
@@ -202,14 +203,14 @@ Result<Placement> KeelPolicy::Replan(const LayerView& view) {
   if (total <= 0) return current;
 
   const KeelPolicyConfig& config = context().config.keel;
-  Scored best = Score(current, current, tokens);
+  Scored best = Score(view, current, tokens);
   const double start_seconds = best.seconds;
   // Already within the gain threshold of a perfect split: nothing can pay for a change.
   const double perfect = static_cast<double>(total) / num_ranks;
   if (best.split.max_rank_tokens <= perfect * (1.0 + config.min_gain_fraction)) return current;
 
   for (int move = 0; move < config.max_moves_per_replan; ++move) {
-    KEEL_ASSIGN_OR_RETURN(bool improved, SpreadHottest(current, tokens, best));
+    KEEL_ASSIGN_OR_RETURN(bool improved, SpreadHottest(view, tokens, best));
     if (!improved) break;
   }
   // Small predicted gains are noise in the estimate: not worth an epoch change.

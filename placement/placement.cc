@@ -57,8 +57,8 @@ Result<Placement> Placement::Create(int num_experts, int num_ranks, std::vector<
 
 Result<Placement> Placement::CreateKeepingHomes(const Placement& previous,
                                                 std::vector<int> phy2log) {
-  KEEL_ASSIGN_OR_RETURN(Placement p, Create(previous.num_experts(), previous.num_ranks(),
-                                             std::move(phy2log)));
+  KEEL_ASSIGN_OR_RETURN(Placement p,
+                        Create(previous.num_experts(), previous.num_ranks(), std::move(phy2log)));
   for (int e = 0; e < p.num_experts(); ++e) {
     if (p.holds(previous.home(e), e)) p.home_[e] = previous.home(e);
   }
@@ -74,10 +74,9 @@ Result<Placement> Placement::Contiguous(int num_experts, int num_ranks, int slot
   const int extra = num_experts % num_ranks;
   const int needed = per_rank + (extra > 0 ? 1 : 0);
   if (needed > slots_per_rank) {
-    return InvalidArgument("static placement of " + std::to_string(num_experts) +
-                           " experts on " + std::to_string(num_ranks) + " ranks needs " +
-                           std::to_string(needed) + " slots per rank, have " +
-                           std::to_string(slots_per_rank));
+    return InvalidArgument("static placement of " + std::to_string(num_experts) + " experts on " +
+                           std::to_string(num_ranks) + " ranks needs " + std::to_string(needed) +
+                           " slots per rank, have " + std::to_string(slots_per_rank));
   }
   std::vector<int> phy2log(static_cast<size_t>(num_ranks) * slots_per_rank, kEmptySlot);
   int expert = 0;

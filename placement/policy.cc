@@ -54,6 +54,10 @@ Result<Placement> Policy::Initial(int /*layer*/) {
                                context_.slots_per_rank);
 }
 
+double Policy::MigrationSeconds(const LayerView& view, const Placement& candidate) const {
+  return view.fresh_start ? 0.0 : context_.cost.Migration(*view.current, candidate).seconds;
+}
+
 Result<StepRouting> Policy::Route(int /*layer*/, const Placement& placement, const StepLoad& load) {
   return RouteEvenly(placement, load);
 }

@@ -40,6 +40,9 @@ struct LayerView {
   const Placement* current = nullptr;   // placement in force
   std::span<const double> expert_load;  // [num_experts] estimated tokens for the next step
   const StepLoad* traffic = nullptr;    // estimated traffic matrix, when known (may be null)
+  // No expert state exists yet (a placement planned from scratch, as `keel plan` does): moving
+  // costs nothing, so the policy plans for balance alone.
+  bool fresh_start = false;
 };
 
 // The step a replan plans for: the estimated traffic matrix when it covers the placement's ranks,
@@ -64,6 +67,10 @@ class Policy {
  protected:
   explicit Policy(const PolicyContext& context) : context_(context) {}
   const PolicyContext& context() const { return context_; }
+
+  // Seconds of transfers to turn the placement in force into `candidate`: the cost model's
+  // migration time, or zero on a fresh start.
+  double MigrationSeconds(const LayerView& view, const Placement& candidate) const;
 
  private:
   PolicyContext context_;

@@ -2,8 +2,10 @@
 // (a parametric bipartite max-flow), the locality-first assignment of source ranks to those
 // copies, and greedy transient replicas kept only while the cost model says the layer gets faster.
 #include <algorithm>
+#include <bit>
 #include <cassert>
 #include <cmath>
+#include <cstdint>
 #include <span>
 #include <string>
 #include <utility>
@@ -35,12 +37,25 @@ long long CeilDiv(long long a, long long b) { return (a + b - 1) / b; }
 // lower id), onto their least-loaded copy ranks up to T (water-filling, ties: lower rank), then
 // repairing it with augmenting paths from breadth-first search in ascending expert, copy and rank
 // order. Copies of one expert on one rank share that rank's tokens evenly, lower slots (then
-// extra copies in their given order) taking the remainder. Buffers persist between calls, so
-// re-solving with one more copy allocates nothing.
+// extra copies in their given order) taking the remainder.
+//
+// AddCopy re-solves after one more copy from the previous flow instead of from scratch: every
+// split is a lower bound away from optimal, so it starts at the bound of the previous min cut
+// widened by the new copy's rank, takes back only the flow above that bound, and resumes the
+// augmenting paths. Its split is optimal too, but among optimal splits not necessarily the one a
+// fresh Solve returns. Buffers persist between calls, so re-solving allocates nothing.
 class QuotaSolver {
  public:
   void Solve(const Placement& placement, std::span<const long long> tokens,
              std::span<const TransientReplica> extras, QuotaSplit& split);
+  // Re-solves for `extras`: the previous call's extras plus one more at the back, same tokens.
+  void AddCopy(const Placement& placement, std::span<const TransientReplica> extras,
+               QuotaSplit& split);
+  // Resets the copies (not the flow) to `extras`: after a trial copy is dropped, the copy
+  // accessors below describe the split that was kept.
+  void SetCopies(const Placement& placement, std::span<const TransientReplica> extras) {
+    BuildCopies(placement, extras);
+  }
 
   // Copies of `expert` after Solve: id < num_slots is a persistent slot, otherwise the extra copy
   // id - num_slots. Persistent slots first (ascending), then extras in their given order.
@@ -59,7 +74,12 @@ class QuotaSolver {
 
  private:
   void BuildCopies(const Placement& placement, std::span<const TransientReplica> extras);
+  // Fixed loads, flexible experts and the arcs into each rank, for the current copies; no excess.
+  void Prepare();
   void Pour(long long bound);
+  // Raises `bound` at each min cut until every token is routed, then writes the quotas.
+  // `cut_found`: the bound already comes from the cut in in_cut_ / cut_experts_.
+  void Finish(const Placement& placement, long long bound, bool cut_found, QuotaSplit& split);
   // Routes remaining excess with augmenting paths; false when some is stuck (the last search's
   // marks then describe the min cut).
   bool RouteExcess();
@@ -70,6 +90,8 @@ class QuotaSolver {
   int num_experts_ = 0;
   int num_ranks_ = 0;
   std::span<const long long> tokens_;
+  long long total_ = 0;
+  int num_extras_ = 0;
 
   std::vector<int> copy_begin_;  // [num_experts + 1]
   std::vector<int> copy_id_;     // [copies]
@@ -82,7 +104,8 @@ class QuotaSolver {
   std::vector<int> arc_expert_;
   std::vector<int> arc_copies_;  // copies of the expert on the arc's rank
   std::vector<long long> arc_flow_;
-  std::vector<int> arc_given_;  // scratch for splitting an arc among its copies
+  std::vector<long long> previous_flow_;  // scratch for AddCopy
+  std::vector<int> arc_given_;            // scratch for splitting an arc among its copies
 
   std::vector<int> flexible_;        // experts with tokens on >= 2 ranks, ascending
   std::vector<int> pour_order_;      // flexible_ by tokens descending
@@ -111,6 +134,7 @@ class QuotaSolver {
 void QuotaSolver::BuildCopies(const Placement& placement,
                               std::span<const TransientReplica> extras) {
   const int num_slots = placement.num_slots();
+  num_extras_ = static_cast<int>(extras.size());
   copy_begin_.assign(num_experts_ + 1, 0);
   for (int e = 0; e < num_experts_; ++e) {
     copy_begin_[e + 1] = static_cast<int>(placement.copies(e).size());
@@ -294,25 +318,18 @@ void QuotaSolver::RecordBottleneck() {
   }
 }
 
-void QuotaSolver::Solve(const Placement& placement, std::span<const long long> tokens,
-                        std::span<const TransientReplica> extras, QuotaSplit& split) {
-  num_experts_ = placement.num_experts();
-  num_ranks_ = placement.num_ranks();
-  tokens_ = tokens;
-  BuildCopies(placement, extras);
-
+void QuotaSolver::Prepare() {
   fixed_.assign(num_ranks_, 0);
   excess_.assign(num_experts_, 0);
   flexible_.clear();
-  long long total = 0;
+  total_ = 0;
   for (int e = 0; e < num_experts_; ++e) {
-    total += tokens[e];
-    if (tokens[e] == 0) continue;
+    total_ += tokens_[e];
+    if (tokens_[e] == 0) continue;
     if (rank_count(e) == 1) {
-      fixed_[arc_rank_[arc_begin_[e]]] += tokens[e];
+      fixed_[arc_rank_[arc_begin_[e]]] += tokens_[e];
     } else {
       flexible_.push_back(e);
-      excess_[e] = tokens[e];
     }
   }
   rank_arc_begin_.assign(num_ranks_ + 1, 0);
@@ -326,13 +343,23 @@ void QuotaSolver::Solve(const Placement& placement, std::span<const long long> t
     for (int a = arc_begin_[e]; a < arc_begin_[e + 1]; ++a)
       rank_arcs_[rank_fill_[arc_rank_[a]]++] = a;
   }
+  spare_.resize(num_ranks_);
+}
+
+void QuotaSolver::Solve(const Placement& placement, std::span<const long long> tokens,
+                        std::span<const TransientReplica> extras, QuotaSplit& split) {
+  num_experts_ = placement.num_experts();
+  num_ranks_ = placement.num_ranks();
+  tokens_ = tokens;
+  BuildCopies(placement, extras);
+  Prepare();
+  for (int e : flexible_) excess_[e] = tokens[e];
   pour_order_.assign(flexible_.begin(), flexible_.end());
   std::sort(pour_order_.begin(), pour_order_.end(),
             [&](int a, int b) { return tokens[a] != tokens[b] ? tokens[a] > tokens[b] : a < b; });
 
   const long long max_fixed = *std::max_element(fixed_.begin(), fixed_.end());
-  long long bound = std::max(CeilDiv(total, num_ranks_), max_fixed);
-  spare_.resize(num_ranks_);
+  const long long bound = std::max(CeilDiv(total_, num_ranks_), max_fixed);
   for (int r = 0; r < num_ranks_; ++r) spare_[r] = bound - fixed_[r];
   expert_seen_.assign(num_experts_, 0);
   rank_seen_.assign(num_ranks_, 0);
@@ -343,7 +370,75 @@ void QuotaSolver::Solve(const Placement& placement, std::span<const long long> t
   cut_experts_.clear();
 
   Pour(bound);
-  bool cut_found = false;
+  Finish(placement, bound, /*cut_found=*/false, split);
+}
+
+void QuotaSolver::AddCopy(const Placement& placement, std::span<const TransientReplica> extras,
+                          QuotaSplit& split) {
+  // The new copy's arc, if its rank is new to the expert, comes last among the expert's arcs;
+  // every other arc keeps its flow. A single-rank expert's tokens were implicit: put them on its
+  // one old arc.
+  const int expert = extras.back().expert;
+  const int old_end = arc_begin_[expert + 1];
+  const bool was_single = rank_count(expert) == 1;
+  previous_flow_.assign(arc_flow_.begin(), arc_flow_.end());
+  BuildCopies(placement, extras);
+  const int shift = static_cast<int>(arc_flow_.size() - previous_flow_.size());
+  std::copy(previous_flow_.begin(), previous_flow_.begin() + old_end, arc_flow_.begin());
+  std::copy(previous_flow_.begin() + old_end, previous_flow_.end(),
+            arc_flow_.begin() + old_end + shift);
+  if (was_single && shift == 1) arc_flow_[arc_begin_[expert]] = tokens_[expert];
+  Prepare();
+
+  // Lower bounds: the cold start's, and the previous cut (S, X) with the new copy's rank joined
+  // to S: the experts with every copy in that S' load it with at least their tokens.
+  const long long max_fixed = *std::max_element(fixed_.begin(), fixed_.end());
+  long long bound = std::max(CeilDiv(total_, num_ranks_), max_fixed);
+  in_cut_[extras.back().rank] = 1;
+  long long need = 0;
+  long long cut_ranks = 0;
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (!in_cut_[r]) continue;
+    need += fixed_[r];
+    ++cut_ranks;
+  }
+  cut_experts_.clear();
+  for (int e : flexible_) {
+    bool inside = true;
+    for (int a = arc_begin_[e]; a < arc_begin_[e + 1] && inside; ++a)
+      inside = in_cut_[arc_rank_[a]];
+    if (!inside) continue;
+    need += tokens_[e];
+    cut_experts_.push_back(e);
+  }
+  const bool cut_found = CeilDiv(need, cut_ranks) > bound;
+  if (cut_found) {
+    bound = CeilDiv(need, cut_ranks);
+  } else {
+    std::fill(in_cut_.begin(), in_cut_.end(), 0);
+    cut_experts_.clear();
+  }
+
+  // Take back the flow above the bound, in arc order, as excess of its experts.
+  for (int r = 0; r < num_ranks_; ++r) spare_[r] = bound - fixed_[r];
+  for (int e : flexible_) {
+    for (int a = arc_begin_[e]; a < arc_begin_[e + 1]; ++a) spare_[arc_rank_[a]] -= arc_flow_[a];
+  }
+  for (int r = 0; r < num_ranks_; ++r) {
+    for (int i = rank_arc_begin_[r]; i < rank_arc_begin_[r + 1] && spare_[r] < 0; ++i) {
+      const int a = rank_arcs_[i];
+      const long long take = std::min(arc_flow_[a], -spare_[r]);
+      arc_flow_[a] -= take;
+      excess_[arc_expert_[a]] += take;
+      spare_[r] += take;
+    }
+  }
+  Finish(placement, bound, cut_found, split);
+}
+
+void QuotaSolver::Finish(const Placement& placement, long long bound, bool cut_found,
+                         QuotaSplit& split) {
+  const std::span<const long long> tokens = tokens_;
   while (!RouteExcess()) {
     // The last search reached only full ranks: its marks are the min cut (X experts, S ranks).
     long long need = 0;
@@ -376,7 +471,7 @@ void QuotaSolver::Solve(const Placement& placement, std::span<const long long> t
   // Flows to per-copy quotas.
   const int num_slots = placement.num_slots();
   split.slot_quota.assign(num_slots, 0);
-  split.extra_quota.assign(extras.size(), 0);
+  split.extra_quota.assign(num_extras_, 0);
   rank_load_.assign(fixed_.begin(), fixed_.end());
   arc_given_.assign(arc_rank_.size(), 0);
   for (int e = 0; e < num_experts_; ++e) {
@@ -401,25 +496,16 @@ void QuotaSolver::Solve(const Placement& placement, std::span<const long long> t
 // Turns per-copy quotas into a routing: which source sends how many tokens to which copy.
 class SourceAssigner {
  public:
-  SourceAssigner(const Placement& placement, const StepLoad& load, const Topology& topology)
-      : placement_(placement), load_(load), topology_(topology) {
-    const int num_ranks = placement.num_ranks();
-    source_rank_.resize(load.num_sources);
-    for (int s = 0; s < load.num_sources; ++s) source_rank_[s] = s % num_ranks;
-    totals_.assign(load.num_experts, 0.0);
-    for (int s = 0; s < load.num_sources; ++s) {
-      const double* row = load.traffic.data() + static_cast<size_t>(s) * load.num_experts;
-      for (int e = 0; e < load.num_experts; ++e) totals_[e] += row[e];
-    }
-    rounded_.resize(load.num_experts);
-    for (int e = 0; e < load.num_experts; ++e) rounded_[e] = std::llround(totals_[e]);
-    remaining_.resize(load.num_sources);
-  }
+  SourceAssigner(const Placement& placement, const StepLoad& load, const Topology& topology);
 
+  // The one pass over the traffic: per-expert totals, and the rows of `routing` for experts that
+  // one rank holds in the placement (every source sends there). False when some entry may be
+  // negative, not finite or beyond kMaxTokens; the caller then names it.
+  bool Scan(StepRouting& routing);
   const std::vector<long long>& rounded_totals() const { return rounded_; }
 
-  // Fills `routing` for the copies in `solver` (solved with `extras`) and the quotas in `split`.
-  // Each call after the first may only add copies to those of the first.
+  // Completes `routing` (after Scan) for the copies in `solver`, solved with `extras` beyond the
+  // placement, and the quotas in `split`.
   void Assign(const QuotaSolver& solver, const std::vector<TransientReplica>& extras,
               const QuotaSplit& split, StepRouting& routing);
 
@@ -433,17 +519,79 @@ class SourceAssigner {
   const Placement& placement_;
   const StepLoad& load_;
   const Topology& topology_;
-  std::vector<int> source_rank_;
+  std::vector<int> source_rank_;  // [num_sources]
   std::vector<double> totals_;
   std::vector<long long> rounded_;
   std::vector<double> remaining_;  // [num_sources] tokens of the current expert still unsent
   std::vector<double> room_;       // [copies of the current expert] quota still open
   std::vector<int> single_rank_;   // [num_experts] the one rank holding the expert, else -1
-  // From the first call: traffic to single-rank experts, and those experts grouped by rank.
-  std::vector<double> single_sent_;
-  std::vector<int> rank_single_begin_;
+  // Experts on one rank in the placement, grouped by that rank.
+  std::vector<int> rank_single_begin_;  // [num_ranks + 1]
   std::vector<int> rank_single_;
 };
+
+SourceAssigner::SourceAssigner(const Placement& placement, const StepLoad& load,
+                               const Topology& topology)
+    : placement_(placement), load_(load), topology_(topology) {
+  const int num_ranks = placement.num_ranks();
+  const int num_experts = load.num_experts;
+  single_rank_.resize(num_experts);
+  rank_single_begin_.assign(num_ranks + 1, 0);
+  for (int e = 0; e < num_experts; ++e) {
+    single_rank_[e] = -1;
+    for (int slot : placement.copies(e)) {
+      const int rank = placement.rank_of_slot(slot);
+      if (single_rank_[e] == -1) {
+        single_rank_[e] = rank;
+      } else if (single_rank_[e] != rank) {
+        single_rank_[e] = -2;
+        break;
+      }
+    }
+    if (single_rank_[e] < 0) single_rank_[e] = -1;
+    if (single_rank_[e] >= 0) ++rank_single_begin_[single_rank_[e] + 1];
+  }
+  for (int r = 0; r < num_ranks; ++r) rank_single_begin_[r + 1] += rank_single_begin_[r];
+  rank_single_.resize(rank_single_begin_[num_ranks]);
+  remaining_.resize(load.num_sources);
+  source_rank_.resize(load.num_sources);
+  for (int s = 0; s < load.num_sources; ++s) source_rank_[s] = s % num_ranks;
+  std::vector<int> fill(rank_single_begin_.begin(), rank_single_begin_.end() - 1);
+  for (int e = 0; e < num_experts; ++e) {
+    if (single_rank_[e] >= 0) rank_single_[fill[single_rank_[e]]++] = e;
+  }
+}
+
+bool SourceAssigner::Scan(StepRouting& routing) {
+  const int num_ranks = placement_.num_ranks();
+  const int num_experts = load_.num_experts;
+  routing.num_ranks = num_ranks;
+  routing.rank_tokens.assign(num_ranks, 0.0);
+  routing.sent_tokens.assign(static_cast<size_t>(num_ranks) * num_ranks, 0.0);
+  routing.slot_tokens.assign(placement_.num_slots(), 0.0);
+  totals_.assign(num_experts, 0.0);
+  // Any negative entry (or -0.0, or a NaN with its sign bit) sets the sign bit of the OR; a NaN,
+  // an infinity or an entry beyond kMaxTokens makes its expert's total NaN or beyond kMaxTokens,
+  // as all other entries are then non-negative. Either sends the caller to the exact check.
+  std::uint64_t sign = 0;
+  for (int s = 0; s < load_.num_sources; ++s) {
+    const double* row = load_.traffic.data() + static_cast<size_t>(s) * num_experts;
+    double* sent = routing.sent_tokens.data() + static_cast<size_t>(source_rank_[s]) * num_ranks;
+    for (int e = 0; e < num_experts; ++e) {
+      const double tokens = row[e];
+      sign |= std::bit_cast<std::uint64_t>(tokens);
+      totals_[e] += tokens;
+      if (single_rank_[e] >= 0) sent[single_rank_[e]] += tokens;
+    }
+  }
+  bool in_range = (sign >> 63) == 0;
+  rounded_.resize(num_experts);
+  for (int e = 0; e < num_experts; ++e) {
+    in_range &= totals_[e] <= kMaxTokens;
+    rounded_[e] = std::isfinite(totals_[e]) ? std::llround(totals_[e]) : 0;
+  }
+  return in_range;
+}
 
 void SourceAssigner::Give(int source, int copy_id, int rank, double tokens, StepRouting& routing) {
   remaining_[source] -= tokens;
@@ -512,55 +660,26 @@ void SourceAssigner::Assign(const QuotaSolver& solver, const std::vector<Transie
   const int num_ranks = placement_.num_ranks();
   const int num_slots = placement_.num_slots();
   const int num_experts = load_.num_experts;
-  routing.num_ranks = num_ranks;
-  routing.rank_tokens.assign(num_ranks, 0.0);
-  routing.sent_tokens.assign(static_cast<size_t>(num_ranks) * num_ranks, 0.0);
-  routing.slot_tokens.assign(num_slots, 0.0);
   routing.transients = extras;
   routing.transient_tokens.assign(extras.size(), 0.0);
 
-  // Experts on one rank: every source sends there. The first call walks the traffic row by row
-  // (for the cache) and keeps the result; later calls, which only add copies, redo just the
-  // columns of ranks that lost a single-rank expert, in the same order, so the sums are identical.
-  single_rank_.resize(num_experts);
-  for (int e = 0; e < num_experts; ++e) {
-    single_rank_[e] = solver.rank_count(e) == 1 ? solver.copy_rank(solver.copy_begin(e)) : -1;
-  }
-  if (single_sent_.empty()) {
+  // Scan sent every single-rank expert's tokens to its rank. Redo the columns of ranks that lost
+  // one to a transient, in Scan's order, so the sums are what a fresh pass would give.
+  for (int rank = 0; rank < num_ranks; ++rank) {
+    bool changed = false;
+    for (int i = rank_single_begin_[rank]; i < rank_single_begin_[rank + 1]; ++i) {
+      changed |= solver.rank_count(rank_single_[i]) != 1;
+    }
+    if (!changed) continue;
+    for (int src = 0; src < num_ranks; ++src) {
+      routing.sent_tokens[static_cast<size_t>(src) * num_ranks + rank] = 0;
+    }
     for (int s = 0; s < load_.num_sources; ++s) {
       const double* row = load_.traffic.data() + static_cast<size_t>(s) * num_experts;
-      double* sent = routing.sent_tokens.data() + static_cast<size_t>(source_rank_[s]) * num_ranks;
-      for (int e = 0; e < num_experts; ++e) {
-        if (single_rank_[e] >= 0) sent[single_rank_[e]] += row[e];
-      }
-    }
-    single_sent_ = routing.sent_tokens;
-    rank_single_begin_.assign(num_ranks + 1, 0);
-    for (int e = 0; e < num_experts; ++e) {
-      if (single_rank_[e] >= 0) ++rank_single_begin_[single_rank_[e] + 1];
-    }
-    for (int r = 0; r < num_ranks; ++r) rank_single_begin_[r + 1] += rank_single_begin_[r];
-    rank_single_.resize(rank_single_begin_[num_ranks]);
-    std::vector<int> fill(rank_single_begin_.begin(), rank_single_begin_.end() - 1);
-    for (int e = 0; e < num_experts; ++e) {
-      if (single_rank_[e] >= 0) rank_single_[fill[single_rank_[e]]++] = e;
-    }
-  } else {
-    std::copy(single_sent_.begin(), single_sent_.end(), routing.sent_tokens.begin());
-    for (int rank = 0; rank < num_ranks; ++rank) {
-      bool changed = false;
+      double& sent = routing.sent_tokens[static_cast<size_t>(source_rank_[s]) * num_ranks + rank];
       for (int i = rank_single_begin_[rank]; i < rank_single_begin_[rank + 1]; ++i) {
-        changed |= single_rank_[rank_single_[i]] != rank;
-      }
-      if (!changed) continue;
-      for (int src = 0; src < num_ranks; ++src) routing.sent_tokens[src * num_ranks + rank] = 0;
-      for (int s = 0; s < load_.num_sources; ++s) {
-        const double* row = load_.traffic.data() + static_cast<size_t>(s) * num_experts;
-        double& sent = routing.sent_tokens[static_cast<size_t>(source_rank_[s]) * num_ranks + rank];
-        for (int i = rank_single_begin_[rank]; i < rank_single_begin_[rank + 1]; ++i) {
-          const int e = rank_single_[i];
-          if (single_rank_[e] == rank) sent += row[e];
-        }
+        const int e = rank_single_[i];
+        if (solver.rank_count(e) == 1) sent += row[e];
       }
     }
   }
@@ -588,8 +707,9 @@ void SourceAssigner::Assign(const QuotaSolver& solver, const std::vector<Transie
   }
 }
 
-Status ValidateInputs(const Placement& placement, const StepLoad& load, const Topology& topology,
-                      const CostModel& cost, const QuotaPlanOptions& options) {
+// Checks run in this order: the load's shape, then its entries (during SourceAssigner::Scan, and
+// TrafficValues to name a bad one), then the rest.
+Status ValidateLoadShape(const Placement& placement, const StepLoad& load) {
   if (load.num_experts != placement.num_experts()) {
     return InvalidArgument("load.num_experts " + std::to_string(load.num_experts) +
                            " does not match placement.num_experts " +
@@ -604,10 +724,11 @@ Status ValidateInputs(const Placement& placement, const StepLoad& load, const To
                            " entries, expected " + std::to_string(load.num_sources) + " x " +
                            std::to_string(load.num_experts));
   }
-  // One branch-free pass; the slow scan below only runs to name the bad entry.
-  bool bad = false;
-  for (double tokens : load.traffic) bad |= !(tokens >= 0 && tokens <= kMaxTokens);
-  for (size_t i = 0; bad && i < load.traffic.size(); ++i) {
+  return Status::Ok();
+}
+
+Status TrafficValues(const StepLoad& load) {
+  for (size_t i = 0; i < load.traffic.size(); ++i) {
     if (!std::isfinite(load.traffic[i]) || load.traffic[i] < 0) {
       return InvalidArgument("load.traffic[" + std::to_string(i) +
                              "] = " + std::to_string(load.traffic[i]) +
@@ -618,6 +739,11 @@ Status ValidateInputs(const Placement& placement, const StepLoad& load, const To
                              "] = " + std::to_string(load.traffic[i]) + " exceeds 1e15 tokens");
     }
   }
+  return Status::Ok();
+}
+
+Status ValidateTopologyAndOptions(const Placement& placement, const Topology& topology,
+                                  const CostModel& cost, const QuotaPlanOptions& options) {
   if (topology.num_ranks() != placement.num_ranks()) {
     return InvalidArgument("topology has " + std::to_string(topology.num_ranks()) +
                            " ranks, placement.num_ranks is " +
@@ -701,40 +827,48 @@ QuotaSplit SplitQuotas(const Placement& placement, const std::vector<long long>&
 Result<StepRouting> PlanStepQuotas(const Placement& placement, const StepLoad& load,
                                    const Topology& topology, const CostModel& cost,
                                    const QuotaPlanOptions& options) {
-  KEEL_RETURN_IF_ERROR(ValidateInputs(placement, load, topology, cost, options));
+  KEEL_RETURN_IF_ERROR(ValidateLoadShape(placement, load));
   SourceAssigner assigner(placement, load, topology);
+  StepRouting routing;
+  if (!assigner.Scan(routing)) KEEL_RETURN_IF_ERROR(TrafficValues(load));
+  KEEL_RETURN_IF_ERROR(ValidateTopologyAndOptions(placement, topology, cost, options));
   const std::vector<long long>& tokens = assigner.rounded_totals();
   QuotaSolver solver;
   QuotaSplit split;
   std::vector<TransientReplica> transients;
   solver.Solve(placement, tokens, transients, split);
-  StepRouting best;
-  assigner.Assign(solver, transients, split, best);
-  if (options.transient_per_rank == 0) return best;
 
-  // Greedy transients: each must lower the max rank load and the cost model's predicted layer
-  // time; the first candidate that does not ends the search. The baseline is priced only once a
-  // candidate gets that far.
-  std::vector<int> transients_on_rank(placement.num_ranks(), 0);
-  double best_seconds = -1;
-  QuotaSplit trial_split;
-  StepRouting trial;
-  TransientReplica next;
-  while (NextTransient(placement, topology, solver, tokens, transients, transients_on_rank,
-                       options.transient_per_rank, next)) {
-    transients.push_back(next);
-    solver.Solve(placement, tokens, transients, trial_split);
-    if (trial_split.max_rank_tokens >= split.max_rank_tokens) break;
-    assigner.Assign(solver, transients, trial_split, trial);
-    if (best_seconds < 0) best_seconds = cost.Estimate(placement, best).total_seconds();
-    const double trial_seconds = cost.Estimate(placement, trial).total_seconds();
-    if (!(trial_seconds < best_seconds)) break;
-    ++transients_on_rank[next.rank];
-    best_seconds = trial_seconds;
-    std::swap(best, trial);
-    std::swap(split, trial_split);
+  // Greedy transients: each must lower the max rank load and the predicted time of what a
+  // transient changes, the slowest rank's compute plus the transient fills; the first candidate
+  // that does not ends the search. Replica sync does not depend on transients; the all-to-all is
+  // left out, as pricing it would take a source assignment per candidate. Sources are assigned
+  // once, for the copies kept.
+  if (options.transient_per_rank > 0) {
+    std::vector<int> transients_on_rank(placement.num_ranks(), 0);
+    double best_seconds = cost.ComputeSeconds(static_cast<double>(split.max_rank_tokens));
+    QuotaSplit trial_split;
+    TransientReplica next;
+    while (NextTransient(placement, topology, solver, tokens, transients, transients_on_rank,
+                         options.transient_per_rank, next)) {
+      transients.push_back(next);
+      solver.AddCopy(placement, transients, trial_split);
+      const double trial_seconds =
+          trial_split.max_rank_tokens < split.max_rank_tokens
+              ? cost.ComputeSeconds(static_cast<double>(trial_split.max_rank_tokens)) +
+                    cost.TransientSeconds(placement, transients)
+              : best_seconds;
+      if (!(trial_seconds < best_seconds)) {
+        transients.pop_back();
+        solver.SetCopies(placement, transients);
+        break;
+      }
+      ++transients_on_rank[next.rank];
+      best_seconds = trial_seconds;
+      std::swap(split, trial_split);
+    }
   }
-  return best;
+  assigner.Assign(solver, transients, split, routing);
+  return routing;
 }
 
 }  // namespace keel

@@ -56,8 +56,8 @@ StepRouting RouteWithShadows(const Placement& placement, const StepLoad& load,
   StepRouting routing = EmptyRouting(placement);
   std::vector<char> is_shadowed(load.num_experts, 0);
   for (int e : shadowed) is_shadowed[e] = 1;
-  std::vector<double> shadow_tokens(shadowed.empty() ? 0 : static_cast<size_t>(load.num_experts) *
-                                                              routing.num_ranks);
+  std::vector<double> shadow_tokens(
+      shadowed.empty() ? 0 : static_cast<size_t>(load.num_experts) * routing.num_ranks);
   for (int s = 0; s < load.num_sources; ++s) {
     // Sources beyond the topology's ranks (a trace recorded on more ranks) map round-robin.
     const int source = s % routing.num_ranks;

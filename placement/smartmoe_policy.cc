@@ -185,8 +185,8 @@ class SmartMoePolicy final : public Policy {
       KEEL_ASSIGN_OR_RETURN(Placement placement,
                             Placement::CreateKeepingHomes(current, candidates[i]));
       const CostModel& cost = context().cost;
-      const LayerCost layer = cost.Estimate(placement, RouteEvenly(placement, load),
-                                            cost.Migration(current, placement).seconds);
+      const LayerCost layer =
+          cost.Estimate(placement, RouteEvenly(placement, load), MigrationSeconds(view, placement));
       const double score = layer.total_seconds() - layer.exposed_migration_seconds +
                            layer.exposed_migration_seconds / interval;
       if (chosen < 0 || score < chosen_score) {

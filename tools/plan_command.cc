@@ -175,13 +175,23 @@ Result<PlanOutput> PlanWithPolicy(const std::string& name, const PlanInput& in,
     std::span<const double> row(in.weight.data() + static_cast<size_t>(layer) * in.num_experts,
                                 static_cast<size_t>(in.num_experts));
     KEEL_ASSIGN_OR_RETURN(StepLoad traffic, StepLoad::FromExpertCounts(in.num_gpus, row));
-    LayerView view;
-    view.layer = layer;
-    view.current = &*initial;
-    view.expert_load = row;
-    view.traffic = &traffic;
-    Result<Placement> next = policy->Replan(view);
-    if (!next.ok()) return next.status().WithContext(where + "Replan");
+    // Planning from scratch: nothing is trained yet, so moves are free, and the policy replans
+    // until its placement stops changing (incremental policies move a few slots per replan).
+    constexpr int kMaxRounds = 256;
+    Placement current = std::move(initial).value();
+    Result<Placement> next = current;
+    for (int round = 0; round < kMaxRounds; ++round) {
+      LayerView view;
+      view.layer = layer;
+      view.current = &current;
+      view.expert_load = row;
+      view.traffic = &traffic;
+      view.fresh_start = true;
+      next = policy->Replan(view);
+      if (!next.ok()) return next.status().WithContext(where + "Replan");
+      if (*next == current) break;
+      current = *next;
+    }
     if (next->num_slots() != in.num_replicas) {
       return Internal(where + "Replan returned " + std::to_string(next->num_slots()) +
                       " slots, expected num_replicas " + std::to_string(in.num_replicas));

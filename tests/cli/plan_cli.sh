@@ -33,6 +33,25 @@ assert out["logcnt"] == [[1, 2, 1, 1, 2, 2, 1, 1, 1, 1, 2, 1],
 assert out["timing"]["median_seconds"] >= 0
 PY
 
+# Planning from scratch moves for free and replans until converged: at realistic token counts
+# `keel` replicates the hottest expert of the layer and never puts two copies on one GPU.
+python3 - "$work/in.json" "$work/in1000.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+d["weight"] = [[w * 1000 for w in row] for row in d["weight"]]
+json.dump(d, open(sys.argv[2], "w"))
+PY
+"$keel" plan --policy keel --input "$work/in1000.json" >"$work/keel1000.json" \
+  || fail "keel plan at 1000x failed"
+python3 - "$work/keel1000.json" <<'PY' || fail "keel did not replicate hot experts from scratch"
+import json, sys
+out = json.load(open(sys.argv[1]))
+for layer, hottest in ((0, 10), (1, 5)):
+    assert out["logcnt"][layer][hottest] >= 2, (layer, out["logcnt"][layer])
+    gpus = [slot // 2 for slot, e in enumerate(out["phy2log"][layer]) if e == hottest]
+    assert len(gpus) == len(set(gpus)), (layer, gpus)
+PY
+
 # Every policy accepts the same input and answers with consistent EPLB shapes.
 for policy in static eplb flexmoe smartmoe fastermoe keel; do
   "$keel" plan --policy "$policy" --input "$work/in.json" >"$work/$policy.json" \

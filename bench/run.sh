@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Runs every CPU benchmark of docs/benchmarks.md and writes the results to out/bench/:
+# planner micro-benchmarks (Google Benchmark JSON) and trace replays (keel replay reports).
+# Usage: bench/run.sh [build-dir]   (default: build; run `scripts/dev build` first)
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=${1:-$root/build}
+out=$root/out/bench
+traces=${KEEL_SHARED_TRACES:-$root/../shared/traces}
+mkdir -p "$out"
+keel=$build/bin/keel
+
+for bench in eplb_bench keel_policy_bench quota_bench; do
+  echo "== $bench"
+  "$build/bin/$bench" --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
+    --benchmark_out="$out/$bench.json" --benchmark_out_format=json
+done
+
+echo "== replay: synthetic trace (seed 1), all policies"
+"$keel" replay --trace synthetic --quiet --report "$out/replay-synthetic.json"
+
+smartmoe=$traces/smartmoe-ae/moe_trace.tar.xz
+if [ -f "$smartmoe" ]; then
+  echo "== replay: SmartMoE trace, configs/smartmoe-16gpu.yaml (whole command timed)"
+  start=$(date +%s%N)
+  "$keel" replay --trace "$smartmoe" --config "$root/configs/smartmoe-16gpu.yaml" --quiet \
+    --report "$out/replay-smartmoe.json" --plot "$out/replay-smartmoe.svg"
+  echo "whole command: $(( ($(date +%s%N) - start) / 1000000 )) ms"
+  converted=$out/smartmoe.jsonl
+  [ -f "$converted" ] || "$keel" trace convert --input "$smartmoe" --output "$converted"
+  echo "== replay: SmartMoE, oracle"
+  "$keel" replay --trace "$converted" --config "$root/configs/smartmoe-16gpu.yaml" --oracle \
+    --quiet --report "$out/replay-smartmoe-oracle.json"
+  echo "== replay: SmartMoE, hierarchical EPLB (one expert group per node)"
+  sed 's/num_groups: 1 /num_groups: 0 /' "$root/configs/smartmoe-16gpu.yaml" >"$out/hier.yaml"
+  "$keel" replay --trace "$converted" --config "$out/hier.yaml" --policy eplb --quiet \
+    --report "$out/replay-smartmoe-eplb-hier.json"
+else
+  echo "== skipping SmartMoE replays: $smartmoe not found"
+fi
+echo "== results in $out"
