@@ -193,6 +193,8 @@ std::string FlagParser::HelpText() const {
   }
   heads.push_back("  --help");
   width = std::min<size_t>(std::max(width, heads.back().size()) + 2, 30);
+  // Meanings wrap at 100 columns, continuation lines aligned under the first.
+  constexpr size_t kColumns = 100;
   auto line = [&](const std::string& head, const std::string& meaning) {
     text += head;
     if (head.size() + 1 > width) {
@@ -200,7 +202,24 @@ std::string FlagParser::HelpText() const {
     } else {
       text += std::string(width - head.size(), ' ');
     }
-    text += meaning + "\n";
+    size_t column = width;
+    size_t begin = 0;
+    while (begin < meaning.size()) {
+      size_t end = meaning.find(' ', begin);
+      if (end == std::string::npos) end = meaning.size();
+      const size_t length = end - begin;
+      if (column > width && column + 1 + length > kColumns) {
+        text += "\n" + std::string(width, ' ');
+        column = width;
+      } else if (column > width) {
+        text += ' ';
+        ++column;
+      }
+      text.append(meaning, begin, length);
+      column += length;
+      begin = end + 1;
+    }
+    text += "\n";
   };
   for (size_t i = 0; i < flags_.size(); ++i) {
     const Flag& flag = flags_[i];

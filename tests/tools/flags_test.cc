@@ -123,6 +123,28 @@ TEST(FlagParserTest, HelpListsEveryFlagWithMeaningAndDefault) {
   EXPECT_NE(help.find("keel config --markdown"), std::string::npos);
 }
 
+TEST(FlagParserTest, HelpWrapsLongMeaningsAtOneHundredColumns) {
+  FlagParser flags("keel test", "summary");
+  std::string path;
+  std::string meaning;
+  for (int i = 0; i < 40; ++i) meaning += "word" + std::to_string(i) + " ";
+  meaning += "last";
+  flags.Add("path", "FILE", &path, meaning);
+  const std::string help = flags.HelpText();
+  size_t begin = 0;
+  int lines_with_words = 0;
+  while (begin < help.size()) {
+    size_t end = help.find('\n', begin);
+    if (end == std::string::npos) end = help.size();
+    const std::string text = help.substr(begin, end - begin);
+    EXPECT_LE(text.size(), 100u) << text;
+    if (text.find("word") != std::string::npos) ++lines_with_words;
+    begin = end + 1;
+  }
+  EXPECT_GT(lines_with_words, 2);
+  EXPECT_NE(help.find("word39 last"), std::string::npos) << "words lost or reordered";
+}
+
 TEST(SplitCommaListTest, TrimsAndDropsEmptyItems) {
   EXPECT_EQ(SplitCommaList("static, eplb,,keel "),
             (std::vector<std::string>{"static", "eplb", "keel"}));
