@@ -51,11 +51,6 @@ class QuotaSolver {
   // Re-solves for `extras`: the previous call's extras plus one more at the back, same tokens.
   void AddCopy(const Placement& placement, std::span<const TransientReplica> extras,
                QuotaSplit& split);
-  // Resets the copies (not the flow) to `extras`: after a trial copy is dropped, the copy
-  // accessors below describe the split that was kept.
-  void SetCopies(const Placement& placement, std::span<const TransientReplica> extras) {
-    BuildCopies(placement, extras);
-  }
 
   // Copies of `expert` after Solve: id < num_slots is a persistent slot, otherwise the extra copy
   // id - num_slots. Persistent slots first (ascending), then extras in their given order.
@@ -93,6 +88,7 @@ class QuotaSolver {
   long long total_ = 0;
   int num_extras_ = 0;
 
+  std::vector<int> slot_rank_;   // [num_slots] rank of each persistent slot
   std::vector<int> copy_begin_;  // [num_experts + 1]
   std::vector<int> copy_id_;     // [copies]
   std::vector<int> copy_rank_;   // [copies]
@@ -146,11 +142,19 @@ void QuotaSolver::BuildCopies(const Placement& placement,
   copy_rank_.resize(num_copies);
   copy_arc_.resize(num_copies);
   rank_fill_.resize(std::max(num_experts_, num_ranks_));
+  // rank_of_slot divides; the slots' ranks are cached once per placement.
+  if (slot_rank_.size() != static_cast<size_t>(num_slots)) {
+    slot_rank_.resize(num_slots);
+    const int per_rank = num_slots / num_ranks_;
+    for (int r = 0, slot = 0; r < num_ranks_; ++r) {
+      for (int i = 0; i < per_rank; ++i) slot_rank_[slot++] = r;
+    }
+  }
   for (int e = 0; e < num_experts_; ++e) {
     int pos = copy_begin_[e];
     for (int slot : placement.copies(e)) {
       copy_id_[pos] = slot;
-      copy_rank_[pos++] = placement.rank_of_slot(slot);
+      copy_rank_[pos++] = slot_rank_[slot];
     }
     rank_fill_[e] = pos;
   }
@@ -351,6 +355,7 @@ void QuotaSolver::Solve(const Placement& placement, std::span<const long long> t
   num_experts_ = placement.num_experts();
   num_ranks_ = placement.num_ranks();
   tokens_ = tokens;
+  slot_rank_.clear();
   BuildCopies(placement, extras);
   Prepare();
   for (int e : flexible_) excess_[e] = tokens[e];
@@ -433,6 +438,15 @@ void QuotaSolver::AddCopy(const Placement& placement, std::span<const TransientR
       spare_[r] += take;
     }
   }
+  // Pour what was taken back, as a cold start pours everything.
+  pour_order_.clear();
+  for (int e : flexible_) {
+    if (excess_[e] > 0) pour_order_.push_back(e);
+  }
+  std::sort(pour_order_.begin(), pour_order_.end(), [&](int a, int b) {
+    return tokens_[a] != tokens_[b] ? tokens_[a] > tokens_[b] : a < b;
+  });
+  Pour(bound);
   Finish(placement, bound, cut_found, split);
 }
 
@@ -504,8 +518,8 @@ class SourceAssigner {
   bool Scan(StepRouting& routing);
   const std::vector<long long>& rounded_totals() const { return rounded_; }
 
-  // Completes `routing` (after Scan) for the copies in `solver`, solved with `extras` beyond the
-  // placement, and the quotas in `split`.
+  // Completes `routing`, a copy of what Scan filled, for the copies in `solver`, solved with
+  // `extras` beyond the placement, and the quotas in `split`.
   void Assign(const QuotaSolver& solver, const std::vector<TransientReplica>& extras,
               const QuotaSplit& split, StepRouting& routing);
 
@@ -765,18 +779,9 @@ Status ValidateTopologyAndOptions(const Placement& placement, const Topology& to
 // rank load, on the least-loaded rank that has a free transient slot and no copy of it, fed from
 // a holder on that rank's node, else from the home. False when there is none.
 bool NextTransient(const Placement& placement, const Topology& topology, const QuotaSolver& solver,
-                   std::span<const long long> tokens,
-                   const std::vector<TransientReplica>& transients,
-                   const std::vector<int>& transients_on_rank, int transient_per_rank,
-                   TransientReplica& next) {
+                   std::span<const long long> tokens, const std::vector<int>& transients_on_rank,
+                   int transient_per_rank, std::vector<char>& holds, TransientReplica& next) {
   const auto rank_load = solver.rank_load();
-  auto holds = [&](int rank, int expert) {
-    if (placement.holds(rank, expert)) return true;
-    for (const TransientReplica& t : transients) {
-      if (t.expert == expert && t.rank == rank) return true;
-    }
-    return false;
-  };
   bool found = false;
   long long best_tokens = 0;
   long long best_copies = 1;
@@ -784,9 +789,12 @@ bool NextTransient(const Placement& placement, const Topology& topology, const Q
     const long long copies = solver.copy_end(e) - solver.copy_begin(e);
     // tokens[e] / copies > best_tokens / best_copies, in integers.
     if (found && tokens[e] * best_copies <= best_tokens * copies) continue;
+    // The solver's copies are the placement's plus the transients so far.
+    holds.assign(placement.num_ranks(), 0);
+    for (int c = solver.copy_begin(e); c < solver.copy_end(e); ++c) holds[solver.copy_rank(c)] = 1;
     int target = -1;
     for (int g = 0; g < placement.num_ranks(); ++g) {
-      if (transients_on_rank[g] >= transient_per_rank || holds(g, e)) continue;
+      if (transients_on_rank[g] >= transient_per_rank || holds[g]) continue;
       if (target < 0 || rank_load[g] < rank_load[target]) target = g;
     }
     if (target < 0) continue;
@@ -829,46 +837,43 @@ Result<StepRouting> PlanStepQuotas(const Placement& placement, const StepLoad& l
                                    const QuotaPlanOptions& options) {
   KEEL_RETURN_IF_ERROR(ValidateLoadShape(placement, load));
   SourceAssigner assigner(placement, load, topology);
-  StepRouting routing;
-  if (!assigner.Scan(routing)) KEEL_RETURN_IF_ERROR(TrafficValues(load));
+  StepRouting scanned;
+  if (!assigner.Scan(scanned)) KEEL_RETURN_IF_ERROR(TrafficValues(load));
   KEEL_RETURN_IF_ERROR(ValidateTopologyAndOptions(placement, topology, cost, options));
   const std::vector<long long>& tokens = assigner.rounded_totals();
   QuotaSolver solver;
   QuotaSplit split;
   std::vector<TransientReplica> transients;
   solver.Solve(placement, tokens, transients, split);
+  StepRouting best = scanned;
+  assigner.Assign(solver, transients, split, best);
+  if (options.transient_per_rank == 0) return best;
 
-  // Greedy transients: each must lower the max rank load and the predicted time of what a
-  // transient changes, the slowest rank's compute plus the transient fills; the first candidate
-  // that does not ends the search. Replica sync does not depend on transients; the all-to-all is
-  // left out, as pricing it would take a source assignment per candidate. Sources are assigned
-  // once, for the copies kept.
-  if (options.transient_per_rank > 0) {
-    std::vector<int> transients_on_rank(placement.num_ranks(), 0);
-    double best_seconds = cost.ComputeSeconds(static_cast<double>(split.max_rank_tokens));
-    QuotaSplit trial_split;
-    TransientReplica next;
-    while (NextTransient(placement, topology, solver, tokens, transients, transients_on_rank,
-                         options.transient_per_rank, next)) {
-      transients.push_back(next);
-      solver.AddCopy(placement, transients, trial_split);
-      const double trial_seconds =
-          trial_split.max_rank_tokens < split.max_rank_tokens
-              ? cost.ComputeSeconds(static_cast<double>(trial_split.max_rank_tokens)) +
-                    cost.TransientSeconds(placement, transients)
-              : best_seconds;
-      if (!(trial_seconds < best_seconds)) {
-        transients.pop_back();
-        solver.SetCopies(placement, transients);
-        break;
-      }
-      ++transients_on_rank[next.rank];
-      best_seconds = trial_seconds;
-      std::swap(split, trial_split);
-    }
+  // Greedy transients: each must lower the max rank load and the cost model's predicted layer
+  // time; the first candidate that does not ends the search. The baseline is priced only once a
+  // candidate gets that far. Each candidate re-solves from the previous flow.
+  std::vector<int> transients_on_rank(placement.num_ranks(), 0);
+  std::vector<char> holds;
+  double best_seconds = -1;
+  QuotaSplit trial_split;
+  StepRouting trial;
+  TransientReplica next;
+  while (NextTransient(placement, topology, solver, tokens, transients_on_rank,
+                       options.transient_per_rank, holds, next)) {
+    transients.push_back(next);
+    solver.AddCopy(placement, transients, trial_split);
+    if (trial_split.max_rank_tokens >= split.max_rank_tokens) break;
+    trial = scanned;
+    assigner.Assign(solver, transients, trial_split, trial);
+    if (best_seconds < 0) best_seconds = cost.Estimate(placement, best).total_seconds();
+    const double trial_seconds = cost.Estimate(placement, trial).total_seconds();
+    if (!(trial_seconds < best_seconds)) break;
+    ++transients_on_rank[next.rank];
+    best_seconds = trial_seconds;
+    std::swap(best, trial);
+    std::swap(split, trial_split);
   }
-  assigner.Assign(solver, transients, split, routing);
-  return routing;
+  return best;
 }
 
 }  // namespace keel
