@@ -24,14 +24,12 @@ struct Scored {
   double seconds = 0;
 };
 
+// Starts from the static placement (homes contiguous, spare slots empty); replans fill the spare
+// slots with replicas of the experts that turn out hot.
 class KeelPolicy final : public Policy {
  public:
   explicit KeelPolicy(const PolicyContext& context) : Policy(context) {}
   std::string_view name() const override { return "keel"; }
-
-  // Homes contiguous as in the static placement; the spare slots stay empty until the first
-  // replan fills them with replicas of the experts that turn out hot.
-  Result<Placement> Initial(int layer) override { return Policy::Initial(layer); }
 
   Result<Placement> Replan(const LayerView& view) override;
 

@@ -76,6 +76,28 @@ TEST(KeelPolicyTest, RepeatedReplansConvergeAndStop) {
   EXPECT_EQ(again, current);
 }
 
+// Every slot holds a home: the only way to balance is to swap experts, which moves homes with
+// their optimizer state, so the swap happens only when it pays back within the horizon.
+TEST(KeelPolicyTest, SwapsHomesOnlyWhenTheyPayBackWithinTheHorizon) {
+  std::vector<double> load = {60000, 60000, 100, 100, 100, 100, 100, 100};  // both hot on rank 0
+  PolicyContext patient = Context(1, 4, 8, 2, 0);
+  patient.config.keel.home_payback_horizon_steps = 1000;
+  auto policy = MakePolicy("keel", patient).value();
+  Placement current = policy->Initial(0).value();
+  Placement next = policy->Replan({0, &current, load, nullptr}).value();
+  ASSERT_NE(next, current);
+  EXPECT_GE(DiffPlacements(current, next).moved_homes, 1);
+  auto est = StepLoad::FromExpertCounts(4, load).value();
+  EXPECT_LT(RouteEvenly(next, est).max_rank_tokens(), RouteEvenly(current, est).max_rank_tokens());
+  EXPECT_NE(next.rank_of_slot(next.copies(0)[0]), next.rank_of_slot(next.copies(1)[0]))
+      << "the two hot experts should end up on different ranks";
+
+  PolicyContext impatient = Context(1, 4, 8, 2, 0);
+  impatient.config.keel.home_payback_horizon_steps = 0;
+  auto never = MakePolicy("keel", impatient).value();
+  EXPECT_EQ(never->Replan({0, &current, load, nullptr}).value(), current);
+}
+
 TEST(KeelPolicyTest, RouteAddsTransientReplicasForABurst) {
   PolicyContext context = Context(1, 8, 8, 1, 1);
   context.config.keel.transient_replicas = true;
