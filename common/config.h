@@ -30,12 +30,12 @@ struct CostModelConfig {
   double expert_tflops = 600.0;  // achieved expert GEMM throughput per GPU
   int hidden_size = 2048;
   int expert_ffn_size = 8192;
-  int expert_matrices = 2;                     // FFN weight matrices per expert
-  int dtype_bytes = 2;                         // bytes per weight and per activation element
+  int expert_matrices = 2;                      // FFN weight matrices per expert
+  int dtype_bytes = 2;                          // bytes per weight and per activation element
   double home_move_bytes_per_parameter = 14.0;  // weights + optimizer state (Adam, mixed precision)
-  double train_flops_multiplier = 3.0;         // forward + backward = 3x forward
-  int all_to_all_passes = 4;                   // dispatch + combine, forward and backward
-  int replica_sync_passes = 2;                 // gradient reduce into home + weight push back
+  double train_flops_multiplier = 3.0;          // forward + backward = 3x forward
+  int all_to_all_passes = 4;                    // dispatch + combine, forward and backward
+  int replica_sync_passes = 2;                  // gradient reduce into home + weight push back
 };
 
 enum class EstimatorKind { kLastStep, kSlidingWindow, kEma };

@@ -61,7 +61,7 @@ Status Internal(std::string message);
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : value_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(T value) : value_(std::move(value)) {}         // NOLINT(google-explicit-constructor)
   Result(Status status) : status_(std::move(status)) {  // NOLINT(google-explicit-constructor)
     assert(!status_.ok() && "Result built from an OK status carries no value");
   }
@@ -88,10 +88,10 @@ class [[nodiscard]] Result {
 #define KEEL_STATUS_CONCAT(a, b) KEEL_STATUS_CONCAT_INNER(a, b)
 
 // Returns the Status of `expr` from the enclosing function when it is not OK.
-#define KEEL_RETURN_IF_ERROR(expr)                \
-  do {                                            \
-    ::keel::Status keel_status_ = (expr);         \
-    if (!keel_status_.ok()) return keel_status_;  \
+#define KEEL_RETURN_IF_ERROR(expr)               \
+  do {                                           \
+    ::keel::Status keel_status_ = (expr);        \
+    if (!keel_status_.ok()) return keel_status_; \
   } while (0)
 
 // `KEEL_ASSIGN_OR_RETURN(auto x, MakeX());` declares x from a Result or returns its Status.

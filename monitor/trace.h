@@ -18,7 +18,7 @@ struct Trace {
   std::string description;  // where it came from, e.g. "smartmoe: moe_trace (16 ranks)"
   int num_layers = 0;
   int num_experts = 0;
-  int num_sources = 0;  // source ranks of the traffic matrix; 0 = per-expert counts only
+  int num_sources = 0;            // source ranks of the traffic matrix; 0 = per-expert counts only
   std::vector<int64_t> step_ids;  // [num_steps] original step / iteration number of each step
   // [num_steps][num_layers * row_size()] tokens; a layer's row is [num_sources * num_experts]
   // (source-major) when num_sources > 0, else [num_experts].

@@ -4,9 +4,9 @@
 
 namespace keel::tools {
 
-int RunPlan(int argc, char** argv);     // keel plan     (tools/plan_command.cc)
-int RunReplay(int argc, char** argv);   // keel replay   (tools/replay_command.cc)
-int RunTrace(int argc, char** argv);    // keel trace    (tools/trace_command.cc)
-int RunConfig(int argc, char** argv);   // keel config   (tools/config_command.cc)
+int RunPlan(int argc, char** argv);    // keel plan     (tools/plan_command.cc)
+int RunReplay(int argc, char** argv);  // keel replay   (tools/replay_command.cc)
+int RunTrace(int argc, char** argv);   // keel trace    (tools/trace_command.cc)
+int RunConfig(int argc, char** argv);  // keel config   (tools/config_command.cc)
 
 }  // namespace keel::tools

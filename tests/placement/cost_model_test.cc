@@ -75,16 +75,14 @@ TEST(CostModelTest, AllToAllUsesTheLinkOfEachPair) {
 TEST(CostModelTest, ReplicaSyncIsARingOverTheCopies) {
   CostModel cost(TwoNodesOfTwo(), SmallModel());
   // Expert 0 on ranks 0 and 1 (same node): each ring edge carries W * passes * (m-1)/m = W.
-  auto pair = Placement::Create(3, 4, {0, 1, 0, 2, kEmptySlot, kEmptySlot, kEmptySlot, kEmptySlot})
-                  .value();
+  auto pair =
+      Placement::Create(3, 4, {0, 1, 0, 2, kEmptySlot, kEmptySlot, kEmptySlot, kEmptySlot}).value();
   StepRouting routing = EmptyRouting(4, 8);
   EXPECT_DOUBLE_EQ(cost.Estimate(pair, routing).replica_sync_seconds, 128 / 100e9);
   // Expert 0 on ranks 0, 1 and 2: the ring crosses nodes; edges carry 2W * 2/3.
-  auto three = Placement::Create(3, 4, {0, 1, 0, 2, 0, kEmptySlot, kEmptySlot, kEmptySlot})
-                   .value();
+  auto three = Placement::Create(3, 4, {0, 1, 0, 2, 0, kEmptySlot, kEmptySlot, kEmptySlot}).value();
   StepRouting routing3 = EmptyRouting(4, 8);
-  EXPECT_DOUBLE_EQ(cost.Estimate(three, routing3).replica_sync_seconds,
-                   128 * 2 * 2.0 / 3.0 / 10e9);
+  EXPECT_DOUBLE_EQ(cost.Estimate(three, routing3).replica_sync_seconds, 128 * 2 * 2.0 / 3.0 / 10e9);
 }
 
 TEST(CostModelTest, TransientReplicasArePricedAsAChainFromTheSource) {
