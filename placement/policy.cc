@@ -18,6 +18,10 @@ Result<PolicyContext> PolicyContext::FromConfig(const KeelConfig& config, int nu
     return InvalidArgument("slots.persistent_per_rank must be >= 1, got " +
                            std::to_string(config.slots.persistent_per_rank));
   }
+  if (config.slots.transient_per_rank < 0) {
+    return InvalidArgument("slots.transient_per_rank must be >= 0, got " +
+                           std::to_string(config.slots.transient_per_rank));
+  }
   if (static_cast<long long>(config.slots.persistent_per_rank) * topology.num_ranks() <
       num_experts) {
     return InvalidArgument("slots.persistent_per_rank " +

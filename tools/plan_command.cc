@@ -150,7 +150,7 @@ Result<PlanOutput> PlanWithEplb(const PlanInput& in) {
   return plan;
 }
 
-// Any other policy: its initial placement of each layer, replanned once for the layer's load.
+// Any other policy: its initial placement of each layer, replanned from scratch until it settles.
 Result<PlanOutput> PlanWithPolicy(const std::string& name, const PlanInput& in,
                                   const KeelConfig& base) {
   KeelConfig config = base;
@@ -159,11 +159,8 @@ Result<PlanOutput> PlanWithPolicy(const std::string& name, const PlanInput& in,
   config.slots.persistent_per_rank = in.num_replicas / in.num_gpus;
   config.policy.name = name;
   config.policy.eplb.num_groups = in.num_groups;
-  KEEL_ASSIGN_OR_RETURN(const Topology topology, Topology::Create(config.topology));
-  const PolicyContext context{
-      topology,       CostModel(topology, config.cost_model), in.num_layers,
-      in.num_experts, config.slots.persistent_per_rank,       config.slots.transient_per_rank,
-      config.policy};
+  KEEL_ASSIGN_OR_RETURN(const PolicyContext context,
+                        PolicyContext::FromConfig(config, in.num_layers, in.num_experts));
   KEEL_ASSIGN_OR_RETURN(std::unique_ptr<Policy> policy, MakePolicy(name, context));
 
   std::vector<Placement> placements;

@@ -43,7 +43,7 @@ double Percentile(const std::vector<double>& sorted, double q) {
 struct ReplayInputs {
   const Trace* trace = nullptr;
   const KeelConfig* config = nullptr;
-  const Topology* topology = nullptr;
+  const PolicyContext* context = nullptr;  // topology, cost model and slots of every policy
   int num_ranks = 0;
   int num_steps = 0;
   int num_layers = 0;
@@ -82,14 +82,10 @@ Result<PolicyReplay> ReplayPolicy(const ReplayInputs& in, const std::string& nam
   const int num_ranks = in.num_ranks;
   const int num_experts = in.num_experts;
 
-  PolicyConfig policy_config = config.policy;
-  policy_config.name = name;
-  const PolicyContext context{
-      *in.topology, CostModel(*in.topology, config.cost_model), in.num_layers,
-      num_experts,  config.slots.persistent_per_rank,           config.slots.transient_per_rank,
-      policy_config};
+  PolicyContext context = *in.context;
+  context.config.name = name;
   KEEL_ASSIGN_OR_RETURN(std::unique_ptr<Policy> policy, MakePolicy(name, context));
-  const CostModel cost(*in.topology, config.cost_model);
+  const CostModel& cost = context.cost;
 
   std::vector<Placement> placements;
   std::vector<LoadEstimator> expert_estimators;
@@ -246,18 +242,10 @@ Result<ReplayReport> ReplayTrace(const Trace& trace, const KeelConfig& config,
                                  const ReplayOptions& options) {
   const auto start = Clock::now();
   KEEL_RETURN_IF_ERROR(CheckTrace(trace));
-  KEEL_ASSIGN_OR_RETURN(const Topology topology, Topology::Create(config.topology));
-  const int num_ranks = topology.num_ranks();
-  const int slots = config.slots.persistent_per_rank;
-  if (slots < 1 || static_cast<long>(num_ranks) * slots < trace.num_experts) {
-    return InvalidArgument("slots.persistent_per_rank " + std::to_string(slots) + " x " +
-                           std::to_string(num_ranks) + " ranks cannot hold the trace's " +
-                           std::to_string(trace.num_experts) + " experts");
-  }
-  if (config.slots.transient_per_rank < 0) {
-    return InvalidArgument("slots.transient_per_rank must be >= 0, got " +
-                           std::to_string(config.slots.transient_per_rank));
-  }
+  // Validates topology and slots against the trace once, before any policy thread starts.
+  KEEL_ASSIGN_OR_RETURN(const PolicyContext context,
+                        PolicyContext::FromConfig(config, trace.num_layers, trace.num_experts));
+  const int num_ranks = context.topology.num_ranks();
   if (options.heatmap_layer < -1 || options.heatmap_layer >= trace.num_layers) {
     return InvalidArgument("heatmap layer " + std::to_string(options.heatmap_layer) +
                            " is not -1 or a layer of the trace (0.." +
@@ -280,7 +268,7 @@ Result<ReplayReport> ReplayTrace(const Trace& trace, const KeelConfig& config,
   ReplayInputs inputs;
   inputs.trace = &trace;
   inputs.config = &config;
-  inputs.topology = &topology;
+  inputs.context = &context;
   inputs.num_ranks = num_ranks;
   inputs.num_steps = trace.num_steps();
   inputs.num_layers = trace.num_layers;

@@ -1,0 +1,43 @@
+// PolicyContext::FromConfig: the one place that checks topology and slots before a policy runs.
+#include <gtest/gtest.h>
+
+#include "placement/policy.h"
+
+namespace keel {
+namespace {
+
+TEST(PolicyContextTest, CarriesTopologySlotsAndPolicyParameters) {
+  KeelConfig config;
+  config.topology.num_nodes = 2;
+  config.topology.gpus_per_node = 4;
+  config.slots.persistent_per_rank = 3;
+  config.slots.transient_per_rank = 2;
+  config.policy.keel.max_moves_per_replan = 7;
+  auto context = PolicyContext::FromConfig(config, /*num_layers=*/5, /*num_experts=*/20);
+  ASSERT_TRUE(context.ok()) << context.status().ToString();
+  EXPECT_EQ(context->topology.num_ranks(), 8);
+  EXPECT_EQ(context->num_layers, 5);
+  EXPECT_EQ(context->num_experts, 20);
+  EXPECT_EQ(context->slots_per_rank, 3);
+  EXPECT_EQ(context->transient_per_rank, 2);
+  EXPECT_EQ(context->config.keel.max_moves_per_replan, 7);
+}
+
+TEST(PolicyContextTest, ErrorsNameTheBadSlotValue) {
+  KeelConfig config;  // 1 node x 8 GPUs
+  config.slots.persistent_per_rank = 2;
+  auto too_few = PolicyContext::FromConfig(config, 1, 17);
+  ASSERT_FALSE(too_few.ok());
+  EXPECT_NE(too_few.status().message().find("cannot hold 17 experts"), std::string::npos)
+      << too_few.status().message();
+
+  config.slots.transient_per_rank = -1;
+  auto negative = PolicyContext::FromConfig(config, 1, 8);
+  ASSERT_FALSE(negative.ok());
+  EXPECT_NE(negative.status().message().find("slots.transient_per_rank must be >= 0, got -1"),
+            std::string::npos)
+      << negative.status().message();
+}
+
+}  // namespace
+}  // namespace keel
