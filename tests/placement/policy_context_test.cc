@@ -41,3 +41,24 @@ TEST(PolicyContextTest, ErrorsNameTheBadSlotValue) {
 
 }  // namespace
 }  // namespace keel
+
+namespace keel {
+namespace {
+
+// common/ cannot see placement/, so the config's allowed policy names are a second list: every
+// name MakePolicy knows must parse, and an unknown name's error must list them all.
+TEST(PolicyContextTest, ConfigAcceptsExactlyThePolicyNames) {
+  for (const std::string& name : PolicyNames()) {
+    auto config = ParseConfig("policy:\n  name: " + name + "\n");
+    EXPECT_TRUE(config.ok()) << name << ": " << config.status().ToString();
+  }
+  auto unknown = ParseConfig("policy:\n  name: roundrobin\n");
+  ASSERT_FALSE(unknown.ok());
+  for (const std::string& name : PolicyNames()) {
+    EXPECT_NE(unknown.status().message().find(name), std::string::npos)
+        << "the error should list '" << name << "': " << unknown.status().message();
+  }
+}
+
+}  // namespace
+}  // namespace keel
