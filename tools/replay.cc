@@ -256,12 +256,8 @@ Result<ReplayReport> ReplayTrace(const Trace& trace, const KeelConfig& config,
   if (names.empty()) names = PolicyNames();
   std::set<std::string> seen;
   for (const std::string& name : names) {
-    const auto& known = PolicyNames();
-    if (std::find(known.begin(), known.end(), name) == known.end()) {
-      std::string list;
-      for (const auto& n : known) list += (list.empty() ? "" : ", ") + n;
-      return InvalidArgument("unknown policy '" + name + "' (known: " + list + ")");
-    }
+    // MakePolicy names the known policies for an unknown one, before any thread starts.
+    KEEL_RETURN_IF_ERROR(MakePolicy(name, context).status());
     if (!seen.insert(name).second) return InvalidArgument("policy '" + name + "' listed twice");
   }
 
