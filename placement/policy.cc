@@ -1,6 +1,7 @@
 // The policy factory and the defaults shared by every policy.
 #include "placement/policy.h"
 
+#include <algorithm>
 #include <string>
 
 namespace keel {
@@ -72,6 +73,14 @@ const std::vector<std::string>& PolicyNames() {
   return kNames;
 }
 
+Status CheckPolicyName(std::string_view name) {
+  const auto& names = PolicyNames();
+  if (std::find(names.begin(), names.end(), name) != names.end()) return Status::Ok();
+  std::string known;
+  for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
+  return InvalidArgument("unknown policy '" + std::string(name) + "' (known: " + known + ")");
+}
+
 Result<std::unique_ptr<Policy>> MakePolicy(std::string_view name, const PolicyContext& context) {
   std::unique_ptr<Policy> policy;
   if (name == "static") policy = MakeStaticPolicy(context);
@@ -81,9 +90,8 @@ Result<std::unique_ptr<Policy>> MakePolicy(std::string_view name, const PolicyCo
   if (name == "fastermoe") policy = MakeFasterMoePolicy(context);
   if (name == "keel") policy = MakeKeelPolicy(context);
   if (policy) return policy;
-  std::string known;
-  for (const auto& n : PolicyNames()) known += (known.empty() ? "" : ", ") + n;
-  return InvalidArgument("unknown policy '" + std::string(name) + "' (known: " + known + ")");
+  KEEL_RETURN_IF_ERROR(CheckPolicyName(name));
+  return Internal("policy '" + std::string(name) + "' has no factory");
 }
 
 }  // namespace keel

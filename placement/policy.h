@@ -79,8 +79,10 @@ class Policy {
 // Names accepted by MakePolicy, in the order reports list them.
 const std::vector<std::string>& PolicyNames();
 
-// Builds the policy called `name` (see PolicyNames); an unknown name is an InvalidArgument that
-// lists the known ones.
+// OK when `name` is in PolicyNames(); otherwise an InvalidArgument that lists the known ones.
+Status CheckPolicyName(std::string_view name);
+
+// Builds the policy called `name` (see PolicyNames); an unknown name fails as CheckPolicyName.
 Result<std::unique_ptr<Policy>> MakePolicy(std::string_view name, const PolicyContext& context);
 
 // Policy factories, one per file.

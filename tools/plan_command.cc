@@ -274,12 +274,8 @@ int RunPlan(int argc, char** argv) {
   }
   if (repeat < 1)
     return Fail(InvalidArgument("--repeat must be >= 1, got " + std::to_string(repeat)));
-  const auto& names = PolicyNames();
-  if (std::find(names.begin(), names.end(), policy_name) == names.end()) {
-    std::string known;
-    for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
-    return Fail(
-        InvalidArgument("--policy '" + policy_name + "' is unknown (known: " + known + ")"));
+  if (Status status = CheckPolicyName(policy_name); !status.ok()) {
+    return Fail(status.WithContext("--policy"));
   }
 
   KeelConfig config;

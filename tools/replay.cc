@@ -256,8 +256,7 @@ Result<ReplayReport> ReplayTrace(const Trace& trace, const KeelConfig& config,
   if (names.empty()) names = PolicyNames();
   std::set<std::string> seen;
   for (const std::string& name : names) {
-    // MakePolicy names the known policies for an unknown one, before any thread starts.
-    KEEL_RETURN_IF_ERROR(MakePolicy(name, context).status());
+    KEEL_RETURN_IF_ERROR(CheckPolicyName(name));
     if (!seen.insert(name).second) return InvalidArgument("policy '" + name + "' listed twice");
   }
 

@@ -49,12 +49,6 @@ KeelConfig ConfigFittingTrace(const Trace& trace) {
   return config;
 }
 
-std::string KnownPolicies() {
-  std::string list;
-  for (const std::string& name : PolicyNames()) list += (list.empty() ? "" : ", ") + name;
-  return list;
-}
-
 std::string Cell(double value, int decimals) {
   char buffer[32];
   std::snprintf(buffer, sizeof(buffer), "%.*f", decimals, value);
@@ -165,11 +159,10 @@ int RunReplay(int argc, char** argv) {
   options.max_threads = threads;
   options.heatmap_layer = heatmap_layer;
   if (options.policies.empty()) return Fail(InvalidArgument("--policy lists no policy"));
+  // Names are checked before the trace is read, which can take seconds.
   for (const std::string& name : options.policies) {
-    const auto& known = PolicyNames();
-    if (std::find(known.begin(), known.end(), name) == known.end()) {
-      return Fail(InvalidArgument("--policy: unknown policy '" + name +
-                                  "' (known: " + KnownPolicies() + ")"));
+    if (Status status = CheckPolicyName(name); !status.ok()) {
+      return Fail(status.WithContext("--policy"));
     }
   }
 

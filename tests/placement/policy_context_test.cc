@@ -47,6 +47,18 @@ namespace {
 
 // common/ cannot see placement/, so the config's allowed policy names are a second list: every
 // name MakePolicy knows must parse, and an unknown name's error must list them all.
+TEST(PolicyContextTest, CheckPolicyNameListsTheKnownNames) {
+  for (const std::string& name : PolicyNames()) EXPECT_TRUE(CheckPolicyName(name).ok()) << name;
+  Status unknown = CheckPolicyName("roundrobin");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(
+      unknown.message(),
+      "unknown policy 'roundrobin' (known: static, eplb, flexmoe, smartmoe, fastermoe, keel)");
+  auto made = MakePolicy("roundrobin", PolicyContext::FromConfig(KeelConfig{}, 1, 8).value());
+  ASSERT_FALSE(made.ok());
+  EXPECT_EQ(made.status().message(), unknown.message());
+}
+
 TEST(PolicyContextTest, ConfigAcceptsExactlyThePolicyNames) {
   for (const std::string& name : PolicyNames()) {
     auto config = ParseConfig("policy:\n  name: " + name + "\n");
