@@ -38,9 +38,9 @@ class FlexMoePolicy final : public Policy {
   std::string_view name() const override { return "flexmoe"; }
 
   Result<Placement> Replan(const LayerView& view) override {
-    if (view.current == nullptr) return InvalidArgument("flexmoe: LayerView.current is null");
-    const Placement& current = *view.current;
+    // ExpectedStepLoad also checks that the view has a placement and matching sizes.
     KEEL_ASSIGN_OR_RETURN(const StepLoad load, ExpectedStepLoad(view));
+    const Placement& current = *view.current;
 
     const std::vector<double> rank_load = RankLoads(current, CopyShare(current, view.expert_load));
     double total = 0;

@@ -148,9 +148,9 @@ class SmartMoePolicy final : public Policy {
   std::string_view name() const override { return "smartmoe"; }
 
   Result<Placement> Replan(const LayerView& view) override {
-    if (view.current == nullptr) return InvalidArgument("smartmoe: LayerView.current is null");
-    const Placement& current = *view.current;
+    // ExpectedStepLoad also checks that the view has a placement and matching sizes.
     KEEL_ASSIGN_OR_RETURN(const StepLoad load, ExpectedStepLoad(view));
+    const Placement& current = *view.current;
     const SmartMoeConfig& config = context().config.smartmoe;
     const int per_rank = current.slots_per_rank();
     const int num_ranks = current.num_ranks();
