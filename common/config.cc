@@ -30,6 +30,9 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr std::string_view kEstimatorKindNames[] = {"last", "window", "ema"};
 static_assert(std::size(kEstimatorKindNames) == static_cast<size_t>(EstimatorKind::kEma) + 1);
 
+constexpr std::string_view kPerExpertModes[] = {"off", "aggregated"};
+constexpr std::string_view kTransportNames[] = {"local", "ucx", "nccl"};
+
 constexpr std::string_view kPolicyNames[] = {"static",   "eplb",      "flexmoe",
                                              "smartmoe", "fastermoe", "keel"};
 
@@ -137,6 +140,40 @@ constexpr ConfigKey kConfigKeys[] = {
      .doc = "A home moves only if the predicted saving repays the move within this many steps."},
     {KEEL_CONFIG_FIELD(policy.keel.min_gain_fraction), .min = 0, .max = 1, .max_exclusive = true,
      .doc = "A move must cut the predicted layer step time by at least this fraction."},
+    // monitor
+    {KEEL_CONFIG_FIELD(monitor.metrics_address),
+     .doc = "host:port where the Prometheus exporter serves /metrics; a bare port listens on "
+            "127.0.0.1; empty means no exporter."},
+    {KEEL_CONFIG_FIELD(monitor.per_expert), .choices = kPerExpertModes,
+     .doc = "Per-(layer, expert) token series: off, or aggregated (exported by "
+            "aggregating_rank only, so one exporter carries them rather than every rank)."},
+    {KEEL_CONFIG_FIELD(monitor.aggregating_rank), .min = 0,
+     .doc = "The rank that exports the per-expert series when per_expert is aggregated."},
+    {KEEL_CONFIG_FIELD(monitor.queue_capacity), .min = 1, .unit = "batches",
+     .doc = "Routing batches the trainer can hand the monitor before the monitor thread drains "
+            "them; beyond this, samples are dropped and counted, never waited for."},
+    {KEEL_CONFIG_FIELD(monitor.per_source_rank),
+     .doc = "Also count tokens per source rank and expert (the traffic matrix), not only per "
+            "expert."},
+    {KEEL_CONFIG_FIELD(monitor.trace_path),
+     .doc = "Keel trace (JSONL) the run records for keel replay; empty means none."},
+    {KEEL_CONFIG_FIELD(monitor.trace_sample_interval_steps), .min = 1, .unit = "steps",
+     .doc = "The trace recorder writes every n-th step."},
+    // migration
+    {KEEL_CONFIG_FIELD(migration.transport), .choices = kTransportNames,
+     .doc = "How expert state moves between ranks: local (ranks are threads of one process), "
+            "ucx (UCP over shared memory, TCP or RDMA) or nccl (GPU memory)."},
+    {KEEL_CONFIG_FIELD(migration.chunk_bytes), .min = 4096, .unit = "bytes",
+     .doc = "Transfers are cut into chunks of this size and pipelined."},
+    {KEEL_CONFIG_FIELD(migration.pipeline_depth), .min = 1, .unit = "chunks",
+     .doc = "Chunks in flight per peer at once."},
+    {KEEL_CONFIG_FIELD(migration.bandwidth_cap_gb_per_s), .min = 0, .unit = "GB/s",
+     .doc = "Migration bandwidth per rank, at most, so training traffic keeps priority; 0 means "
+            "uncapped."},
+    {KEEL_CONFIG_FIELD(migration.deadline_seconds), .min = 0, .min_exclusive = true,
+     .unit = "seconds",
+     .doc = "An epoch's transfers must be done and verified within this time, or the epoch is "
+            "aborted and the old placement stays."},
 };
 
 #undef KEEL_CONFIG_FIELD
@@ -161,6 +198,8 @@ constexpr ConfigSection kConfigSections[] = {
     {"policy.fastermoe", "FasterMoE: shadows the hottest experts on every rank, step by step."},
     {"policy.keel",
      "Keel: incremental placement that pays for its moves, plus transient replicas for bursts."},
+    {"monitor", "Telemetry: load monitor, Prometheus exporter and trace recorder."},
+    {"migration", "Moving expert state between ranks in the background."},
 };
 
 constexpr std::string_view ParentOf(std::string_view path) {

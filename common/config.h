@@ -81,12 +81,34 @@ struct PolicyConfig {
   KeelPolicyConfig keel;
 };
 
+// Telemetry: the load monitor, the Prometheus exporter and the trace recorder (monitor/).
+struct MonitorConfig {
+  std::string metrics_address;          // host:port of the exporter; "" = no exporter
+  std::string per_expert = "off";       // off | aggregated
+  int aggregating_rank = 0;             // the one rank that exports per-expert series
+  int queue_capacity = 1024;            // batches the hot path can queue before it drops samples
+  bool per_source_rank = false;         // also count tokens per source rank (the traffic matrix)
+  std::string trace_path;               // Keel trace written during the run; "" = none
+  int trace_sample_interval_steps = 1;  // record every n-th step
+};
+
+// Moving expert state between ranks (migration/).
+struct MigrationConfig {
+  std::string transport = "local";      // local | ucx | nccl
+  int chunk_bytes = 4 << 20;            // transfers are cut into chunks of this size
+  int pipeline_depth = 4;               // chunks in flight per peer
+  double bandwidth_cap_gb_per_s = 0.0;  // 0 = uncapped
+  double deadline_seconds = 30.0;       // an epoch's transfers must finish within this
+};
+
 struct KeelConfig {
   TopologyConfig topology;
   SlotsConfig slots;
   CostModelConfig cost_model;
   EstimatorConfig estimator;
   PolicyConfig policy;
+  MonitorConfig monitor;
+  MigrationConfig migration;
 
   int num_ranks() const { return topology.num_nodes * topology.gpus_per_node; }
 };
