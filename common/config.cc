@@ -337,13 +337,26 @@ std::string TypeText(const ConfigKey& key, std::string_view quote) {
   return text;
 }
 
+// A free-form string as a double-quoted YAML scalar, so that "" and values like "on" or "8080"
+// read back as the same string.
+std::string QuotedYamlString(std::string_view text) {
+  std::string quoted = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') quoted += '\\';
+    quoted += c;
+  }
+  return quoted + "\"";
+}
+
 std::string FormatValue(const ConfigKey& key, const KeelConfig& config) {
   KeelConfig copy = config;
   FieldRef ref = key.field(copy);
   if (auto* value = std::get_if<int*>(&ref)) return std::to_string(**value);
   if (auto* value = std::get_if<double*>(&ref)) return FormatDouble(**value);
   if (auto* value = std::get_if<bool*>(&ref)) return **value ? "true" : "false";
-  if (auto* value = std::get_if<std::string*>(&ref)) return **value;
+  if (auto* value = std::get_if<std::string*>(&ref)) {
+    return key.choices.empty() ? QuotedYamlString(**value) : **value;
+  }
   return std::string(EstimatorKindName(*std::get<EstimatorKind*>(ref)));
 }
 

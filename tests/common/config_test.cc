@@ -263,6 +263,8 @@ TEST(ConfigTest, YamlOfAnyConfigRoundTrips) {
   config.policy.name = "smartmoe";
   config.policy.smartmoe.stickiness = 1e-7;
   config.policy.keel.transient_replicas = false;
+  config.monitor.trace_path = "runs/a \"quoted\" \\ name.jsonl";  // free strings are quoted
+  config.migration.transport = "ucx";
   const std::string yaml = ConfigToYaml(config);
   Result<KeelConfig> parsed = ParseConfig(yaml, "<defaults>");
   ASSERT_TRUE(parsed.ok()) << parsed.status().ToString() << "\n" << yaml;
@@ -270,6 +272,9 @@ TEST(ConfigTest, YamlOfAnyConfigRoundTrips) {
   EXPECT_EQ(parsed->estimator.ema_decay, 0.1 + 0.2);
   EXPECT_EQ(parsed->policy.smartmoe.stickiness, 1e-7);
   EXPECT_EQ(parsed->estimator.kind, EstimatorKind::kLastStep);
+  EXPECT_EQ(parsed->monitor.trace_path, config.monitor.trace_path);
+  EXPECT_EQ(parsed->monitor.metrics_address, "");
+  EXPECT_EQ(parsed->migration.transport, "ucx");
 }
 
 TEST(ConfigTest, HelpTextNamesEveryKey) {
