@@ -266,35 +266,46 @@ Result<Trace> ReadKeelTrace(const std::string& path) {
   return trace;
 }
 
-Status WriteKeelTrace(const Trace& trace, const std::string& path) {
-  KEEL_RETURN_IF_ERROR(trace.Validate().WithContext(path));
+Result<std::string> KeelTraceHeaderLine(const Trace& shape) {
   std::string out = "{\"keel_trace\": " + std::to_string(kKeelTraceVersion) + ", \"description\": ";
   try {
-    out += nlohmann::json(trace.description)
+    out += nlohmann::json(shape.description)
                .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   } catch (const nlohmann::json::exception& error) {
-    return InvalidArgument(path + ": cannot encode description: " + error.what());
+    return InvalidArgument(std::string("cannot encode description: ") + error.what());
   }
-  out += ", \"num_layers\": " + std::to_string(trace.num_layers) +
-         ", \"num_experts\": " + std::to_string(trace.num_experts) +
-         ", \"num_sources\": " + std::to_string(trace.num_sources) + "}";
+  out += ", \"num_layers\": " + std::to_string(shape.num_layers) +
+         ", \"num_experts\": " + std::to_string(shape.num_experts) +
+         ", \"num_sources\": " + std::to_string(shape.num_sources) + "}";
   out += '\n';
-  const int row_size = trace.row_size();
-  for (int step = 0; step < trace.num_steps(); ++step) {
-    out += "{\"step\": ";
-    char id[24];
-    out.append(id, std::to_chars(id, id + sizeof(id), trace.step_ids[step]).ptr);
-    out += ", \"layers\": [";
-    for (int layer = 0; layer < trace.num_layers; ++layer) {
-      out += layer == 0 ? "[" : ", [";
-      std::span<const double> row = trace.layer_row(step, layer);
-      for (int i = 0; i < row_size; ++i) {
-        if (i > 0) out += ", ";
-        AppendCount(out, row[i]);
-      }
-      out += ']';
+  return out;
+}
+
+void AppendKeelTraceStepLine(const Trace& shape, int64_t step_id, std::span<const double> counts,
+                             std::string& out) {
+  const size_t row_size = static_cast<size_t>(shape.row_size());
+  out += "{\"step\": ";
+  char id[24];
+  out.append(id, std::to_chars(id, id + sizeof(id), step_id).ptr);
+  out += ", \"layers\": [";
+  for (int layer = 0; layer < shape.num_layers; ++layer) {
+    out += layer == 0 ? "[" : ", [";
+    for (size_t i = 0; i < row_size; ++i) {
+      if (i > 0) out += ", ";
+      AppendCount(out, counts[layer * row_size + i]);
     }
-    out += "]}\n";
+    out += ']';
+  }
+  out += "]}\n";
+}
+
+Status WriteKeelTrace(const Trace& trace, const std::string& path) {
+  KEEL_RETURN_IF_ERROR(trace.Validate().WithContext(path));
+  Result<std::string> header = KeelTraceHeaderLine(trace);
+  if (!header.ok()) return header.status().WithContext(path);
+  std::string out = std::move(header).value();
+  for (int step = 0; step < trace.num_steps(); ++step) {
+    AppendKeelTraceStepLine(trace, trace.step_ids[step], trace.steps[step], out);
   }
   return WriteFileAtomically(path, out);
 }

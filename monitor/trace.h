@@ -48,6 +48,13 @@ Result<Trace> ReadTrace(const std::string& path, TraceFormat format = TraceForma
 Result<Trace> ReadKeelTrace(const std::string& path);
 Status WriteKeelTrace(const Trace& trace, const std::string& path);
 
+// The two line kinds of a Keel trace, for writers that emit it incrementally (the trace
+// recorder). The header line describes `shape` (its steps are ignored); a step line holds
+// counts: [num_layers * row_size] of `shape`. Both end with '\n'.
+Result<std::string> KeelTraceHeaderLine(const Trace& shape);
+void AppendKeelTraceStepLine(const Trace& shape, int64_t step_id, std::span<const double> counts,
+                             std::string& out);
+
 // Options of the synthetic generator. Loads follow a Zipf law over a permutation of experts that
 // drifts (neighbouring experts swap popularity) and occasionally bursts (one expert's load is
 // multiplied for a few steps). Same options, same trace, on every machine.

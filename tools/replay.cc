@@ -76,7 +76,8 @@ std::string Where(const std::string& policy, int step, int layer) {
 }
 
 Result<PolicyReplay> ReplayPolicy(const ReplayInputs& in, const std::string& name,
-                                  const std::function<void(int, int)>& progress) {
+                                  const std::function<void(int, int)>& progress,
+                                  const ReplayOptions& options, int policy_index) {
   const auto start = Clock::now();
   const KeelConfig& config = *in.config;
   const int num_ranks = in.num_ranks;
@@ -119,6 +120,7 @@ Result<PolicyReplay> ReplayPolicy(const ReplayInputs& in, const std::string& nam
     double step_seconds = 0;
     double step_imbalance_sum = 0;
     for (int layer = 0; layer < in.num_layers; ++layer) {
+      ReplayLayerEvent event;
       Result<StepLoad> load = in.Load(step, layer);
       if (!load.ok()) return load.status().WithContext(Where(name, step, layer));
       const std::span<const double> totals = in.totals(step, layer);
@@ -143,6 +145,8 @@ Result<PolicyReplay> ReplayPolicy(const ReplayInputs& in, const std::string& nam
         const auto plan_start = Clock::now();
         Result<Placement> next = policy->Replan(view);
         planner_seconds.push_back(Seconds(plan_start));
+        event.replanned = true;
+        event.planner_seconds = planner_seconds.back();
         if (!next.ok()) return next.status().WithContext(Where(name, step, layer) + "Replan");
         if (next->num_slots() != current.num_slots() ||
             next->num_experts() != current.num_experts()) {
@@ -158,12 +162,15 @@ Result<PolicyReplay> ReplayPolicy(const ReplayInputs& in, const std::string& nam
         result.moved_homes_total += migration.moved_homes;
         result.moved_bytes_total += migration.bytes;
         migration_seconds = migration.seconds;
+        event.placement_changed = !(*next == current);
+        event.migration = migration;
         current = std::move(next).value();
       }
 
       Result<StepRouting> routing = policy->Route(layer, placements[layer], *load);
       if (!routing.ok()) return routing.status().WithContext(Where(name, step, layer) + "Route");
-      step_seconds += cost.Estimate(placements[layer], *routing, migration_seconds).total_seconds();
+      const LayerCost layer_cost = cost.Estimate(placements[layer], *routing, migration_seconds);
+      step_seconds += layer_cost.total_seconds();
       const double imbalance = routing->imbalance();
       imbalances.push_back(imbalance);
       step_imbalance_sum += imbalance;
@@ -177,6 +184,30 @@ Result<PolicyReplay> ReplayPolicy(const ReplayInputs& in, const std::string& nam
       // Causal: what step t routed informs the plan for step t + 1.
       expert_estimators[layer].Observe(totals);
       traffic_estimators[layer].Observe(load->traffic);
+
+      if (options.on_layer_step) {
+        event.policy = policy_index;
+        event.step = step;
+        event.layer = layer;
+        event.placement = &placements[layer];
+        event.routing = &*routing;
+        event.cost = layer_cost;
+        event.expert_tokens = totals;
+        event.expert_estimate = expert_estimators[layer].Estimate();
+        // Only live export needs it, so the plain replay does not pay for a second Route.
+        StepLoad estimated;
+        estimated.num_sources = num_ranks;
+        estimated.num_experts = num_experts;
+        estimated.traffic = traffic_estimators[layer].Estimate();
+        Result<StepRouting> estimated_routing = policy->Route(layer, placements[layer], estimated);
+        if (estimated_routing.ok()) event.estimated_rank_tokens = estimated_routing->rank_tokens;
+        event.max_copies_per_expert = r_max;
+        options.on_layer_step(event);
+      }
+    }
+    if (options.on_step_end && !options.on_step_end(policy_index, step)) {
+      return Status(StatusCode::kAborted,
+                    "policy " + name + ": replay stopped after step " + std::to_string(step));
     }
     result.step_seconds.push_back(step_seconds);
     result.step_imbalance.push_back(step_imbalance_sum / in.num_layers);
@@ -316,8 +347,8 @@ Result<ReplayReport> ReplayTrace(const Trace& trace, const KeelConfig& config,
         if (options.progress) options.progress(static_cast<int>(i), done, total);
       };
       try {
-        results[i] =
-            std::make_unique<Result<PolicyReplay>>(ReplayPolicy(inputs, names[i], progress));
+        results[i] = std::make_unique<Result<PolicyReplay>>(
+            ReplayPolicy(inputs, names[i], progress, options, static_cast<int>(i)));
       } catch (const std::exception& e) {
         results[i] = std::make_unique<Result<PolicyReplay>>(
             Internal("policy " + names[i] + " threw: " + e.what()));

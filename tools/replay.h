@@ -14,8 +14,31 @@
 #include "common/file.h"
 #include "common/status.h"
 #include "monitor/trace.h"
+#include "placement/cost_model.h"
+#include "placement/placement.h"
+#include "placement/routing.h"
 
 namespace keel::tools {
+
+// One replayed (step, layer) as a live exporter sees it (`keel replay --serve-metrics`).
+// Pointers and spans are valid only during the callback.
+struct ReplayLayerEvent {
+  int policy = 0;  // index into ReplayOptions::policies
+  int step = 0;    // index of the step in the trace
+  int layer = 0;
+  bool replanned = false;                   // the policy was asked for a new placement this step
+  bool placement_changed = false;           // ... and returned a different one
+  double planner_seconds = 0;               // wall time of that Replan call
+  MigrationCost migration;                  // to reach the new placement (zero when unchanged)
+  const Placement* placement = nullptr;     // in force for this step
+  const StepRouting* routing = nullptr;     // how this step's tokens were split
+  LayerCost cost;                           // the cost model's step time of this layer
+  std::span<const double> expert_tokens;    // [num_experts] this step's tokens per expert
+  std::span<const double> expert_estimate;  // [num_experts] estimate for the next step
+  // [num_ranks] rank loads of that estimate, routed by the policy on this placement.
+  std::span<const double> estimated_rank_tokens;
+  int max_copies_per_expert = 1;  // r_max of the lower bound
+};
 
 struct ReplayOptions {
   // Policies to replay, by name (see keel::PolicyNames()); empty means all of them.
@@ -30,6 +53,11 @@ struct ReplayOptions {
   int max_threads = 0;
   // Layer whose per-expert load the heatmap series shows; -1 = summed over all layers.
   int heatmap_layer = -1;
+  // Called on the policy's worker thread after each (step, layer) is routed. May be empty.
+  std::function<void(const ReplayLayerEvent& event)> on_layer_step;
+  // Called on the policy's worker thread after each step; returning false stops the replay,
+  // and ReplayTrace then fails with StatusCode::kAborted. May be empty.
+  std::function<bool(int policy, int step)> on_step_end;
 };
 
 // Summary statistics of one metric. Percentiles interpolate linearly between order statistics
@@ -84,7 +112,7 @@ struct ReplayReport {
 // Replays `trace` under every policy in `options`, each policy in its own thread with its own
 // Policy and estimators, so results do not depend on threading. Fails on an invalid trace, a
 // config the trace does not fit (e.g. fewer slots than experts), an unknown policy name, or a
-// policy error (naming the policy, step and layer).
+// policy error (naming the policy, step and layer), or kAborted when on_step_end stopped it.
 Result<ReplayReport> ReplayTrace(const Trace& trace, const KeelConfig& config,
                                  const ReplayOptions& options);
 

@@ -2,14 +2,19 @@
 // under several placement policies and reports balance, moved state, simulated step time and
 // planner time per policy, as a table, a JSON report and an SVG plot.
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <iterator>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/config.h"
+#include "monitor/metrics.h"
 #include "monitor/trace.h"
 #include "placement/policy.h"
 #include "tools/commands.h"
@@ -95,6 +100,173 @@ void PrintSummary(const ReplayReport& report) {
   std::printf("\nreplayed in %.2f s\n", report.wall_seconds);
 }
 
+// The report and plot files (when asked for) and the summary table on stdout.
+Status WriteOutputs(const ReplayReport& report, const std::string& report_path,
+                    const std::string& plot_path) {
+  if (!report_path.empty()) {
+    const std::string text = ReplayReportToJson(report).dump(2) + "\n";
+    KEEL_RETURN_IF_ERROR(WriteFileAtomically(report_path, text));
+  }
+  if (!plot_path.empty()) KEEL_RETURN_IF_ERROR(WriteReplaySvg(report, plot_path));
+  PrintSummary(report);
+  if (!report_path.empty()) std::printf("report: %s\n", report_path.c_str());
+  if (!plot_path.empty()) std::printf("plot:   %s\n", plot_path.c_str());
+  std::fflush(stdout);
+  return Status::Ok();
+}
+
+using Clock = std::chrono::steady_clock;
+
+// Set by SIGINT/SIGTERM while metrics are served; the replay and the serving loop poll it.
+std::atomic<bool> stop_requested{false};
+static_assert(std::atomic<bool>::is_always_lock_free, "the signal handler needs a lock-free flag");
+
+extern "C" void RequestStop(int /*signal*/) { stop_requested.store(true); }
+
+// Turns one policy's replay into the metrics a live engine exports (docs/monitor.md): per
+// layer as it is routed, per step the plan, epoch and migration the step's replans amount to.
+// Runs on the replay's worker thread only (one policy, one thread).
+class LiveExport {
+ public:
+  LiveExport(Metrics& metrics, double pace_seconds, Clock::time_point deadline)
+      : metrics_(metrics),
+        pace_seconds_(pace_seconds),
+        deadline_(deadline),
+        step_start_(Clock::now()) {}
+
+  // A new pass over the trace starts from the policy's initial placement: a new epoch.
+  void StartPass(int pass) {
+    if (pass > 0) metrics_.SetEpoch(++epoch_);
+    step_start_ = Clock::now();
+  }
+
+  void OnLayerStep(const ReplayLayerEvent& event) {
+    LayerStepObservation observation;
+    observation.layer = event.layer;
+    observation.rank_tokens = event.routing->rank_tokens;
+    observation.expert_tokens = event.expert_tokens;
+    observation.estimated_rank_tokens = event.estimated_rank_tokens;
+    observation.max_copies_per_expert = event.max_copies_per_expert;
+    metrics_.ObserveLayerStep(observation);
+
+    int persistent = 0;
+    for (int copies : event.placement->logcnt()) persistent += std::max(0, copies - 1);
+    metrics_.SetReplicas(event.layer, persistent,
+                         static_cast<int>(event.routing->transients.size()));
+
+    if (event.replanned) {
+      replanned_ = true;
+      planner_seconds_ += event.planner_seconds;
+      changed_ = changed_ || event.placement_changed;
+      migration_bytes_ += event.migration.bytes;
+      migration_seconds_ = std::max(migration_seconds_, event.migration.seconds);
+      exposed_seconds_ += event.cost.exposed_migration_seconds;
+    }
+  }
+
+  // Publishes the step, waits out --pace, and says whether to go on.
+  bool OnStepEnd() {
+    metrics_.EndStep();
+    if (replanned_) {
+      metrics_.RecordPlannerRun(planner_seconds_);
+      if (changed_) {
+        // A replay applies every plan at once; the engine can also skip or reject one.
+        metrics_.RecordPlan(PlanOutcome::kMade);
+        metrics_.RecordPlan(PlanOutcome::kApplied);
+        metrics_.RecordMigration(MigrationOutcome::kOk, "local", migration_bytes_,
+                                 migration_seconds_, exposed_seconds_);
+        metrics_.SetEpoch(++epoch_);
+      } else {
+        metrics_.RecordPlan(PlanOutcome::kSkipped, "no_gain");
+      }
+    }
+    replanned_ = changed_ = false;
+    planner_seconds_ = migration_bytes_ = migration_seconds_ = exposed_seconds_ = 0;
+
+    const auto next_start = step_start_ + std::chrono::duration_cast<Clock::duration>(
+                                              std::chrono::duration<double>(pace_seconds_));
+    // Short sleeps so that a signal or the deadline stops a slow pace promptly.
+    while (!ShouldStop() && Clock::now() < next_start) {
+      std::this_thread::sleep_for(
+          std::min<Clock::duration>(next_start - Clock::now(), std::chrono::milliseconds(50)));
+    }
+    step_start_ = std::max(next_start, Clock::now() - std::chrono::seconds(1));
+    if (pace_seconds_ <= 0) step_start_ = Clock::now();
+    return !ShouldStop();
+  }
+
+  bool ShouldStop() const { return stop_requested.load() || Clock::now() >= deadline_; }
+
+ private:
+  Metrics& metrics_;
+  double pace_seconds_;
+  Clock::time_point deadline_;
+  Clock::time_point step_start_;
+  int64_t epoch_ = 0;
+  bool replanned_ = false;
+  bool changed_ = false;
+  double planner_seconds_ = 0;
+  double migration_bytes_ = 0;
+  double migration_seconds_ = 0;
+  double exposed_seconds_ = 0;
+};
+
+// `keel replay --serve-metrics`: one policy replayed (in passes when looping) while the exporter
+// serves its metrics; then serving goes on until a signal or the --serve-seconds deadline.
+int ServeReplay(const Trace& trace, const KeelConfig& config, ReplayOptions options,
+                const std::string& address, double pace_seconds, double serve_seconds, bool loop,
+                bool quiet, const std::string& report_path, const std::string& plot_path) {
+  Result<std::unique_ptr<Metrics>> metrics = Metrics::Create(MetricsLayout::FromConfig(
+      config, trace.num_layers, trace.num_experts, config.monitor.aggregating_rank));
+  if (!metrics.ok()) return Fail(metrics.status());
+  if (Status status = (*metrics)->Serve(address); !status.ok()) {
+    return Fail(status.WithContext("--serve-metrics"));
+  }
+  std::signal(SIGINT, RequestStop);
+  std::signal(SIGTERM, RequestStop);
+  // Scripts that asked for port 0 read the bound port from this line.
+  std::fprintf(stderr, "keel replay: serving metrics on http://%s/metrics (policy %s)\n",
+               (*metrics)->bound_address().c_str(), options.policies.front().c_str());
+  std::fflush(stderr);
+
+  const Clock::time_point deadline =
+      serve_seconds > 0 ? Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(serve_seconds))
+                        : Clock::time_point::max();
+  LiveExport live(**metrics, pace_seconds, deadline);
+  options.max_threads = 1;
+  options.on_layer_step = [&live](const ReplayLayerEvent& event) { live.OnLayerStep(event); };
+  options.on_step_end = [&live](int, int) { return live.OnStepEnd(); };
+
+  for (int pass = 0; pass == 0 || (loop && !live.ShouldStop()); ++pass) {
+    std::unique_ptr<ProgressBar> progress;
+    if (!quiet && pass == 0) {
+      progress = std::make_unique<ProgressBar>("replay", options.policies,
+                                               std::vector<long>{trace.num_steps()});
+      options.progress = [bar = progress.get()](int policy, int done, int) {
+        bar->Update(policy, done);
+      };
+    } else {
+      options.progress = nullptr;
+    }
+    live.StartPass(pass);
+    Result<ReplayReport> report = ReplayTrace(trace, config, options);
+    if (progress) progress->Finish();
+    if (!report.ok()) {
+      if (report.status().code() == StatusCode::kAborted && live.ShouldStop()) break;
+      return Fail(report.status());
+    }
+    if (pass == 0) {
+      if (Status status = WriteOutputs(*report, report_path, plot_path); !status.ok()) {
+        return Fail(status);
+      }
+    }
+  }
+  while (!live.ShouldStop()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  if (!quiet) std::fprintf(stderr, "keel replay: stopped serving metrics\n");
+  return 0;
+}
+
 }  // namespace
 
 int RunReplay(int argc, char** argv) {
@@ -110,6 +282,10 @@ int RunReplay(int argc, char** argv) {
   uint64_t seed = 1;
   int threads = 0;
   int heatmap_layer = -1;
+  std::string serve_address;
+  double pace_seconds = 0;
+  double serve_seconds = 0;
+  bool loop = false;
   for (const std::string& name : PolicyNames()) {
     policy_list += (policy_list.empty() ? "" : ",") + name;
   }
@@ -138,9 +314,22 @@ int RunReplay(int argc, char** argv) {
   flags.Add("threads", "N", &threads,
             "policies replayed at the same time; 0 = one per hardware thread");
   flags.AddBool("quiet", &quiet, "no progress bar and no notes on stderr");
+  flags.Add("serve-metrics", "ADDR", &serve_address,
+            "export Prometheus metrics on host:port (a bare port listens on 127.0.0.1; port 0 "
+            "picks a free one) while replaying one policy: the one --policy names, else the "
+            "config's policy.name");
+  flags.Add("pace", "SECONDS", &pace_seconds,
+            "make each replayed step take this long (0 = as fast as possible)");
+  flags.Add("serve-seconds", "N", &serve_seconds,
+            "with --serve-metrics: exit N seconds after serving started (0 = on SIGINT/SIGTERM "
+            "only); the exporter stays up after the trace ends until then");
+  flags.AddBool("loop", &loop, "with --serve-metrics: replay the trace again when it ends");
   flags.SetEpilogue(
-      "Metrics are defined in docs/replay.md. Config keys: keel config --markdown\n"
-      "Example: keel replay --trace synthetic --report report.json --plot replay.svg");
+      "Metrics are defined in docs/replay.md, the exported ones in docs/monitor.md. Config keys: "
+      "keel config --markdown\n"
+      "Example: keel replay --trace synthetic --report report.json --plot replay.svg\n"
+      "Live:    keel replay --trace synthetic --policy keel --serve-metrics 9400 --pace 0.5 "
+      "--loop");
   if (Status status = flags.Parse(argc, argv); !status.ok()) return Fail(status);
   if (flags.help_requested()) {
     std::fputs(flags.HelpText().c_str(), stdout);
@@ -152,6 +341,27 @@ int RunReplay(int argc, char** argv) {
   }
   if (threads < 0)
     return Fail(InvalidArgument("--threads must be >= 0, got " + std::to_string(threads)));
+  const bool serve = flags.IsSet("serve-metrics");
+  if (!(pace_seconds >= 0) || !std::isfinite(pace_seconds)) {
+    return Fail(
+        InvalidArgument("--pace must be >= 0 seconds, got " + std::to_string(pace_seconds)));
+  }
+  if (!(serve_seconds >= 0) || !std::isfinite(serve_seconds)) {
+    return Fail(
+        InvalidArgument("--serve-seconds must be >= 0, got " + std::to_string(serve_seconds)));
+  }
+  if (!serve && (loop || flags.IsSet("serve-seconds"))) {
+    return Fail(InvalidArgument(std::string(loop ? "--loop" : "--serve-seconds") +
+                                " is only meaningful with --serve-metrics ADDR"));
+  }
+  if (serve && serve_address.empty()) {
+    return Fail(InvalidArgument("--serve-metrics needs an address (host:port or PORT)"));
+  }
+  if (serve) {
+    if (Result<std::string> resolved = ResolveMetricsAddress(serve_address); !resolved.ok()) {
+      return Fail(resolved.status().WithContext("--serve-metrics"));
+    }
+  }
 
   ReplayOptions options;
   options.policies = SplitCommaList(policy_list);
@@ -193,6 +403,32 @@ int RunReplay(int argc, char** argv) {
     }
   }
 
+  if (serve) {
+    // The exported metrics describe one engine, so one policy: an explicit single --policy, or
+    // the config's.
+    if (flags.IsSet("policy")) {
+      if (options.policies.size() != 1) {
+        return Fail(
+            InvalidArgument("--serve-metrics exports one policy's metrics, but --policy lists " +
+                            std::to_string(options.policies.size()) + " (" + policy_list +
+                            "); name one, or leave --policy out to use the config's policy.name"));
+      }
+    } else {
+      if (Status status = CheckPolicyName(config.policy.name); !status.ok()) {
+        return Fail(status.WithContext("policy.name"));
+      }
+      options.policies = {config.policy.name};
+    }
+    return ServeReplay(*trace, config, options, serve_address, pace_seconds, serve_seconds, loop,
+                       quiet, report_path, plot_path);
+  }
+
+  if (pace_seconds > 0) {
+    options.on_step_end = [pace_seconds](int, int) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(pace_seconds));
+      return true;
+    };
+  }
   std::unique_ptr<ProgressBar> progress;
   if (!quiet) {
     progress = std::make_unique<ProgressBar>(
@@ -205,16 +441,9 @@ int RunReplay(int argc, char** argv) {
   if (progress) progress->Finish();
   if (!report.ok()) return Fail(report.status());
 
-  if (!report_path.empty()) {
-    const std::string text = ReplayReportToJson(*report).dump(2) + "\n";
-    if (Status status = WriteFileAtomically(report_path, text); !status.ok()) return Fail(status);
+  if (Status status = WriteOutputs(*report, report_path, plot_path); !status.ok()) {
+    return Fail(status);
   }
-  if (!plot_path.empty()) {
-    if (Status status = WriteReplaySvg(*report, plot_path); !status.ok()) return Fail(status);
-  }
-  PrintSummary(*report);
-  if (!report_path.empty()) std::printf("report: %s\n", report_path.c_str());
-  if (!plot_path.empty()) std::printf("plot:   %s\n", plot_path.c_str());
   return 0;
 }
 

@@ -1,0 +1,598 @@
+// RunExchange: one loop per rank that posts chunk sends and receives per peer up to the pipeline
+// depth, copies local moves, verifies checksums, and trades verdicts with every peer.
+#include "migration/exchange.h"
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <thread>
+
+#include "migration/checksum.h"
+
+namespace keel {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+enum class Kind : uint64_t { kChunk = 1, kChecksum = 2, kVerdict = 3 };
+
+uint64_t MakeTag(ExchangeChannel channel, Kind kind, uint64_t epoch, uint64_t item,
+                 uint64_t chunk) {
+  const uint64_t head = static_cast<uint64_t>(channel) * 4 + static_cast<uint64_t>(kind);
+  return (head << 60) | ((epoch & 0xFFFFF) << 40) | ((item & 0xFFFFF) << 20) | (chunk & 0xFFFFF);
+}
+
+// What a rank tells every peer when its part is over: OK, or the error that aborts the epoch.
+struct Verdict {
+  uint32_t code = 0;
+  uint32_t length = 0;
+  char message[504] = {};
+};
+static_assert(sizeof(Verdict) == 512);
+
+Verdict MakeVerdict(const Status& status) {
+  Verdict v;
+  v.code = static_cast<uint32_t>(status.code());
+  v.length = static_cast<uint32_t>(std::min(status.message().size(), sizeof(v.message)));
+  std::memcpy(v.message, status.message().data(), v.length);
+  return v;
+}
+
+struct Chunk {
+  int region = 0;
+  size_t offset = 0;
+  size_t bytes = 0;
+};
+
+struct ItemState {
+  const ExchangeItem* item = nullptr;
+  int index = 0;
+  std::vector<Chunk> chunks;
+  size_t next_post = 0;                // next chunk to post (send, receive or local copy)
+  size_t done = 0;                     // chunks completed
+  std::array<uint64_t, 2> checksum{};  // what the source computed (sender, local copy)
+  bool checksum_computed = false;
+  bool checksum_arrived = false;  // receiver: the sender's checksums landed in trailer
+  bool trailer_posted = false;
+  std::array<uint64_t, 2> trailer{};  // sender: payload of the trailer; receiver: landing buffer
+  bool finished = false;
+};
+
+struct Pending {
+  RequestId id = 0;
+  ItemState* item = nullptr;  // nullptr for verdicts
+  Kind kind = Kind::kChunk;
+  bool send = false;
+  int peer = 0;
+  size_t bytes = 0;
+};
+
+std::string Seconds(double s) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof(buffer), "%.1f s", s);
+  return buffer;
+}
+
+class ExchangeLoop {
+ public:
+  ExchangeLoop(Transport& transport, std::span<const ExchangeItem> items,
+               const ExchangeOptions& options, const ExchangeRun& run, MigrationObserver* observer,
+               MigrationReport* report)
+      : transport_(transport),
+        items_(items),
+        options_(options),
+        run_(run),
+        observer_(observer),
+        report_(report),
+        me_(transport.rank()),
+        num_ranks_(transport.num_ranks()),
+        send_queue_(num_ranks_),
+        recv_queue_(num_ranks_),
+        send_next_(num_ranks_, 0),
+        recv_next_(num_ranks_, 0),
+        send_in_flight_(num_ranks_, 0),
+        recv_in_flight_(num_ranks_, 0),
+        verdicts_(num_ranks_),
+        verdict_received_(num_ranks_, false),
+        verdict_sent_to_(num_ranks_, false) {}
+
+  Status Run() {
+    start_ = Clock::now();
+    deadline_ = start_ + std::chrono::duration_cast<Clock::duration>(options_.deadline);
+    KEEL_RETURN_IF_ERROR(Prepare());
+    if (report_ != nullptr) report_->transfers = static_cast<int>(states_.size());
+    for (int peer = 0; peer < num_ranks_; ++peer) {
+      if (!Peer(peer)) continue;
+      Track(transport_.PostRecv(peer, Tag(Kind::kVerdict, peer, 0),
+                                reinterpret_cast<std::byte*>(&verdicts_[peer]), sizeof(Verdict)),
+            Pending{.item = nullptr, .kind = Kind::kVerdict, .peer = peer});
+    }
+    int idle = 0;
+    while (!failure_) {
+      bool busy = PostWork();
+      transport_.Progress();
+      busy |= Reap();
+      if (failure_) break;
+      if (!verdict_sent_ && AllMineFinished()) SendVerdicts(Status::Ok());
+      if (verdict_sent_ && pending_.empty() && AllVerdictsReceived()) break;  // all OK
+      if (run_.cancel != nullptr && run_.cancel->load(std::memory_order_relaxed)) {
+        Fail("cancelled by the caller");
+        break;
+      }
+      if (Clock::now() > deadline_) {
+        Fail(Blame());
+        break;
+      }
+      if (busy) {
+        idle = 0;
+      } else if (++idle > 64) {
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      } else {
+        std::this_thread::yield();
+      }
+    }
+    if (failure_) Abort();
+    SetInFlight(0);
+    if (!failure_) return Status::Ok();
+    return Status(failure_->code(), run_.what + " aborted: " + failure_->message());
+  }
+
+ private:
+  // A participating rank other than this one.
+  bool Peer(int rank) const {
+    return rank != me_ && (run_.participants.empty() || run_.participants[rank]);
+  }
+
+  uint64_t Tag(Kind kind, uint64_t item, uint64_t chunk) const {
+    return MakeTag(run_.channel, kind, run_.epoch, item, chunk);
+  }
+
+  Status Prepare() {
+    if (static_cast<int>(items_.size()) > kMaxExchangeItems) {
+      return InvalidArgument(run_.what + ": " + std::to_string(items_.size()) + " moves, at most " +
+                             std::to_string(kMaxExchangeItems));
+    }
+    if (!run_.participants.empty() && static_cast<int>(run_.participants.size()) != num_ranks_) {
+      return InvalidArgument(run_.what + ": participants has " +
+                             std::to_string(run_.participants.size()) + " entries, expected " +
+                             std::to_string(num_ranks_));
+    }
+    states_.reserve(items_.size());
+    for (size_t i = 0; i < items_.size(); ++i) {
+      const ExchangeItem& item = items_[i];
+      if (item.src_rank != me_ && item.dst_rank != me_) continue;
+      if (item.src_rank < 0 || item.src_rank >= num_ranks_ || item.dst_rank < 0 ||
+          item.dst_rank >= num_ranks_) {
+        return InvalidArgument(item.label + ": rank out of range [0, " +
+                               std::to_string(num_ranks_) + ")");
+      }
+      if (!Peer(item.src_rank == me_ ? item.dst_rank : item.src_rank) &&
+          item.src_rank != item.dst_rank) {
+        return InvalidArgument(item.label + ": a rank that does not take part");
+      }
+      ItemState state;
+      state.item = &item;
+      state.index = static_cast<int>(i);
+      for (int r = 0; r < item.num_regions; ++r) {
+        if ((item.src_rank == me_ && item.source[r] == nullptr && item.region_bytes[r] > 0) ||
+            (item.dst_rank == me_ && item.destination[r] == nullptr && item.region_bytes[r] > 0)) {
+          return InvalidArgument(item.label + ": region " + std::to_string(r) +
+                                 " has no buffer on rank " + std::to_string(me_));
+        }
+        for (size_t off = 0; off < item.region_bytes[r]; off += options_.chunk_bytes) {
+          state.chunks.push_back(
+              {r, off, std::min(options_.chunk_bytes, item.region_bytes[r] - off)});
+        }
+      }
+      if (state.chunks.size() > static_cast<size_t>(kMaxChunksPerItem)) {
+        return InvalidArgument(item.label + ": " + std::to_string(state.chunks.size()) +
+                               " chunks, at most " + std::to_string(kMaxChunksPerItem) +
+                               "; raise migration.chunk_bytes");
+      }
+      states_.push_back(std::move(state));
+    }
+    for (ItemState& state : states_) {
+      const ExchangeItem& item = *state.item;
+      if (item.src_rank == me_ && item.dst_rank == me_) {
+        local_.push_back(&state);
+      } else if (item.src_rank == me_) {
+        send_queue_[item.dst_rank].push_back(&state);
+      } else {
+        recv_queue_[item.src_rank].push_back(&state);
+        // The trailer's landing buffer is in the state, which does not move from here on.
+        Track(transport_.PostRecv(item.src_rank, Tag(Kind::kChecksum, state.index, 0),
+                                  reinterpret_cast<std::byte*>(state.trailer.data()),
+                                  sizeof(state.trailer)),
+              Pending{.item = &state, .kind = Kind::kChecksum, .peer = item.src_rank});
+      }
+    }
+    return Status::Ok();
+  }
+
+  void ComputeSourceChecksums(ItemState& state) {
+    if (state.checksum_computed) return;
+    const ExchangeItem& item = *state.item;
+    for (int r = 0; r < item.num_regions; ++r) {
+      state.checksum[r] = Checksum64({item.source[r], item.region_bytes[r]});
+    }
+    state.checksum_computed = true;
+  }
+
+  bool CapAllows(size_t bytes) const {
+    if (options_.bandwidth_cap_bytes_per_second <= 0) return true;
+    const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
+    const double allowed = options_.bandwidth_cap_bytes_per_second * elapsed +
+                           static_cast<double>(options_.chunk_bytes);
+    return static_cast<double>(capped_bytes_ + bytes) <= allowed;
+  }
+
+  bool PostWork() {
+    bool busy = false;
+    for (int peer = 0; peer < num_ranks_ && !failure_; ++peer) {
+      busy |= PostSends(peer);
+      busy |= PostRecvs(peer);
+    }
+    if (!failure_) busy |= CopyLocal();
+    return busy;
+  }
+
+  bool PostSends(int peer) {
+    bool busy = false;
+    auto& queue = send_queue_[peer];
+    while (send_next_[peer] < queue.size() && send_in_flight_[peer] < options_.pipeline_depth) {
+      ItemState& state = *queue[send_next_[peer]];
+      const ExchangeItem& item = *state.item;
+      ComputeSourceChecksums(state);
+      if (state.next_post < state.chunks.size()) {
+        const Chunk& c = state.chunks[state.next_post];
+        if (!CapAllows(c.bytes)) return busy;
+        Track(transport_.PostSend(peer, Tag(Kind::kChunk, state.index, state.next_post),
+                                  item.source[c.region] + c.offset, c.bytes),
+              Pending{.item = &state,
+                      .kind = Kind::kChunk,
+                      .send = true,
+                      .peer = peer,
+                      .bytes = c.bytes});
+        if (failure_) return true;
+        capped_bytes_ += c.bytes;
+        ++state.next_post;
+        ++send_in_flight_[peer];
+        busy = true;
+        continue;
+      }
+      // Every chunk is posted: the checksums follow on the same peer.
+      state.trailer = state.checksum;
+      Track(transport_.PostSend(peer, Tag(Kind::kChecksum, state.index, 0),
+                                reinterpret_cast<const std::byte*>(state.trailer.data()),
+                                sizeof(state.trailer)),
+            Pending{.item = &state, .kind = Kind::kChecksum, .send = true, .peer = peer});
+      state.trailer_posted = true;
+      ++send_next_[peer];
+      busy = true;
+    }
+    return busy;
+  }
+
+  bool PostRecvs(int peer) {
+    bool busy = false;
+    auto& queue = recv_queue_[peer];
+    // Receives are posted ahead of the sender's window so eager chunks land in place.
+    while (recv_next_[peer] < queue.size() && recv_in_flight_[peer] < 2 * options_.pipeline_depth) {
+      ItemState& state = *queue[recv_next_[peer]];
+      const ExchangeItem& item = *state.item;
+      if (state.next_post == state.chunks.size()) {
+        ++recv_next_[peer];
+        continue;
+      }
+      const Chunk& c = state.chunks[state.next_post];
+      Track(transport_.PostRecv(peer, Tag(Kind::kChunk, state.index, state.next_post),
+                                item.destination[c.region] + c.offset, c.bytes),
+            Pending{.item = &state, .kind = Kind::kChunk, .peer = peer, .bytes = c.bytes});
+      if (failure_) return true;
+      ++state.next_post;
+      ++recv_in_flight_[peer];
+      busy = true;
+    }
+    return busy;
+  }
+
+  // One chunk of local copy per call, so remote work keeps progressing in between.
+  bool CopyLocal() {
+    while (local_next_ < local_.size()) {
+      ItemState& state = *local_[local_next_];
+      const ExchangeItem& item = *state.item;
+      ComputeSourceChecksums(state);
+      if (state.next_post < state.chunks.size()) {
+        const Chunk& c = state.chunks[state.next_post];
+        if (!CapAllows(c.bytes)) return false;
+        std::memcpy(item.destination[c.region] + c.offset, item.source[c.region] + c.offset,
+                    c.bytes);
+        capped_bytes_ += c.bytes;
+        ++state.next_post;
+        ++state.done;
+        if (report_ != nullptr) report_->bytes_copied_locally += c.bytes;
+        if (observer_ != nullptr) {
+          observer_->OnBytes(transport_.name(), ByteDirection::kCopiedLocally, c.bytes);
+        }
+        return true;
+      }
+      state.trailer = state.checksum;
+      state.checksum_arrived = true;
+      Verify(state);
+      ++local_next_;
+      if (failure_) return true;
+    }
+    return false;
+  }
+
+  void Verify(ItemState& state) {
+    const ExchangeItem& item = *state.item;
+    for (int r = 0; r < item.num_regions; ++r) {
+      const uint64_t got = Checksum64({item.destination[r], item.region_bytes[r]});
+      if (got != state.trailer[r]) {
+        char buffer[96];
+        std::snprintf(buffer, sizeof(buffer),
+                      "checksum mismatch in region %d (source %016llx, destination %016llx)", r,
+                      static_cast<unsigned long long>(state.trailer[r]),
+                      static_cast<unsigned long long>(got));
+        Fail(item.label + ": " + buffer, StatusCode::kInternal);
+        return;
+      }
+    }
+    state.finished = true;
+  }
+
+  void Track(Result<RequestId> posted, Pending pending) {
+    if (!posted.ok()) {
+      Fail(Label(pending) + posted.status().message(), posted.status().code());
+      return;
+    }
+    pending.id = *posted;
+    pending_.push_back(pending);
+    if (pending.kind == Kind::kChunk) SetInFlight(in_flight_ + 1);
+  }
+
+  std::string Label(const Pending& pending) const {
+    if (pending.item != nullptr) return pending.item->item->label + ": ";
+    return "";
+  }
+
+  bool Reap() {
+    bool busy = false;
+    for (size_t i = 0; i < pending_.size() && !failure_;) {
+      Pending& p = pending_[i];
+      std::optional<Status> done = transport_.Test(p.id);
+      if (!done) {
+        ++i;
+        continue;
+      }
+      busy = true;
+      const Pending finished = p;
+      pending_[i] = pending_.back();
+      pending_.pop_back();
+      if (!done->ok()) {
+        Fail(Label(finished) + done->message(), done->code());
+        break;
+      }
+      Complete(finished);
+    }
+    return busy;
+  }
+
+  void Complete(const Pending& p) {
+    if (p.kind == Kind::kVerdict) {
+      if (p.send) return;
+      verdict_received_[p.peer] = true;
+      const Verdict& v = verdicts_[p.peer];
+      if (v.code != 0) {
+        Fail("rank " + std::to_string(p.peer) + " reported: " +
+                 std::string(v.message, std::min<size_t>(v.length, sizeof(v.message))),
+             static_cast<StatusCode>(v.code), /*tell_peers=*/false);
+      }
+      return;
+    }
+    ItemState& state = *p.item;
+    if (p.kind == Kind::kChunk) {
+      SetInFlight(in_flight_ - 1);
+      ++state.done;
+      if (p.send) {
+        --send_in_flight_[p.peer];
+        if (report_ != nullptr) report_->bytes_sent += p.bytes;
+        if (observer_ != nullptr)
+          observer_->OnBytes(transport_.name(), ByteDirection::kSent, p.bytes);
+      } else {
+        --recv_in_flight_[p.peer];
+        if (report_ != nullptr) report_->bytes_received += p.bytes;
+        if (observer_ != nullptr) {
+          observer_->OnBytes(transport_.name(), ByteDirection::kReceived, p.bytes);
+        }
+      }
+    } else if (p.send) {
+      state.checksum_arrived = true;  // the trailer left: the sender's part is over
+    } else {
+      state.checksum_arrived = true;
+    }
+    if (state.done == state.chunks.size() && state.checksum_arrived && !state.finished) {
+      if (state.item->dst_rank == me_) {
+        Verify(state);
+      } else {
+        state.finished = true;
+      }
+    }
+  }
+
+  bool AllMineFinished() const {
+    return std::all_of(states_.begin(), states_.end(),
+                       [](const ItemState& s) { return s.finished; });
+  }
+
+  bool AllVerdictsReceived() const {
+    for (int peer = 0; peer < num_ranks_; ++peer) {
+      if (Peer(peer) && !verdict_received_[peer]) return false;
+    }
+    return true;
+  }
+
+  void SendVerdicts(const Status& status) {
+    my_verdict_ = MakeVerdict(status);
+    verdict_sent_ = true;
+    for (int peer = 0; peer < num_ranks_; ++peer) {
+      if (!Peer(peer) || verdict_sent_to_[peer]) continue;
+      verdict_sent_to_[peer] = true;
+      Result<RequestId> posted =
+          transport_.PostSend(peer, Tag(Kind::kVerdict, me_, 0),
+                              reinterpret_cast<const std::byte*>(&my_verdict_), sizeof(Verdict));
+      // A peer that cannot be told will find out by its own deadline.
+      if (posted.ok()) {
+        pending_.push_back(
+            Pending{.id = *posted, .kind = Kind::kVerdict, .send = true, .peer = peer});
+      }
+    }
+  }
+
+  void Fail(std::string message, StatusCode code = StatusCode::kAborted, bool tell_peers = true) {
+    if (failure_) return;
+    failure_ = Status(code, std::move(message));
+    tell_peers_ = tell_peers;
+  }
+
+  // Names what the deadline caught unfinished: the first move still waiting on a peer.
+  std::string Blame() const {
+    const std::string limit = " within the deadline (" + Seconds(options_.deadline.count()) + ")";
+    for (const ItemState& s : states_) {
+      if (s.finished) continue;
+      const ExchangeItem& item = *s.item;
+      if (item.dst_rank == me_ && item.src_rank != me_) {
+        return item.label + ": peer rank " + std::to_string(item.src_rank) + " did not answer" +
+               limit;
+      }
+    }
+    for (const ItemState& s : states_) {
+      if (s.finished) continue;
+      const ExchangeItem& item = *s.item;
+      if (item.src_rank == me_ && item.dst_rank != me_) {
+        return item.label + ": peer rank " + std::to_string(item.dst_rank) +
+               " did not take the data" + limit;
+      }
+      return item.label + ": local copy did not finish" + limit;
+    }
+    for (int peer = 0; peer < num_ranks_; ++peer) {
+      if (Peer(peer) && !verdict_received_[peer]) {
+        return "peer rank " + std::to_string(peer) + " did not report its transfers" + limit;
+      }
+    }
+    return "the transport did not finish its requests" + limit;
+  }
+
+  // Tells the peers (unless they told us), gives those small sends a moment to leave, then
+  // cancels every request so no buffer is touched after we return.
+  void Abort() {
+    if (tell_peers_ && !verdict_sent_) {
+      SendVerdicts(*failure_);
+      const auto grace = Clock::now() + std::chrono::milliseconds(20);
+      while (Clock::now() < grace) {
+        transport_.Progress();
+        bool open = false;
+        for (size_t i = 0; i < pending_.size();) {
+          if (pending_[i].kind == Kind::kVerdict && pending_[i].send) {
+            if (transport_.Test(pending_[i].id)) {
+              pending_[i] = pending_.back();
+              pending_.pop_back();
+              continue;
+            }
+            open = true;
+          }
+          ++i;
+        }
+        if (!open) break;
+      }
+    }
+    for (const Pending& p : pending_) transport_.Cancel(p.id);
+    pending_.clear();
+  }
+
+  void SetInFlight(int n) {
+    if (n == in_flight_) return;
+    in_flight_ = n;
+    if (observer_ != nullptr) observer_->OnInFlight(n);
+  }
+
+  Transport& transport_;
+  std::span<const ExchangeItem> items_;
+  const ExchangeOptions& options_;
+  const ExchangeRun& run_;
+  MigrationObserver* observer_;
+  MigrationReport* report_;
+  const int me_;
+  const int num_ranks_;
+  Clock::time_point start_;
+  Clock::time_point deadline_;
+
+  std::vector<ItemState> states_;
+  std::vector<ItemState*> local_;
+  size_t local_next_ = 0;
+  std::vector<std::vector<ItemState*>> send_queue_;  // [peer] items this rank sends, in order
+  std::vector<std::vector<ItemState*>> recv_queue_;  // [peer] items this rank receives
+  std::vector<size_t> send_next_;
+  std::vector<size_t> recv_next_;
+  std::vector<int> send_in_flight_;
+  std::vector<int> recv_in_flight_;
+  std::vector<Pending> pending_;
+  size_t capped_bytes_ = 0;
+  int in_flight_ = 0;
+
+  std::vector<Verdict> verdicts_;  // [peer] landing buffers
+  std::vector<bool> verdict_received_;
+  std::vector<bool> verdict_sent_to_;
+  Verdict my_verdict_;
+  bool verdict_sent_ = false;
+  std::optional<Status> failure_;
+  bool tell_peers_ = true;
+};
+
+}  // namespace
+
+Result<ExchangeOptions> ExchangeOptions::FromConfig(const MigrationConfig& config) {
+  if (config.chunk_bytes < 1) {
+    return InvalidArgument("migration.chunk_bytes must be >= 1, got " +
+                           std::to_string(config.chunk_bytes));
+  }
+  if (config.pipeline_depth < 1) {
+    return InvalidArgument("migration.pipeline_depth must be >= 1, got " +
+                           std::to_string(config.pipeline_depth));
+  }
+  if (!(config.bandwidth_cap_gb_per_s >= 0)) {
+    return InvalidArgument("migration.bandwidth_cap_gb_per_s must be >= 0, got " +
+                           std::to_string(config.bandwidth_cap_gb_per_s));
+  }
+  if (!(config.deadline_seconds > 0)) {
+    return InvalidArgument("migration.deadline_seconds must be > 0, got " +
+                           std::to_string(config.deadline_seconds));
+  }
+  ExchangeOptions options;
+  options.chunk_bytes = static_cast<size_t>(config.chunk_bytes);
+  options.pipeline_depth = config.pipeline_depth;
+  options.bandwidth_cap_bytes_per_second = config.bandwidth_cap_gb_per_s * 1e9;
+  options.deadline = std::chrono::duration<double>(config.deadline_seconds);
+  return options;
+}
+
+Status RunExchange(Transport& transport, std::span<const ExchangeItem> items,
+                   const ExchangeOptions& options, const ExchangeRun& run,
+                   MigrationObserver* observer, MigrationReport* report) {
+  const auto start = Clock::now();
+  ExchangeLoop loop(transport, items, options, run, observer, report);
+  Status status = loop.Run();
+  if (report != nullptr) {
+    report->epoch = run.epoch;
+    report->transport = transport.name();
+    report->status = status;
+    report->seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  }
+  return status;
+}
+
+}  // namespace keel

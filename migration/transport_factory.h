@@ -1,0 +1,21 @@
+// Picks the transport that `migration.transport` names, so callers need not know which backends
+// this build has: a backend that was not compiled in is a clear error, not a link failure.
+#pragma once
+
+#include <memory>
+
+#include "common/config.h"
+#include "common/status.h"
+#include "migration/communicator.h"
+#include "migration/transport.h"
+#include "migration/transport_local.h"
+
+namespace keel {
+
+// "local" needs `fabric` (ranks as threads of this process); "ucx" is collective over
+// `communicator`; "nccl" is not available yet.
+Result<std::unique_ptr<Transport>> CreateTransport(const MigrationConfig& config,
+                                                   Communicator& communicator,
+                                                   LocalFabric* fabric = nullptr);
+
+}  // namespace keel

@@ -1,0 +1,25 @@
+// The UCX transport: UCP tagged messages between processes over whatever UCX_TLS allows
+// (shared memory and TCP on one machine, RDMA on clusters). Worker addresses are exchanged over
+// a Communicator, so no extra socket service runs. Host memory; device buffers go to the NCCL
+// transport. Defined only in builds with KEEL_WITH_UCX (keel::kWithUcx): transport_ucx.cc.
+#pragma once
+
+#include <memory>
+
+#include "common/status.h"
+#include "migration/communicator.h"
+#include "migration/transport.h"
+
+namespace keel {
+
+struct UcxTransportOptions {
+  // How long Cancel waits for UCX to let go of a request before it force-closes the endpoint.
+  double cancel_grace_seconds = 0.2;
+};
+
+// Collective over `communicator`: every rank creates its worker, all-gathers the addresses and
+// connects to every peer. The communicator is used only here.
+Result<std::unique_ptr<Transport>> CreateUcxTransport(Communicator& communicator,
+                                                      const UcxTransportOptions& options = {});
+
+}  // namespace keel

@@ -1,0 +1,400 @@
+// Multi-process migration tests over UCX: 4 real processes on loopback, started by mpirun
+// (--bootstrap mpi) or by this program itself (--launch N, ranks meet in a directory). Scenarios:
+//   random   N random plans, every rank checks its slots byte for byte after each commit
+//   killed   rank 1 dies (SIGKILL) mid-transfer: survivors abort within the deadline, keep
+//            their old state, then migrate among themselves
+//   stalled  rank 1 stops answering past the deadline: same expectations
+// Exit status 0 when every expectation held; the launcher also checks how each child ended.
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "migration/checksum.h"
+#include "migration/migrator.h"
+#include "migration/transport_ucx.h"
+#include "tests/migration/directory_communicator.h"
+#include "tests/migration/test_util.h"
+
+#ifdef KEEL_TEST_WITH_MPI
+#include <mpi.h>
+#endif
+
+namespace keel {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using testing::CheckStore;
+using testing::FillStore;
+using testing::RandomPlacement;
+using testing::ValueOrDie;
+
+struct Args {
+  std::string scenario = "random";
+  std::string bootstrap = "mpi";
+  std::string dir;
+  int rank = -1;
+  int size = -1;
+  int launch = 0;
+  int plans = 100;
+  double deadline = 2.0;
+  std::vector<std::string> raw;
+};
+
+int failures = 0;
+
+void Check(bool ok, const std::string& what, int rank) {
+  if (ok) return;
+  ++failures;
+  std::fprintf(stderr, "rank %d: FAILED: %s\n", rank, what.c_str());
+}
+
+double Since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+Topology MakeTopology(int num_ranks) {
+  TopologyConfig config;
+  config.num_nodes = num_ranks % 2 == 0 ? 2 : 1;
+  config.gpus_per_node = num_ranks / config.num_nodes;
+  return ValueOrDie(Topology::Create(config));
+}
+
+uint64_t LiveChecksum(const ExpertStore& store) {
+  uint64_t h = 0;
+  for (int l = 0; l < store.num_layers(); ++l) {
+    for (int i = 0; i < store.slots_per_rank(); ++i) {
+      const int slot = store.rank() * store.slots_per_rank() + i;
+      h = Checksum64(store.Live(l, slot, SlotRegion::kWeights), h);
+      h = Checksum64(store.Live(l, slot, SlotRegion::kOptimizer), h);
+    }
+  }
+  return h;
+}
+
+int RunRandom(Transport& transport, Communicator& comm, const Args& args) {
+  const int me = transport.rank();
+  const Topology topology = MakeTopology(transport.num_ranks());
+  std::mt19937_64 rng(2024);  // same sequence on every rank: the plans agree
+  const auto start = Clock::now();
+  size_t bytes = 0;
+  for (int p = 0; p < args.plans; ++p) {
+    const int layers = 1 + static_cast<int>(rng() % 2);
+    const int experts = 4 + static_cast<int>(rng() % 5);
+    const int slots_per_rank = 3;
+    ExpertLayout layout;
+    layout.weight_bytes = 1 + rng() % 300000;
+    layout.optimizer_bytes = rng() % 4 == 0 ? 0 : rng() % 500000;
+    std::vector<Placement> from;
+    std::vector<Placement> to;
+    for (int l = 0; l < layers; ++l) {
+      from.push_back(RandomPlacement(rng, experts, transport.num_ranks(), slots_per_rank));
+      to.push_back(RandomPlacement(rng, experts, transport.num_ranks(), slots_per_rank));
+    }
+    MigrationConfig config;
+    const int chunks[] = {4096, 65536, 1 << 20};
+    config.chunk_bytes = chunks[rng() % 3];
+    config.pipeline_depth = 1 + static_cast<int>(rng() % 4);
+    config.deadline_seconds = 30;
+    auto plan =
+        std::make_shared<TransferPlan>(ValueOrDie(PlanTransfers(from, to, topology, layout)));
+    bytes += plan->total_bytes();
+    ExpertStore store = ValueOrDie(ExpertStore::Create(me, from, layout));
+    FillStore(store, from);
+    auto migrator = ValueOrDie(Migrator::Create(transport, store, config));
+    Status status = migrator->Start(p + 1, plan);
+    if (status.ok()) status = migrator->Wait();
+    Check(status.ok(), "plan " + std::to_string(p) + ": " + status.ToString(), me);
+    if (!status.ok()) break;
+    Check(migrator->Commit(to).ok(), "commit", me);
+    const std::string diff = CheckStore(store, to);
+    Check(diff.empty(), "plan " + std::to_string(p) + ": " + diff, me);
+  }
+  auto verdicts = comm.AllGather(failures == 0 ? "ok" : "failed");
+  Check(verdicts.ok(), "final all-gather", me);
+  if (me == 0 && verdicts.ok()) {
+    int ok = 0;
+    for (const std::string& v : *verdicts) ok += v == "ok";
+    std::printf("random: %d plans, %zu bytes planned, %.2f s, %d/%d ranks byte-exact\n", args.plans,
+                bytes, Since(start), ok, transport.num_ranks());
+    if (ok != transport.num_ranks()) ++failures;
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+// Rank 1 sends and receives a lot in this plan, slowly (bandwidth cap), so the fault lands
+// mid-transfer.
+struct FaultSetup {
+  std::vector<Placement> from;
+  std::vector<Placement> to;
+  std::shared_ptr<const TransferPlan> plan;
+  ExpertLayout layout{.weight_bytes = 2 << 20, .optimizer_bytes = 3 << 20};
+};
+
+FaultSetup MakeFaultSetup(const Topology& topology) {
+  std::mt19937_64 rng(77);
+  for (;;) {
+    FaultSetup s;
+    s.from = {RandomPlacement(rng, 6, topology.num_ranks(), 3)};
+    s.to = {RandomPlacement(rng, 6, topology.num_ranks(), 3)};
+    s.plan =
+        std::make_shared<TransferPlan>(ValueOrDie(PlanTransfers(s.from, s.to, topology, s.layout)));
+    int sends = 0;
+    int receives = 0;
+    for (const Transfer& t : s.plan->transfers) {
+      sends += t.src_rank == 1 && t.dst_rank != 1;
+      receives += t.dst_rank == 1 && t.src_rank != 1;
+    }
+    if (sends >= 1 && receives >= 1) return s;
+  }
+}
+
+// A swap between two slots of ranks 0 and 2..3 that needs nothing from rank 1.
+std::pair<std::vector<Placement>, std::shared_ptr<const TransferPlan>> SurvivorPlan(
+    const FaultSetup& s, const Topology& topology) {
+  const int spr = s.from[0].slots_per_rank();
+  for (int a = 0; a < spr; ++a) {
+    for (int b = 2 * spr; b < s.from[0].num_slots(); ++b) {
+      std::vector<int> phy2log = s.from[0].phy2log();
+      if (phy2log[a] == phy2log[b]) continue;
+      std::swap(phy2log[a], phy2log[b]);
+      auto swapped = Placement::CreateKeepingHomes(s.from[0], phy2log);
+      if (!swapped.ok()) continue;
+      std::vector<Placement> to{*swapped};
+      auto plan =
+          std::make_shared<TransferPlan>(ValueOrDie(PlanTransfers(s.from, to, topology, s.layout)));
+      bool touches = plan->transfers.empty();
+      for (const Transfer& t : plan->transfers) touches |= t.src_rank == 1 || t.dst_rank == 1;
+      if (!touches) return {to, plan};
+    }
+  }
+  return {{}, nullptr};
+}
+
+int RunFault(Transport& transport, const Args& args) {
+  const int me = transport.rank();
+  const Topology topology = MakeTopology(transport.num_ranks());
+  FaultSetup setup = MakeFaultSetup(topology);
+  ExpertStore store = ValueOrDie(ExpertStore::Create(me, setup.from, setup.layout));
+  FillStore(store, setup.from);
+  const uint64_t before = LiveChecksum(store);
+  MigrationConfig config;
+  config.chunk_bytes = 256 << 10;
+  config.pipeline_depth = 2;
+  config.bandwidth_cap_gb_per_s = 0.02;  // 20 MB/s per rank: rank 1's part takes ~0.5 s or more
+  config.deadline_seconds = args.deadline;
+  auto migrator = ValueOrDie(Migrator::Create(transport, store, config));
+  const bool killed = args.scenario == "killed";
+  if (me == 1 && !killed) {
+    // The stalled rank: alive, but it does not touch UCX until well past everyone's deadline.
+    std::this_thread::sleep_for(std::chrono::duration<double>(args.deadline * 2 + 1));
+  }
+  const auto start = Clock::now();
+  Status status = migrator->Start(1, setup.plan);
+  if (me == 1 && killed) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    std::fflush(stdout);
+    raise(SIGKILL);
+  }
+  if (status.ok()) status = migrator->Wait();
+  const double seconds = Since(start);
+  Check(!status.ok(), "the epoch must abort", me);
+  if (me == 1) {
+    std::printf("rank 1 (stalled) gave up: %s\n", status.ToString().c_str());
+    return failures == 0 ? 0 : 1;
+  }
+  std::printf("rank %d aborted after %.2f s: %s\n", me, seconds, status.ToString().c_str());
+  Check(seconds < args.deadline + 1.5, "abort took " + std::to_string(seconds) + " s", me);
+  Check(status.message().rfind("migration epoch 1 aborted: ", 0) == 0, "error prefix", me);
+  Check(status.message().find("rank 1") != std::string::npos, "error names rank 1", me);
+  Check(!store.has_staged(), "staged buffers discarded", me);
+  Check(LiveChecksum(store) == before, "old state intact", me);
+
+  // The survivors keep working: a new epoch among themselves, byte-exact.
+  auto [to, plan] = SurvivorPlan(setup, topology);
+  Check(plan != nullptr, "a survivor plan exists", me);
+  if (plan == nullptr) return 1;
+  std::vector<bool> survivors(transport.num_ranks(), true);
+  survivors[1] = false;
+  MigrationConfig fast = config;
+  fast.bandwidth_cap_gb_per_s = 0;
+  fast.deadline_seconds = 20;
+  auto next = ValueOrDie(Migrator::Create(transport, store, fast));
+  status = next->Start(2, plan, survivors);
+  if (status.ok()) status = next->Wait();
+  Check(status.ok(), "survivor epoch: " + status.ToString(), me);
+  if (status.ok()) {
+    Check(next->Commit(to).ok(), "survivor commit", me);
+    const std::string diff = CheckStore(store, to);
+    Check(diff.empty(), "survivor epoch: " + diff, me);
+    std::printf("rank %d: survivor epoch 2 committed, %zu bytes planned, byte-exact\n", me,
+                plan->total_bytes());
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+// Starts `args.launch` copies of this program that meet in a fresh directory; checks that each
+// ended as the scenario expects.
+int Launch(const char* self, const Args& args) {
+  char pattern[] = "/tmp/keel-migration-XXXXXX";
+  const char* dir = mkdtemp(pattern);
+  if (dir == nullptr) {
+    std::perror("mkdtemp");
+    return 1;
+  }
+  std::vector<pid_t> children;
+  for (int r = 0; r < args.launch; ++r) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      std::vector<std::string> argv_strings{self,
+                                            "--bootstrap",
+                                            "dir",
+                                            "--dir",
+                                            dir,
+                                            "--rank",
+                                            std::to_string(r),
+                                            "--size",
+                                            std::to_string(args.launch)};
+      for (const std::string& a : args.raw) argv_strings.push_back(a);
+      std::vector<char*> argv;
+      for (std::string& a : argv_strings) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(self, argv.data());
+      std::perror("execv");
+      _exit(127);
+    }
+    children.push_back(pid);
+  }
+  const auto limit = Clock::now() + std::chrono::seconds(120);
+  std::vector<int> statuses(args.launch, -1);
+  int running = args.launch;
+  while (running > 0) {
+    for (int r = 0; r < args.launch; ++r) {
+      if (statuses[r] != -1) continue;
+      int status = 0;
+      if (waitpid(children[r], &status, WNOHANG) == children[r]) {
+        statuses[r] = status;
+        --running;
+      }
+    }
+    if (Clock::now() > limit) {
+      std::fprintf(stderr, "launcher: children still running after 120 s, killing them\n");
+      for (int r = 0; r < args.launch; ++r) {
+        if (statuses[r] == -1) kill(children[r], SIGKILL);
+      }
+      ++failures;
+      for (int r = 0; r < args.launch; ++r) {
+        if (statuses[r] == -1) waitpid(children[r], &statuses[r], 0);
+      }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::filesystem::remove_all(dir);
+  for (int r = 0; r < args.launch; ++r) {
+    const int s = statuses[r];
+    const bool expect_killed = args.scenario == "killed" && r == 1;
+    const bool ok = expect_killed ? (WIFSIGNALED(s) && WTERMSIG(s) == SIGKILL)
+                                  : (WIFEXITED(s) && WEXITSTATUS(s) == 0);
+    if (!ok) {
+      ++failures;
+      std::fprintf(stderr, "launcher: rank %d ended with wait status %d, expected %s\n", r, s,
+                   expect_killed ? "SIGKILL" : "exit 0");
+    }
+  }
+  std::printf("launcher: scenario %s with %d processes: %s\n", args.scenario.c_str(), args.launch,
+              failures == 0 ? "PASSED" : "FAILED");
+  return failures == 0 ? 0 : 1;
+}
+
+Args Parse(int argc, char** argv) {
+  Args args;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    const std::string value = i + 1 < argc ? argv[i + 1] : "";
+    bool forward = true;
+    if (flag == "--scenario") {
+      args.scenario = value;
+    } else if (flag == "--bootstrap") {
+      args.bootstrap = value;
+      forward = false;
+    } else if (flag == "--dir") {
+      args.dir = value;
+      forward = false;
+    } else if (flag == "--rank") {
+      args.rank = std::stoi(value);
+      forward = false;
+    } else if (flag == "--size") {
+      args.size = std::stoi(value);
+      forward = false;
+    } else if (flag == "--launch") {
+      args.launch = std::stoi(value);
+      forward = false;
+    } else if (flag == "--plans") {
+      args.plans = std::stoi(value);
+    } else if (flag == "--deadline") {
+      args.deadline = std::stod(value);
+    } else {
+      std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
+      std::exit(2);
+    }
+    if (forward) {
+      args.raw.push_back(flag);
+      args.raw.push_back(value);
+    }
+    ++i;
+  }
+  return args;
+}
+
+int Main(int argc, char** argv) {
+  Args args = Parse(argc, argv);
+  if (args.launch > 0) return Launch(argv[0], args);
+  std::unique_ptr<Communicator> comm;
+  if (args.bootstrap == "dir") {
+    comm = std::make_unique<testing::DirectoryCommunicator>(args.dir, args.rank, args.size);
+  } else {
+#ifdef KEEL_TEST_WITH_MPI
+    comm = ValueOrDie(CreateMpiCommunicator());
+#else
+    std::fprintf(stderr, "built without MPI: use --launch N\n");
+    return 2;
+#endif
+  }
+  auto transport = CreateUcxTransport(*comm);
+  if (!transport.ok()) {
+    std::fprintf(stderr, "rank %d: %s\n", comm->rank(), transport.status().ToString().c_str());
+    return 1;
+  }
+  if (args.scenario == "random") return RunRandom(**transport, *comm, args);
+  if (args.scenario == "killed" || args.scenario == "stalled") return RunFault(**transport, args);
+  std::fprintf(stderr, "unknown scenario %s\n", args.scenario.c_str());
+  return 2;
+}
+
+}  // namespace
+}  // namespace keel
+
+int main(int argc, char** argv) {
+#ifdef KEEL_TEST_WITH_MPI
+  bool use_mpi = true;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--launch") == 0 || std::strcmp(argv[i], "dir") == 0) use_mpi = false;
+  }
+  if (use_mpi) MPI_Init(&argc, &argv);
+  const int rc = keel::Main(argc, argv);
+  if (use_mpi) MPI_Finalize();
+  return rc;
+#else
+  return keel::Main(argc, argv);
+#endif
+}

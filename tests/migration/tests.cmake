@@ -1,0 +1,53 @@
+# Multi-process migration tests: 4 processes on loopback over UCX, with UCX_TLS=sm and with
+# UCX_TLS=tcp on lo. Random plans run under mpirun; fault injection (a killed rank, a stalled
+# rank) runs under the program's own launcher, since mpirun tears the whole job down when a rank
+# dies. Skipped (not built) without UCX; the mpirun tests also need MPI and mpirun.
+if(NOT KEEL_WITH_UCX)
+  return()
+endif()
+
+add_executable(keel_migration_multiprocess ${CMAKE_CURRENT_LIST_DIR}/migration_multiprocess.cc)
+target_link_libraries(keel_migration_multiprocess PRIVATE keel_migration keel_warnings)
+set_target_properties(keel_migration_multiprocess PROPERTIES
+                      RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+if(KEEL_WITH_MPI)
+  target_compile_definitions(keel_migration_multiprocess PRIVATE KEEL_TEST_WITH_MPI)
+  target_link_libraries(keel_migration_multiprocess PRIVATE MPI::MPI_CXX)
+endif()
+
+# Open MPI and UCX keep a few allocations until exit; LeakSanitizer reports only Keel's own.
+# Keeping MCA plugins loaded lets LeakSanitizer name their frames.
+set(_mig_lsan "LSAN_OPTIONS=suppressions=${CMAKE_CURRENT_LIST_DIR}/lsan.supp:print_suppressions=0:fast_unwind_on_malloc=0;OMPI_MCA_mca_base_component_disable_dlclose=1")
+set(_mig_sm "UCX_TLS=sm")
+set(_mig_tcp "UCX_TLS=tcp;UCX_NET_DEVICES=lo")
+
+find_program(KEEL_MPIRUN mpirun)
+if(KEEL_WITH_MPI AND KEEL_MPIRUN)
+  foreach(_tls sm tcp)
+    set(_env ${_mig_${_tls}})
+    # Every -x forwards one variable to the ranks; traffic stays on loopback.
+    set(_x)
+    foreach(_kv ${_env})
+      string(REGEX REPLACE "=.*" "" _k "${_kv}")
+      list(APPEND _x -x ${_k})
+    endforeach()
+    add_test(NAME migration.mpirun_random_plans_${_tls}
+             COMMAND ${KEEL_MPIRUN} -np 4 --oversubscribe --mca btl self,vader --mca pml ob1
+                     --mca oob_tcp_if_include lo --mca btl_tcp_if_include lo ${_x} -x LSAN_OPTIONS
+                     -x ASAN_OPTIONS $<TARGET_FILE:keel_migration_multiprocess>
+                     --scenario random --plans 100)
+    set_tests_properties(migration.mpirun_random_plans_${_tls} PROPERTIES
+        ENVIRONMENT "${_env};${_mig_lsan};OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
+        TIMEOUT 180 PROCESSORS 2)
+  endforeach()
+endif()
+
+foreach(_tls sm tcp)
+  foreach(_scenario killed stalled)
+    add_test(NAME migration.fault_${_scenario}_peer_${_tls}
+             COMMAND $<TARGET_FILE:keel_migration_multiprocess> --launch 4
+                     --scenario ${_scenario} --deadline 2)
+    set_tests_properties(migration.fault_${_scenario}_peer_${_tls} PROPERTIES
+        ENVIRONMENT "${_mig_${_tls}};${_mig_lsan}" TIMEOUT 120 PROCESSORS 2)
+  endforeach()
+endforeach()
