@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every CPU benchmark of docs/benchmarks.md and writes the results to out/bench/:
-# planner micro-benchmarks (Google Benchmark JSON) and trace replays (keel replay reports).
+# planner, monitor and migration micro-benchmarks (Google Benchmark JSON), the UCX transfers
+# between processes (JSON lines), and trace replays (keel replay reports).
 # Usage: bench/run.sh [build-dir]   (default: build; run `scripts/dev build` first)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -10,11 +11,18 @@ traces=${KEEL_SHARED_TRACES:-$root/../shared/traces}
 mkdir -p "$out"
 keel=$build/bin/keel
 
-for bench in eplb_bench keel_policy_bench quota_bench; do
+for bench in eplb_bench keel_policy_bench quota_bench monitor_bench migration_bench; do
   echo "== $bench"
   "$build/bin/$bench" --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
     --benchmark_out="$out/$bench.json" --benchmark_out_format=json
 done
+
+if "$keel" version | grep -q "ucx=on"; then
+  echo "== migration: 64 MiB over UCX shared memory between processes, 16-expert plan on 4"
+  UCX_TLS=sm "$build/bin/migration_bench" --ucx | tee "$out/migration-ucx.jsonl"
+else
+  echo "== skipping the UCX migration benchmark: built without UCX"
+fi
 
 echo "== replay: synthetic trace (seed 1), all policies"
 "$keel" replay --trace synthetic --quiet --report "$out/replay-synthetic.json"

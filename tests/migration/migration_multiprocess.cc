@@ -35,6 +35,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using testing::CheckStore;
 using testing::FillStore;
+using testing::LiveChecksum;
 using testing::RandomPlacement;
 using testing::ValueOrDie;
 
@@ -67,18 +68,6 @@ Topology MakeTopology(int num_ranks) {
   config.num_nodes = num_ranks % 2 == 0 ? 2 : 1;
   config.gpus_per_node = num_ranks / config.num_nodes;
   return ValueOrDie(Topology::Create(config));
-}
-
-uint64_t LiveChecksum(const ExpertStore& store) {
-  uint64_t h = 0;
-  for (int l = 0; l < store.num_layers(); ++l) {
-    for (int i = 0; i < store.slots_per_rank(); ++i) {
-      const int slot = store.rank() * store.slots_per_rank() + i;
-      h = Checksum64(store.Live(l, slot, SlotRegion::kWeights), h);
-      h = Checksum64(store.Live(l, slot, SlotRegion::kOptimizer), h);
-    }
-  }
-  return h;
 }
 
 int RunRandom(Transport& transport, Communicator& comm, const Args& args) {

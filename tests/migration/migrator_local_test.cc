@@ -20,6 +20,7 @@ namespace {
 
 using testing::CheckStore;
 using testing::FillStore;
+using testing::LiveChecksum;
 using testing::RandomPlacement;
 using testing::ValueOrDie;
 
@@ -132,18 +133,6 @@ RandomChange MakeChange(std::mt19937_64& rng, const Topology& topology, int laye
   change.plan = std::make_shared<TransferPlan>(
       ValueOrDie(PlanTransfers(change.from, change.to, topology, kLayout)));
   return change;
-}
-
-uint64_t LiveChecksum(const ExpertStore& store) {
-  uint64_t h = 0;
-  for (int l = 0; l < store.num_layers(); ++l) {
-    for (int i = 0; i < store.slots_per_rank(); ++i) {
-      const int slot = store.rank() * store.slots_per_rank() + i;
-      h = Checksum64(store.Live(l, slot, SlotRegion::kWeights), h);
-      h = Checksum64(store.Live(l, slot, SlotRegion::kOptimizer), h);
-    }
-  }
-  return h;
 }
 
 TEST(ChecksumTest, DetectsChangesAndIsStable) {

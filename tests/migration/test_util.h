@@ -5,9 +5,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "common/status.h"
+#include "migration/checksum.h"
+#include "migration/expert_store.h"
+#include "migration/transfer_plan.h"
 #include "placement/placement.h"
 
 namespace keel::testing {
@@ -42,14 +46,6 @@ inline Placement RandomPlacement(std::mt19937_64& rng, int num_experts, int num_
   }
   return ValueOrDie(Placement::Create(num_experts, num_ranks, phy2log, home));
 }
-
-}  // namespace keel::testing
-
-#include <string>
-
-#include "migration/expert_store.h"
-
-namespace keel::testing {
 
 // The byte at `i` of (layer, expert)'s weights (region 0) or optimizer state (region 1): every
 // copy of an expert holds the same weights, so a destination can be checked byte by byte.
@@ -112,6 +108,19 @@ inline std::string CheckStore(const ExpertStore& store, std::span<const Placemen
     }
   }
   return "";
+}
+
+// One hash over every live slot of `store`: equal before and after an aborted epoch.
+inline uint64_t LiveChecksum(const ExpertStore& store) {
+  uint64_t h = 0;
+  for (int l = 0; l < store.num_layers(); ++l) {
+    for (int i = 0; i < store.slots_per_rank(); ++i) {
+      const int slot = store.rank() * store.slots_per_rank() + i;
+      h = Checksum64(store.Live(l, slot, SlotRegion::kWeights), h);
+      h = Checksum64(store.Live(l, slot, SlotRegion::kOptimizer), h);
+    }
+  }
+  return h;
 }
 
 }  // namespace keel::testing
