@@ -15,9 +15,9 @@
 #include <charconv>
 #include <chrono>
 #include <exception>
-#include <numeric>
 
 #include "keel/version.hpp"
+#include "placement/load.h"
 
 namespace keel {
 namespace {
@@ -42,16 +42,6 @@ std::string Index(int i) { return std::to_string(i); }
 
 double Max(std::span<const double> values) {
   return values.empty() ? 0.0 : *std::max_element(values.begin(), values.end());
-}
-double Sum(std::span<const double> values) {
-  return std::accumulate(values.begin(), values.end(), 0.0);
-}
-
-// max / mean; 1.0 when nothing was routed, so an idle layer reads as balanced.
-double ImbalanceRatio(std::span<const double> rank_tokens) {
-  const double total = Sum(rank_tokens);
-  if (rank_tokens.empty() || total <= 0) return 1.0;
-  return Max(rank_tokens) / (total / static_cast<double>(rank_tokens.size()));
 }
 
 }  // namespace
@@ -349,19 +339,17 @@ bool Metrics::ObserveLayerStep(const LayerStepObservation& observation) {
     }
   }
 
-  const double imbalance = ImbalanceRatio(observation.rank_tokens);
+  const double imbalance = Imbalance(observation.rank_tokens);
   imbalance_last_[layer]->Set(imbalance);
   balancedness_last_[layer]->Set(1.0 / imbalance);
   if (!observation.estimated_rank_tokens.empty()) {
-    const double estimate = ImbalanceRatio(observation.estimated_rank_tokens);
+    const double estimate = Imbalance(observation.estimated_rank_tokens);
     imbalance_estimate_[layer]->Set(estimate);
     balancedness_estimate_[layer]->Set(1.0 / estimate);
   }
 
-  const double total = Sum(observation.expert_tokens);
   const int r_max = std::clamp(observation.max_copies_per_expert, 1, layout_.num_ranks);
-  const double lower_bound = std::max(total / static_cast<double>(ranks),
-                                      Max(observation.expert_tokens) / static_cast<double>(r_max));
+  const double lower_bound = LoadLowerBound(observation.expert_tokens, layout_.num_ranks, r_max);
   // The bound holds by construction; max() only absorbs rounding of fractional quotas.
   const double gap = lower_bound > 0 ? Max(observation.rank_tokens) / lower_bound : 1.0;
   lower_bound_gap_[layer]->Set(std::max(1.0, gap));

@@ -1,6 +1,7 @@
 // StepLoad construction and the load estimators.
 #include "placement/load.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <string>
@@ -90,6 +91,20 @@ void LoadEstimator::Observe(std::span<const double> values) {
     }
   }
   ++observed_steps_;
+}
+
+double Imbalance(std::span<const double> rank_tokens) {
+  if (rank_tokens.empty()) return 1.0;
+  const double mean =
+      std::accumulate(rank_tokens.begin(), rank_tokens.end(), 0.0) / rank_tokens.size();
+  return mean > 0 ? *std::max_element(rank_tokens.begin(), rank_tokens.end()) / mean : 1.0;
+}
+
+double LoadLowerBound(std::span<const double> expert_tokens, int num_ranks, int max_copies) {
+  if (expert_tokens.empty()) return 0.0;
+  const double total = std::accumulate(expert_tokens.begin(), expert_tokens.end(), 0.0);
+  const double hottest = *std::max_element(expert_tokens.begin(), expert_tokens.end());
+  return std::max(total / num_ranks, hottest / max_copies);
 }
 
 }  // namespace keel

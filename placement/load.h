@@ -30,6 +30,15 @@ struct StepLoad {
   double TotalTokens() const;
 };
 
+// Imbalance (DESIGN.md): max rank load / mean rank load over `rank_tokens` [num_ranks]; 1.0 when
+// nothing was routed, so an idle layer reads as balanced.
+double Imbalance(std::span<const double> rank_tokens);
+
+// The lower bound no placement can beat: LB = max(T / G, max_e load_e / r_max), where
+// `expert_tokens` [num_experts] holds the loads (T their sum), G = num_ranks and r_max =
+// max_copies, the most ranks one expert's tokens can be spread over. 0 for no experts.
+double LoadLowerBound(std::span<const double> expert_tokens, int num_ranks, int max_copies);
+
 // Per-step observations in, expected next-step values out. Works on any fixed-length vector
 // (per-expert loads [E] or traffic matrices [G*E]).
 class LoadEstimator {

@@ -16,10 +16,7 @@ double StepRouting::mean_rank_tokens() const {
   return std::accumulate(rank_tokens.begin(), rank_tokens.end(), 0.0) / rank_tokens.size();
 }
 
-double StepRouting::imbalance() const {
-  const double mean = mean_rank_tokens();
-  return mean > 0 ? max_rank_tokens() / mean : 1.0;
-}
+double StepRouting::imbalance() const { return Imbalance(rank_tokens); }
 
 namespace {
 

@@ -176,9 +176,7 @@ Result<PolicyReplay> ReplayPolicy(const ReplayInputs& in, const std::string& nam
       step_imbalance_sum += imbalance;
       transient_count += static_cast<long>(routing->transients.size());
 
-      const double tokens = std::accumulate(totals.begin(), totals.end(), 0.0);
-      const double hottest = *std::max_element(totals.begin(), totals.end());
-      const double lower_bound = std::max(tokens / num_ranks, hottest / r_max);
+      const double lower_bound = LoadLowerBound(totals, num_ranks, r_max);
       lb_gap_sum += lower_bound > 0 ? routing->max_rank_tokens() / lower_bound : 1.0;
 
       // Causal: what step t routed informs the plan for step t + 1.

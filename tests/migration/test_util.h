@@ -1,4 +1,4 @@
-// Helpers shared by the migration tests: random placements and unwrapping of Results.
+// Helpers shared by the migration tests: random placements, patterned expert state and checks.
 #pragma once
 
 #include <algorithm>
@@ -13,17 +13,9 @@
 #include "migration/expert_store.h"
 #include "migration/transfer_plan.h"
 #include "placement/placement.h"
+#include "tests/common/test_util.h"
 
 namespace keel::testing {
-
-template <typename T>
-T ValueOrDie(Result<T> result) {
-  if (!result.ok()) {
-    std::fprintf(stderr, "unexpected error: %s\n", result.status().ToString().c_str());
-    std::abort();
-  }
-  return std::move(result).value();
-}
 
 // A random placement: every expert at least once, the other slots random experts or empty, each
 // home a random holder.

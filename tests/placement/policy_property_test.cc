@@ -13,18 +13,12 @@
 #include <gtest/gtest.h>
 
 #include "placement/policy.h"
+#include "tests/common/test_util.h"
 
 namespace keel {
 namespace {
 
-template <typename T>
-T ValueOrDie(Result<T> result) {
-  if (!result.ok()) {
-    std::fprintf(stderr, "unexpected error: %s\n", result.status().ToString().c_str());
-    std::abort();
-  }
-  return std::move(result).value();
-}
+using testing::ValueOrDie;
 
 struct Shape {
   int num_nodes = 1;
@@ -90,12 +84,12 @@ StepLoad RandomLoad(Draw& draw, int num_ranks, int num_experts, bool skewed) {
 }
 
 // Shape, maps and homes of a placement a policy returned.
-testing::AssertionResult ValidPlacement(const Placement& p, const PolicyContext& context) {
+::testing::AssertionResult ValidPlacement(const Placement& p, const PolicyContext& context) {
   const int num_ranks = context.topology.num_ranks();
   if (p.num_experts() != context.num_experts || p.num_ranks() != num_ranks ||
       p.slots_per_rank() != context.slots_per_rank ||
       p.num_slots() != num_ranks * context.slots_per_rank) {
-    return testing::AssertionFailure()
+    return ::testing::AssertionFailure()
            << "shape changed: " << p.num_experts() << " experts, " << p.num_ranks() << " ranks x "
            << p.slots_per_rank() << " slots";
   }
@@ -104,16 +98,16 @@ testing::AssertionResult ValidPlacement(const Placement& p, const PolicyContext&
     const int e = p.expert_at(slot);
     if (e == kEmptySlot) continue;
     if (e < 0 || e >= p.num_experts()) {
-      return testing::AssertionFailure() << "phy2log[" << slot << "] = " << e;
+      return ::testing::AssertionFailure() << "phy2log[" << slot << "] = " << e;
     }
     ++count[e];
   }
   const int width = p.max_copies();
   const std::vector<int> log2phy = p.Log2Phy(width);
   for (int e = 0; e < p.num_experts(); ++e) {
-    if (count[e] < 1) return testing::AssertionFailure() << "expert " << e << " has no copy";
+    if (count[e] < 1) return ::testing::AssertionFailure() << "expert " << e << " has no copy";
     if (p.logcnt()[e] != count[e]) {
-      return testing::AssertionFailure()
+      return ::testing::AssertionFailure()
              << "logcnt[" << e << "] = " << p.logcnt()[e] << ", phy2log holds " << count[e];
     }
     for (int r = 0; r < width; ++r) {
@@ -122,33 +116,35 @@ testing::AssertionResult ValidPlacement(const Placement& p, const PolicyContext&
                                          (r == 0 || slot > log2phy[e * width + r - 1])
                                    : slot == -1;
       if (!ok) {
-        return testing::AssertionFailure() << "log2phy[" << e << "][" << r << "] = " << slot;
+        return ::testing::AssertionFailure() << "log2phy[" << e << "][" << r << "] = " << slot;
       }
     }
     if (p.home(e) < 0 || p.home(e) >= num_ranks || !p.holds(p.home(e), e)) {
-      return testing::AssertionFailure() << "home[" << e << "] = " << p.home(e) << " holds no copy";
+      return ::testing::AssertionFailure()
+             << "home[" << e << "] = " << p.home(e) << " holds no copy";
     }
   }
-  return testing::AssertionSuccess();
+  return ::testing::AssertionSuccess();
 }
 
 bool Near(double a, double b, double scale) { return std::abs(a - b) <= 1e-6 * (1.0 + scale); }
 
 // Token conservation of a step's routing: per rank, per source, per expert.
-testing::AssertionResult ValidRouting(const StepRouting& routing, const Placement& placement,
-                                      const StepLoad& load) {
+::testing::AssertionResult ValidRouting(const StepRouting& routing, const Placement& placement,
+                                        const StepLoad& load) {
   const int g_count = placement.num_ranks();
   if (routing.num_ranks != g_count || static_cast<int>(routing.rank_tokens.size()) != g_count ||
       routing.sent_tokens.size() != static_cast<size_t>(g_count) * g_count ||
       static_cast<int>(routing.slot_tokens.size()) != placement.num_slots() ||
       routing.transient_tokens.size() != routing.transients.size()) {
-    return testing::AssertionFailure() << "routing has the wrong shape";
+    return ::testing::AssertionFailure() << "routing has the wrong shape";
   }
   const double total = load.TotalTokens();
   const double routed =
       std::accumulate(routing.rank_tokens.begin(), routing.rank_tokens.end(), 0.0);
   if (!Near(routed, total, total)) {
-    return testing::AssertionFailure() << "rank_tokens sum to " << routed << ", step has " << total;
+    return ::testing::AssertionFailure()
+           << "rank_tokens sum to " << routed << ", step has " << total;
   }
   std::vector<double> source_total(g_count, 0.0);
   for (int s = 0; s < load.num_sources; ++s) {
@@ -162,12 +158,12 @@ testing::AssertionResult ValidRouting(const StepRouting& routing, const Placemen
       column += routing.sent_tokens[dst * g_count + src];
     }
     if (!Near(row, source_total[src], total)) {
-      return testing::AssertionFailure()
+      return ::testing::AssertionFailure()
              << "source " << src << " sends " << row << ", has " << source_total[src];
     }
     if (!Near(column, routing.rank_tokens[src], total)) {
-      return testing::AssertionFailure() << "rank " << src << " receives " << column
-                                         << ", computes " << routing.rank_tokens[src];
+      return ::testing::AssertionFailure() << "rank " << src << " receives " << column
+                                           << ", computes " << routing.rank_tokens[src];
     }
   }
   std::vector<double> expert_routed(placement.num_experts(), 0.0);
@@ -175,7 +171,7 @@ testing::AssertionResult ValidRouting(const StepRouting& routing, const Placemen
     const int e = placement.expert_at(slot);
     if (e == kEmptySlot) {
       if (routing.slot_tokens[slot] != 0) {
-        return testing::AssertionFailure() << "empty slot " << slot << " gets tokens";
+        return ::testing::AssertionFailure() << "empty slot " << slot << " gets tokens";
       }
       continue;
     }
@@ -185,7 +181,7 @@ testing::AssertionResult ValidRouting(const StepRouting& routing, const Placemen
     const TransientReplica& t = routing.transients[i];
     if (t.expert < 0 || t.expert >= placement.num_experts() || t.rank < 0 || t.rank >= g_count ||
         t.source_rank < 0 || t.source_rank >= g_count || placement.holds(t.rank, t.expert)) {
-      return testing::AssertionFailure()
+      return ::testing::AssertionFailure()
              << "bad transient replica of expert " << t.expert << " on rank " << t.rank;
     }
     expert_routed[t.expert] += routing.transient_tokens[i];
@@ -193,12 +189,12 @@ testing::AssertionResult ValidRouting(const StepRouting& routing, const Placemen
   const std::vector<double> expert_total = load.ExpertTotals();
   for (int e = 0; e < placement.num_experts(); ++e) {
     if (!Near(expert_routed[e], expert_total[e], total)) {
-      return testing::AssertionFailure()
+      return ::testing::AssertionFailure()
              << "expert " << e << " has " << expert_routed[e]
              << " tokens in slot_tokens + transient_tokens, the step has " << expert_total[e];
     }
   }
-  return testing::AssertionSuccess();
+  return ::testing::AssertionSuccess();
 }
 
 void ExpectSameRouting(const StepRouting& a, const StepRouting& b) {
@@ -237,7 +233,7 @@ Shape RandomShape(Draw& draw) {
   return shape;
 }
 
-class PolicyPropertyTest : public testing::TestWithParam<std::string> {};
+class PolicyPropertyTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(PolicyPropertyTest, InvariantsHoldOverRandomLoads) {
   const std::string& name = GetParam();
@@ -251,7 +247,7 @@ TEST_P(PolicyPropertyTest, InvariantsHoldOverRandomLoads) {
     context.config.replan_interval_steps = draw.Int(1, 3);
     const int num_ranks = context.topology.num_ranks();
     const bool skewed = c % 3 != 0;
-    SCOPED_TRACE(testing::Message()
+    SCOPED_TRACE(::testing::Message()
                  << "policy " << name << ", case " << c << ": " << shape.num_nodes << "x"
                  << shape.gpus_per_node << " ranks, " << shape.slots_per_rank << " slots, "
                  << shape.num_experts << " experts, " << (skewed ? "skewed" : "uniform"));
@@ -280,7 +276,7 @@ TEST_P(PolicyPropertyTest, InvariantsHoldOverRandomLoads) {
 
     for (int step = 0; step < kSteps; ++step) {
       for (int layer = 0; layer < kLayers; ++layer) {
-        SCOPED_TRACE(testing::Message() << "step " << step << ", layer " << layer);
+        SCOPED_TRACE(::testing::Message() << "step " << step << ", layer " << layer);
         const StepLoad actual = RandomLoad(draw, num_ranks, shape.num_experts, skewed);
         if (step % context.config.replan_interval_steps == 0) {
           const StepLoad estimate = RandomLoad(draw, num_ranks, shape.num_experts, skewed);
@@ -323,8 +319,8 @@ TEST_P(PolicyPropertyTest, InvariantsHoldOverRandomLoads) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllPolicies, PolicyPropertyTest, testing::ValuesIn(PolicyNames()),
-                         [](const testing::TestParamInfo<std::string>& info) {
+INSTANTIATE_TEST_SUITE_P(AllPolicies, PolicyPropertyTest, ::testing::ValuesIn(PolicyNames()),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });
 
@@ -397,7 +393,7 @@ TEST(SmartMoePolicyTest, ChangesOnlyWhenMaxRankLoadStrictlyDrops) {
     auto policy = MakeSmartMoePolicy(context);
     Placement current = ValueOrDie(policy->Initial(0));
     for (int step = 0; step < 6; ++step) {
-      SCOPED_TRACE(testing::Message() << "case " << c << ", step " << step);
+      SCOPED_TRACE(::testing::Message() << "case " << c << ", step " << step);
       const std::vector<double> expert_load =
           RandomLoad(draw, num_ranks, shape.num_experts, c % 4 != 0).ExpertTotals();
       auto next = policy->Replan({0, &current, expert_load, nullptr});
