@@ -73,8 +73,9 @@ constexpr ConfigKey kConfigKeys[] = {
     {KEEL_CONFIG_FIELD(slots.persistent_per_rank), .min = 1,
      .doc = "Expert slots per rank in every MoE layer, filled by the planned placement."},
     {KEEL_CONFIG_FIELD(slots.transient_per_rank), .min = 0,
-     .doc = "Extra slots per rank, shared by all layers and filled each step with replicas of "
-            "bursting experts; 0 means none."},
+     .doc = "Extra slots per rank, filled each step with replicas of bursting experts (used by "
+            "the keel policy); 0 means none. The engine gives every layer its own transient "
+            "slots, so a layer's backward finds the weights its forward used."},
     // cost_model
     {KEEL_CONFIG_FIELD(cost_model.expert_tflops), .min = 0, .min_exclusive = true,
      .unit = "TFLOP/s",
@@ -174,6 +175,12 @@ constexpr ConfigKey kConfigKeys[] = {
      .unit = "seconds",
      .doc = "An epoch's transfers must be done and verified within this time, or the epoch is "
             "aborted and the old placement stays."},
+    // engine
+    {KEEL_CONFIG_FIELD(engine.collective_timeout_seconds), .min = 0, .min_exclusive = true,
+     .unit = "seconds",
+     .doc = "A collective (count all-gather, agreement, gradient and weight exchange) that some "
+            "rank does not join within this time fails with an error naming the missing ranks, "
+            "instead of hanging."},
 };
 
 #undef KEEL_CONFIG_FIELD
@@ -200,6 +207,7 @@ constexpr ConfigSection kConfigSections[] = {
      "Keel: incremental placement that pays for its moves, plus transient replicas for bursts."},
     {"monitor", "Telemetry: load monitor, Prometheus exporter and trace recorder."},
     {"migration", "Moving expert state between ranks in the background."},
+    {"engine", "The runtime a trainer embeds: per-step collectives between ranks."},
 };
 
 constexpr std::string_view ParentOf(std::string_view path) {

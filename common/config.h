@@ -22,7 +22,7 @@ struct TopologyConfig {
 // Expert slots on every rank.
 struct SlotsConfig {
   int persistent_per_rank = 3;  // planned per layer
-  int transient_per_rank = 1;   // filled per step, shared by all layers
+  int transient_per_rank = 1;   // filled per step (the engine: per layer)
 };
 
 // Constants of the cost model (placement/cost_model.h).
@@ -101,6 +101,11 @@ struct MigrationConfig {
   double deadline_seconds = 30.0;       // an epoch's transfers must finish within this
 };
 
+// The engine's control plane (engine/).
+struct EngineConfig {
+  double collective_timeout_seconds = 120.0;  // a collective a peer never joins fails after this
+};
+
 struct KeelConfig {
   TopologyConfig topology;
   SlotsConfig slots;
@@ -109,6 +114,7 @@ struct KeelConfig {
   PolicyConfig policy;
   MonitorConfig monitor;
   MigrationConfig migration;
+  EngineConfig engine;
 
   int num_ranks() const { return topology.num_nodes * topology.gpus_per_node; }
 };

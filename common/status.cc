@@ -54,5 +54,9 @@ Status Unimplemented(std::string message) {
   return Status(StatusCode::kUnimplemented, std::move(message));
 }
 Status Internal(std::string message) { return Status(StatusCode::kInternal, std::move(message)); }
+Status DeadlineExceeded(std::string message) {
+  return Status(StatusCode::kDeadlineExceeded, std::move(message));
+}
+Status Aborted(std::string message) { return Status(StatusCode::kAborted, std::move(message)); }
 
 }  // namespace keel

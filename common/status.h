@@ -56,6 +56,8 @@ Status FailedPrecondition(std::string message);
 Status OutOfRange(std::string message);
 Status Unimplemented(std::string message);
 Status Internal(std::string message);
+Status DeadlineExceeded(std::string message);
+Status Aborted(std::string message);
 
 // A value or the Status that explains why there is none.
 template <typename T>

@@ -1,6 +1,7 @@
 // ExpertStore: live slot buffers plus a staging map keyed by (layer, slot, region).
 #include "migration/expert_store.h"
 
+#include <algorithm>
 #include <string>
 
 namespace keel {
@@ -49,12 +50,55 @@ std::vector<std::byte>& ExpertStore::Region(int layer, int slot, SlotRegion regi
   return region == SlotRegion::kWeights ? weights_[index] : optimizer_[index];
 }
 
+Result<ExpertStore> ExpertStore::Wrap(int rank, int num_layers, int slots_per_rank,
+                                      const ExpertLayout& layout,
+                                      std::vector<std::span<std::byte>> weights,
+                                      std::vector<std::span<std::byte>> optimizer) {
+  if (num_layers <= 0 || slots_per_rank <= 0 || rank < 0) {
+    return InvalidArgument("expert store needs a rank >= 0, layers > 0 and slots > 0 (rank " +
+                           std::to_string(rank) + ", layers " + std::to_string(num_layers) +
+                           ", slots " + std::to_string(slots_per_rank) + ")");
+  }
+  const size_t regions = static_cast<size_t>(num_layers) * slots_per_rank;
+  if (weights.size() != regions || optimizer.size() != regions) {
+    return InvalidArgument("expert store needs " + std::to_string(regions) +
+                           " weight and optimizer regions, got " + std::to_string(weights.size()) +
+                           " and " + std::to_string(optimizer.size()));
+  }
+  for (size_t i = 0; i < regions; ++i) {
+    const std::string where = "layer " + std::to_string(i / slots_per_rank) + " local slot " +
+                              std::to_string(i % slots_per_rank);
+    if (weights[i].size() != layout.weight_bytes || weights[i].data() == nullptr) {
+      return InvalidArgument(where + ": weights region has " + std::to_string(weights[i].size()) +
+                             " bytes, expected " + std::to_string(layout.weight_bytes));
+    }
+    if (optimizer[i].size() != layout.optimizer_bytes ||
+        (layout.optimizer_bytes > 0 && optimizer[i].data() == nullptr)) {
+      return InvalidArgument(where + ": optimizer region has " +
+                             std::to_string(optimizer[i].size()) + " bytes, expected " +
+                             std::to_string(layout.optimizer_bytes));
+    }
+  }
+  ExpertStore store(rank, num_layers, slots_per_rank, layout);
+  store.wrapped_ = true;
+  store.wrapped_weights_ = std::move(weights);
+  store.wrapped_optimizer_ = std::move(optimizer);
+  return store;
+}
+
+std::span<std::byte> ExpertStore::LiveRegion(int layer, int slot, SlotRegion region) {
+  if (!wrapped_) return Region(layer, slot, region);
+  const size_t index =
+      static_cast<size_t>(layer) * slots_per_rank_ + (slot - rank_ * slots_per_rank_);
+  return region == SlotRegion::kWeights ? wrapped_weights_[index] : wrapped_optimizer_[index];
+}
+
 std::span<std::byte> ExpertStore::Live(int layer, int slot, SlotRegion region) {
-  return Region(layer, slot, region);
+  return LiveRegion(layer, slot, region);
 }
 
 std::span<const std::byte> ExpertStore::Live(int layer, int slot, SlotRegion region) const {
-  return const_cast<ExpertStore*>(this)->Region(layer, slot, region);
+  return const_cast<ExpertStore*>(this)->LiveRegion(layer, slot, region);
 }
 
 std::span<std::byte> ExpertStore::Stage(int layer, int slot, SlotRegion region) {
@@ -70,9 +114,16 @@ Status ExpertStore::Commit(std::span<const Placement> placements) {
   }
   for (auto& [key, buffer] : staged_) {
     const auto [layer, local_slot, region] = key;
-    Region(layer, rank_ * slots_per_rank_ + local_slot, region).swap(buffer);
+    const int slot = rank_ * slots_per_rank_ + local_slot;
+    if (wrapped_) {
+      std::span<std::byte> live = LiveRegion(layer, slot, region);
+      std::copy(buffer.begin(), buffer.end(), live.begin());
+    } else {
+      Region(layer, slot, region).swap(buffer);
+    }
   }
   staged_.clear();
+  if (wrapped_) return Status::Ok();  // the owner keeps every region
   for (int l = 0; l < num_layers_; ++l) {
     for (int i = 0; i < slots_per_rank_; ++i) {
       const int slot = rank_ * slots_per_rank_ + i;

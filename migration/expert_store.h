@@ -1,7 +1,7 @@
 // One rank's expert state for every layer: the live slot buffers of the placement in force and a
 // staging area that an epoch's incoming transfers fill. Commit swaps staged buffers in; Discard
-// drops them, so an aborted epoch leaves the live state untouched. Host memory here; the engine
-// hands its GPU buffers to the transports directly.
+// drops them, so an aborted epoch leaves the live state untouched. The store either owns its
+// host buffers (Create) or works over buffers the trainer registered with the engine (Wrap).
 #pragma once
 
 #include <cstddef>
@@ -25,6 +25,15 @@ class ExpertStore {
   // slots (HomeSlot) of an expert homed on `rank`. Buffers start zeroed.
   static Result<ExpertStore> Create(int rank, std::span<const Placement> placements,
                                     const ExpertLayout& layout);
+
+  // A store over buffers someone else owns: weights[i] and optimizer[i], i = layer *
+  // slots_per_rank + local slot, are regions of layout.weight_bytes and layout.optimizer_bytes
+  // (every slot has an optimizer region, since any slot may become a home). Commit copies staged
+  // regions into them and releases nothing. Fails when a region is missing or has another size.
+  static Result<ExpertStore> Wrap(int rank, int num_layers, int slots_per_rank,
+                                  const ExpertLayout& layout,
+                                  std::vector<std::span<std::byte>> weights,
+                                  std::vector<std::span<std::byte>> optimizer);
 
   int rank() const { return rank_; }
   int num_layers() const { return num_layers_; }
@@ -51,6 +60,7 @@ class ExpertStore {
   using Key = std::tuple<int, int, SlotRegion>;  // layer, local slot, region
   ExpertStore(int rank, int num_layers, int slots_per_rank, const ExpertLayout& layout);
   std::vector<std::byte>& Region(int layer, int slot, SlotRegion region);
+  std::span<std::byte> LiveRegion(int layer, int slot, SlotRegion region);
   bool IsHomeSlot(const Placement& placement, int slot) const;
 
   int rank_ = 0;
@@ -60,6 +70,10 @@ class ExpertStore {
   std::vector<std::vector<std::byte>> weights_;    // [layer * slots_per_rank + local slot]
   std::vector<std::vector<std::byte>> optimizer_;  // same index; empty unless a home slot
   std::map<Key, std::vector<std::byte>> staged_;
+  // Wrap: the registered regions, same index as weights_; weights_ and optimizer_ stay empty.
+  bool wrapped_ = false;
+  std::vector<std::span<std::byte>> wrapped_weights_;
+  std::vector<std::span<std::byte>> wrapped_optimizer_;
 };
 
 }  // namespace keel

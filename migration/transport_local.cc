@@ -61,10 +61,9 @@ Result<RequestId> LocalFabric::Post(int rank, int peer, uint64_t tag, std::byte*
                            " cannot talk to peer " + std::to_string(peer));
   }
   std::unique_lock<std::mutex> lock(mutex_);
-  if (dead_[rank]) return Status(StatusCode::kAborted, "rank " + std::to_string(rank) + " is dead");
+  if (dead_[rank]) return Aborted("rank " + std::to_string(rank) + " is dead");
   if (dead_[peer]) {
-    return Status(StatusCode::kAborted,
-                  "peer rank " + std::to_string(peer) + " failed (connection reset)");
+    return Aborted("peer rank " + std::to_string(peer) + " failed (connection reset)");
   }
   auto request = std::make_unique<Request>();
   request->rank = rank;
@@ -124,9 +123,8 @@ std::optional<Status> LocalFabric::Test(int rank, RequestId id) {
   Request& r = *it->second;
   if (!r.complete && (dead_[r.rank] || dead_[r.peer]) && !r.matched) {
     r.complete = true;
-    r.status = Status(StatusCode::kAborted, "peer rank " +
-                                                std::to_string(dead_[r.peer] ? r.peer : r.rank) +
-                                                " failed (connection reset)");
+    r.status = Aborted("peer rank " + std::to_string(dead_[r.peer] ? r.peer : r.rank) +
+                       " failed (connection reset)");
   }
   if (!r.complete) return std::nullopt;
   Status status = r.status;

@@ -210,8 +210,7 @@ class UcxTransport final : public Transport {
   }
 
   Status PeerFailed(int peer) const {
-    return Status(StatusCode::kAborted,
-                  "peer rank " + std::to_string(peer) + " failed (" + peers_[peer].failure + ")");
+    return Aborted("peer rank " + std::to_string(peer) + " failed (" + peers_[peer].failure + ")");
   }
 
   Status Describe(const Request& r, ucs_status_t s) const {
@@ -220,9 +219,8 @@ class UcxTransport final : public Transport {
                       " is larger than the receive buffer");
     }
     if (!peers_[r.peer].failure.empty()) return PeerFailed(r.peer);
-    return Status(StatusCode::kAborted, std::string(r.send ? "send to" : "receive from") +
-                                            " peer rank " + std::to_string(r.peer) + " failed (" +
-                                            ucs_status_string(s) + ")");
+    return Aborted(std::string(r.send ? "send to" : "receive from") + " peer rank " +
+                   std::to_string(r.peer) + " failed (" + ucs_status_string(s) + ")");
   }
 
   Status ConnectLocked(int peer) {

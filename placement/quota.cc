@@ -511,6 +511,7 @@ void QuotaSolver::Finish(const Placement& placement, long long bound, bool cut_f
 class SourceAssigner {
  public:
   SourceAssigner(const Placement& placement, const StepLoad& load, const Topology& topology);
+  void RecordShares(bool on) { record_shares_ = on; }
 
   // The one pass over the traffic: per-expert totals, and the rows of `routing` for experts that
   // one rank holds in the placement (every source sends there). False when some entry may be
@@ -528,7 +529,10 @@ class SourceAssigner {
   // node, then the rest, each pass in copy order and ascending source order.
   void AssignSpread(const QuotaSolver& solver, int expert, const QuotaSplit& split,
                     StepRouting& routing);
-  void Give(int source, int copy_id, int rank, double tokens, StepRouting& routing);
+  void Give(int source, int expert, int copy_id, int rank, double tokens, StepRouting& routing);
+  // Shares of an expert whose copies sit on one rank: sources in ascending order fill the copies
+  // in copy order up to the quotas in room_.
+  void ShareInSourceOrder(const QuotaSolver& solver, int expert, StepRouting& routing);
 
   const Placement& placement_;
   const StepLoad& load_;
@@ -542,6 +546,7 @@ class SourceAssigner {
   // Experts on one rank in the placement, grouped by that rank.
   std::vector<int> rank_single_begin_;  // [num_ranks + 1]
   std::vector<int> rank_single_;
+  bool record_shares_ = false;
 };
 
 SourceAssigner::SourceAssigner(const Placement& placement, const StepLoad& load,
@@ -607,8 +612,10 @@ bool SourceAssigner::Scan(StepRouting& routing) {
   return in_range;
 }
 
-void SourceAssigner::Give(int source, int copy_id, int rank, double tokens, StepRouting& routing) {
+void SourceAssigner::Give(int source, int expert, int copy_id, int rank, double tokens,
+                          StepRouting& routing) {
   remaining_[source] -= tokens;
+  if (record_shares_) routing.shares.push_back({source_rank_[source], expert, copy_id, tokens});
   const int num_slots = placement_.num_slots();
   (copy_id < num_slots ? routing.slot_tokens[copy_id]
                        : routing.transient_tokens[copy_id - num_slots]) += tokens;
@@ -641,7 +648,7 @@ void SourceAssigner::AssignSpread(const QuotaSolver& solver, int expert, const Q
     const double tokens = std::min(remaining_[s], room_[i]);
     if (tokens <= 0) return;
     room_[i] -= tokens;
-    Give(s, solver.copy_id(begin + i), solver.copy_rank(begin + i), tokens, routing);
+    Give(s, expert, solver.copy_id(begin + i), solver.copy_rank(begin + i), tokens, routing);
   };
   // Local: sources on the copy's own rank.
   for (int i = 0; i < count; ++i) {
@@ -664,7 +671,8 @@ void SourceAssigner::AssignSpread(const QuotaSolver& solver, int expert, const Q
     }
     if (remaining_[s] > 0) {
       const int last = std::min(open, count - 1);
-      Give(s, solver.copy_id(begin + last), solver.copy_rank(begin + last), remaining_[s], routing);
+      Give(s, expert, solver.copy_id(begin + last), solver.copy_rank(begin + last), remaining_[s],
+           routing);
     }
   }
 }
@@ -675,6 +683,7 @@ void SourceAssigner::Assign(const QuotaSolver& solver, const std::vector<Transie
   const int num_slots = placement_.num_slots();
   const int num_experts = load_.num_experts;
   routing.transients = extras;
+  routing.shares.clear();
   routing.transient_tokens.assign(extras.size(), 0.0);
 
   // Scan sent every single-rank expert's tokens to its rank. Redo the columns of ranks that lost
@@ -707,6 +716,7 @@ void SourceAssigner::Assign(const QuotaSolver& solver, const std::vector<Transie
     const int end = solver.copy_end(e);
     const double scale = rounded_[e] > 0 ? totals_[e] / rounded_[e] : 0.0;
     routing.rank_tokens[solver.copy_rank(begin)] += totals_[e];
+    if (record_shares_) room_.resize(end - begin);
     for (int c = begin; c < end; ++c) {
       const int id = solver.copy_id(c);
       const double tokens =
@@ -717,6 +727,32 @@ void SourceAssigner::Assign(const QuotaSolver& solver, const std::vector<Transie
                     scale;
       (id < num_slots ? routing.slot_tokens[id] : routing.transient_tokens[id - num_slots]) +=
           tokens;
+      if (record_shares_) room_[c - begin] = tokens;
+    }
+    if (record_shares_) ShareInSourceOrder(solver, e, routing);
+  }
+}
+
+void SourceAssigner::ShareInSourceOrder(const QuotaSolver& solver, int expert,
+                                        StepRouting& routing) {
+  const int begin = solver.copy_begin(expert);
+  const int count = solver.copy_end(expert) - begin;
+  int open = 0;
+  for (int s = 0; s < load_.num_sources; ++s) {
+    double remaining = load_.traffic[static_cast<size_t>(s) * load_.num_experts + expert];
+    while (remaining > 0 && open < count) {
+      const double tokens = std::min(remaining, room_[open]);
+      if (tokens > 0) {
+        routing.shares.push_back({source_rank_[s], expert, solver.copy_id(begin + open), tokens});
+        remaining -= tokens;
+        room_[open] -= tokens;
+      }
+      if (room_[open] <= 0) ++open;
+    }
+    // Rounding dust goes to the copy last used.
+    if (remaining > 0) {
+      routing.shares.push_back(
+          {source_rank_[s], expert, solver.copy_id(begin + std::min(open, count - 1)), remaining});
     }
   }
 }
@@ -837,6 +873,7 @@ Result<StepRouting> PlanStepQuotas(const Placement& placement, const StepLoad& l
                                    const QuotaPlanOptions& options) {
   KEEL_RETURN_IF_ERROR(ValidateLoadShape(placement, load));
   SourceAssigner assigner(placement, load, topology);
+  assigner.RecordShares(options.record_shares);
   StepRouting scanned;
   if (!assigner.Scan(scanned)) KEEL_RETURN_IF_ERROR(TrafficValues(load));
   KEEL_RETURN_IF_ERROR(ValidateTopologyAndOptions(placement, topology, cost, options));

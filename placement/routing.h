@@ -22,6 +22,15 @@ struct TransientReplica {
   int source_rank = 0;
 };
 
+// Tokens one source rank sends to one copy of an expert: `copy` is a persistent slot, or
+// num_slots + i for transients[i].
+struct CopyShare {
+  int source = 0;
+  int expert = 0;
+  int copy = 0;
+  double tokens = 0;
+};
+
 struct StepRouting {
   int num_ranks = 0;
   std::vector<double> rank_tokens;  // [num_ranks] token rows computed by each rank
@@ -29,6 +38,9 @@ struct StepRouting {
   std::vector<double> slot_tokens;  // [num_slots] quota of each persistent slot
   std::vector<TransientReplica> transients;
   std::vector<double> transient_tokens;  // [transients.size()] quota of each transient replica
+  // Filled only by PlanStepQuotas with record_shares: every (source, copy) pair with tokens, by
+  // expert, so each rank can map its own tokens to physical copies.
+  std::vector<CopyShare> shares;
 
   double max_rank_tokens() const;
   double mean_rank_tokens() const;
@@ -53,6 +65,7 @@ StepRouting RouteWithShadows(const Placement& placement, const StepLoad& load,
 // the hottest experts while the cost model predicts that the layer gets faster.
 struct QuotaPlanOptions {
   int transient_per_rank = 0;  // 0: quotas only
+  bool record_shares = false;  // fill StepRouting::shares (the engine's routing needs them)
 };
 Result<StepRouting> PlanStepQuotas(const Placement& placement, const StepLoad& load,
                                    const Topology& topology, const CostModel& cost,

@@ -8,5 +8,6 @@ int RunPlan(int argc, char** argv);    // keel plan     (tools/plan_command.cc)
 int RunReplay(int argc, char** argv);  // keel replay   (tools/replay_command.cc)
 int RunTrace(int argc, char** argv);   // keel trace    (tools/trace_command.cc)
 int RunConfig(int argc, char** argv);  // keel config   (tools/config_command.cc)
+int RunDemo(int argc, char** argv);    // keel demo     (tools/demo_command.cc)
 
 }  // namespace keel::tools

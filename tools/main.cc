@@ -13,6 +13,8 @@ constexpr const char* kUsage = R"(keel - keeps Mixture-of-Experts training balan
 Usage: keel <command> [flags]      (keel <command> --help for its flags)
 
 Commands:
+  demo     train a small MoE model on the CPU through the engine, static placement vs keel,
+           and compare step time, imbalance and the final weights (bitwise)
   replay   replay a routing trace under one or more placement policies and report balance,
            moved bytes and simulated step time
   plan     plan one placement from a per-expert load (DeepSeek EPLB's inputs and outputs)
@@ -43,6 +45,7 @@ int main(int argc, char** argv) {
   if (command == "replay") return keel::tools::RunReplay(argc - 1, argv + 1);
   if (command == "trace") return keel::tools::RunTrace(argc - 1, argv + 1);
   if (command == "config") return keel::tools::RunConfig(argc - 1, argv + 1);
+  if (command == "demo") return keel::tools::RunDemo(argc - 1, argv + 1);
   std::fprintf(stderr, "keel: unknown command '%s'\n\n%s", argv[1], kUsage);
   return 2;
 }

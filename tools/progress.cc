@@ -96,4 +96,34 @@ void ProgressBar::Finish() {
   std::fflush(stream_);
 }
 
+std::string FormatFixed(double value, int decimals) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof(buffer), "%.*f", decimals, value);
+  return buffer;
+}
+
+void PrintTable(const std::vector<std::string>& header,
+                const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> width(header.size());
+  for (size_t c = 0; c < header.size(); ++c) {
+    width[c] = header[c].size();
+    for (const auto& row : rows) width[c] = std::max(width[c], row[c].size());
+  }
+  auto print_row = [&](const std::vector<std::string>& row) {
+    for (size_t c = 0; c < row.size(); ++c) {
+      if (c == 0) {
+        std::printf("%-*s", static_cast<int>(width[c]), row[c].c_str());
+      } else {
+        std::printf("  %*s", static_cast<int>(width[c]), row[c].c_str());
+      }
+    }
+    std::printf("\n");
+  };
+  print_row(header);
+  size_t total = 0;
+  for (size_t w : width) total += w + 2;
+  std::printf("%s\n", std::string(total - 2, '-').c_str());
+  for (const auto& row : rows) print_row(row);
+}
+
 }  // namespace keel::tools

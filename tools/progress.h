@@ -11,6 +11,14 @@
 
 namespace keel::tools {
 
+// `value` with `decimals` digits after the point, for table cells.
+std::string FormatFixed(double value, int decimals);
+
+// A summary table on stdout: the first column aligned left (a name), the others right (numbers),
+// a rule under the header.
+void PrintTable(const std::vector<std::string>& header,
+                const std::vector<std::vector<std::string>>& rows);
+
 class ProgressBar {
  public:
   enum class Mode { kAuto, kTerminal, kLines };

@@ -54,12 +54,6 @@ KeelConfig ConfigFittingTrace(const Trace& trace) {
   return config;
 }
 
-std::string Cell(double value, int decimals) {
-  char buffer[32];
-  std::snprintf(buffer, sizeof(buffer), "%.*f", decimals, value);
-  return buffer;
-}
-
 void PrintSummary(const ReplayReport& report) {
   std::printf("\n%s: %d steps x %d layers x %d experts on %d x %d GPUs (%d slots each), %s\n\n",
               report.trace_description.empty() ? "trace" : report.trace_description.c_str(),
@@ -71,32 +65,13 @@ void PrintSummary(const ReplayReport& report) {
                            "sim step ms", "planner us/layer"};
   std::vector<std::vector<std::string>> rows;
   for (const PolicyReplay& p : report.policies) {
-    rows.push_back({p.name, Cell(p.imbalance.mean, 3), Cell(p.imbalance.p99, 3), Cell(p.lb_gap, 3),
-                    Cell(p.moved_slots_per_replan, 2), Cell(p.moved_bytes_total / 1e9, 2),
-                    Cell(p.sim_step_seconds.mean * 1e3, 3),
-                    Cell(p.planner_seconds_per_layer.p50 * 1e6, 1)});
+    rows.push_back({p.name, FormatFixed(p.imbalance.mean, 3), FormatFixed(p.imbalance.p99, 3),
+                    FormatFixed(p.lb_gap, 3), FormatFixed(p.moved_slots_per_replan, 2),
+                    FormatFixed(p.moved_bytes_total / 1e9, 2),
+                    FormatFixed(p.sim_step_seconds.mean * 1e3, 3),
+                    FormatFixed(p.planner_seconds_per_layer.p50 * 1e6, 1)});
   }
-  std::vector<size_t> width(std::size(kHeader));
-  for (size_t c = 0; c < width.size(); ++c) {
-    width[c] = std::string(kHeader[c]).size();
-    for (const auto& row : rows) width[c] = std::max(width[c], row[c].size());
-  }
-  auto print_row = [&](const std::vector<std::string>& row) {
-    for (size_t c = 0; c < row.size(); ++c) {
-      // The policy name aligns left, numbers align right.
-      if (c == 0) {
-        std::printf("%-*s", static_cast<int>(width[c]), row[c].c_str());
-      } else {
-        std::printf("  %*s", static_cast<int>(width[c]), row[c].c_str());
-      }
-    }
-    std::printf("\n");
-  };
-  print_row(std::vector<std::string>(std::begin(kHeader), std::end(kHeader)));
-  size_t total = 0;
-  for (size_t w : width) total += w + 2;
-  std::printf("%s\n", std::string(total - 2, '-').c_str());
-  for (const auto& row : rows) print_row(row);
+  PrintTable(std::vector<std::string>(std::begin(kHeader), std::end(kHeader)), rows);
   std::printf("\nreplayed in %.2f s\n", report.wall_seconds);
 }
 

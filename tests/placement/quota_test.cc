@@ -366,23 +366,36 @@ TEST(PlanStepQuotasTest, TransientsRespectPerRankLimitAndHolders) {
   }
 }
 
+// 8 ranks x 4 slots, 8 to 24 experts each with a copy, the rest random replicas; traffic with
+// counts over four orders of magnitude.
+struct RandomCase {
+  Placement placement;
+  StepLoad load;
+};
+
+RandomCase MakeRandomCase(std::mt19937& rng) {
+  const int num_experts = 8 + rng() % 17;
+  std::vector<int> phy2log;
+  for (int s = 0; s < 8 * 4; ++s) {
+    phy2log.push_back(s < num_experts ? s : static_cast<int>(rng() % num_experts));
+  }
+  std::shuffle(phy2log.begin(), phy2log.end(), rng);
+  std::vector<double> traffic(8 * num_experts);
+  std::uniform_int_distribution<int> skew(0, 3);
+  for (auto& t : traffic) t = std::floor(std::pow(10.0, skew(rng)) * (rng() % 7));
+  auto load = StepLoad::FromTraffic(8, num_experts, traffic);
+  EXPECT_TRUE(load.ok());
+  return {MakePlacement(num_experts, 8, phy2log), *load};
+}
+
 TEST(PlanStepQuotasTest, NeverLessBalancedThanEvenRouting) {
   std::mt19937 rng(5);
   const Topology topo = MakeTopology(2, 4);
   const CostModel cost(topo, CostModelConfig{});
   for (int trial = 0; trial < 100; ++trial) {
-    const int num_experts = 8 + rng() % 17;
-    std::vector<int> phy2log;
-    for (int s = 0; s < 8 * 4; ++s) {
-      phy2log.push_back(s < num_experts ? s : static_cast<int>(rng() % num_experts));
-    }
-    std::shuffle(phy2log.begin(), phy2log.end(), rng);
-    Placement p = MakePlacement(num_experts, 8, phy2log);
-    std::vector<double> traffic(8 * num_experts);
-    std::uniform_int_distribution<int> skew(0, 3);
-    for (auto& t : traffic) t = std::floor(std::pow(10.0, skew(rng)) * (rng() % 7));
-    auto load = StepLoad::FromTraffic(8, num_experts, traffic);
-    ASSERT_TRUE(load.ok());
+    RandomCase c = MakeRandomCase(rng);
+    const Placement& p = c.placement;
+    const StepLoad* load = &c.load;
     auto r = PlanStepQuotas(p, *load, topo, cost, {});
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     ExpectConsistent(p, *load, *r);
@@ -393,6 +406,55 @@ TEST(PlanStepQuotasTest, NeverLessBalancedThanEvenRouting) {
     auto again = PlanStepQuotas(p, *load, topo, cost, {});
     ASSERT_TRUE(again.ok());
     EXPECT_EQ(r->sent_tokens, again->sent_tokens);
+  }
+}
+
+// Shares are the routing at the finest grain the engine needs: they add up to each source's
+// traffic per expert, to each copy's quota, and to the traffic matrix between ranks.
+TEST(PlanStepQuotasTest, SharesAddUpToTrafficQuotasAndSentTokens) {
+  std::mt19937 rng(11);
+  const Topology topo = MakeTopology(2, 4);
+  const CostModel cost(topo, SmallExperts());
+  for (int trial = 0; trial < 100; ++trial) {
+    RandomCase c = MakeRandomCase(rng);
+    const int num_experts = c.placement.num_experts();
+    const Placement& p = c.placement;
+    const std::vector<double>& traffic = c.load.traffic;
+    const StepLoad* load = &c.load;
+    QuotaPlanOptions options;
+    options.transient_per_rank = trial % 2;
+    options.record_shares = true;
+    auto r = PlanStepQuotas(p, *load, topo, cost, options);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    const int num_slots = p.num_slots();
+    std::vector<double> per_source(8 * num_experts, 0.0);
+    std::vector<double> per_copy(num_slots + r->transients.size(), 0.0);
+    std::vector<double> sent(64, 0.0);
+    for (const CopyShare& share : r->shares) {
+      ASSERT_GT(share.tokens, 0.0);
+      ASSERT_GE(share.copy, 0);
+      ASSERT_LT(share.copy, static_cast<int>(per_copy.size()));
+      const int expert = share.copy < num_slots ? p.expert_at(share.copy)
+                                                : r->transients[share.copy - num_slots].expert;
+      ASSERT_EQ(expert, share.expert) << "a share names a copy of another expert";
+      const int rank = share.copy < num_slots ? p.rank_of_slot(share.copy)
+                                              : r->transients[share.copy - num_slots].rank;
+      per_source[share.source * num_experts + share.expert] += share.tokens;
+      per_copy[share.copy] += share.tokens;
+      sent[share.source * 8 + rank] += share.tokens;
+    }
+    EXPECT_EQ(per_source, traffic) << "trial " << trial;
+    for (int c = 0; c < num_slots; ++c) EXPECT_DOUBLE_EQ(per_copy[c], r->slot_tokens[c]);
+    for (size_t i = 0; i < r->transients.size(); ++i) {
+      EXPECT_DOUBLE_EQ(per_copy[num_slots + i], r->transient_tokens[i]);
+    }
+    for (int i = 0; i < 64; ++i) EXPECT_DOUBLE_EQ(sent[i], r->sent_tokens[i]) << "trial " << trial;
+    // Without record_shares the routing is the same and carries no shares.
+    options.record_shares = false;
+    auto plain = PlanStepQuotas(p, *load, topo, cost, options);
+    ASSERT_TRUE(plain.ok());
+    EXPECT_TRUE(plain->shares.empty());
+    EXPECT_EQ(plain->slot_tokens, r->slot_tokens);
   }
 }
 

@@ -1,0 +1,877 @@
+// The engine behind include/keel/engine.hpp: per-layer routing over all-gathered counts, the
+// fixed-order gradient reduction into homes, weight pushes to replicas, the background planner
+// and the epoch protocol (plan agreed by every rank -> transfers -> verified -> switched at the
+// same step on every rank, or discarded).
+#include "keel/engine.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "common/log.h"
+#include "migration/expert_store.h"
+#include "migration/migrator.h"
+#include "migration/transfer_plan.h"
+#include "migration/transport_factory.h"
+#include "monitor/metrics.h"
+#include "monitor/trace_recorder.h"
+#include "placement/load.h"
+#include "placement/policy.h"
+#include "placement/routing.h"
+
+namespace keel {
+
+// transfer_plan.h's HomeSlot() (the slot of a home) hides the public struct's name here.
+using HomeSlotEntry = struct HomeSlot;
+
+namespace {
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+size_t GradientElementBytes(GradientType type) {
+  return type == GradientType::kFloat32 ? sizeof(float) : sizeof(double);
+}
+
+// acc += source for `bytes` bytes of T; unaligned-safe (the trainer's buffers are plain bytes).
+template <typename T>
+void AddElements(std::byte* acc, const std::byte* source, size_t bytes) {
+  for (size_t offset = 0; offset + sizeof(T) <= bytes; offset += sizeof(T)) {
+    T a;
+    T b;
+    std::memcpy(&a, acc + offset, sizeof(T));
+    std::memcpy(&b, source + offset, sizeof(T));
+    a += b;
+    std::memcpy(acc + offset, &a, sizeof(T));
+  }
+}
+
+// acc += source, element-wise, in the gradient's type. Integer sums wrap instead of overflowing.
+void AddGradient(GradientType type, std::byte* acc, const std::byte* source, size_t bytes) {
+  switch (type) {
+    case GradientType::kFloat32:
+      return AddElements<float>(acc, source, bytes);
+    case GradientType::kFloat64:
+      return AddElements<double>(acc, source, bytes);
+    case GradientType::kFixedInt64:
+      return AddElements<uint64_t>(acc, source, bytes);
+  }
+}
+
+// Bytes for each peer, appended in an order both sides derive from the same plan.
+struct PeerBuffers {
+  explicit PeerBuffers(int num_ranks) : bytes(num_ranks) {}
+  void Append(int peer, const void* data, size_t size) {
+    const auto* begin = static_cast<const std::byte*>(data);
+    bytes[peer].insert(bytes[peer].end(), begin, begin + size);
+  }
+  bool empty() const {
+    return std::all_of(bytes.begin(), bytes.end(), [](const auto& b) { return b.empty(); });
+  }
+  std::vector<std::vector<std::byte>> bytes;
+};
+
+// What every rank received from every peer in one AllToAllV, consumed front to back per peer.
+class PeerReader {
+ public:
+  const std::byte* Next(int peer, size_t size) {
+    const std::byte* at = recv_.data() + offset_[peer] + consumed_[peer];
+    consumed_[peer] += size;
+    return at;
+  }
+  bool Exhausted(int peer) const { return consumed_[peer] == recv_bytes_[peer]; }
+
+  std::vector<std::byte> recv_;
+  std::vector<size_t> recv_bytes_;
+  std::vector<size_t> offset_;
+  std::vector<size_t> consumed_;
+};
+
+Result<PeerReader> Exchange(Communicator& communicator, const PeerBuffers& out) {
+  const int size = communicator.size();
+  std::vector<size_t> send_bytes(size);
+  std::vector<std::byte> send;
+  for (int r = 0; r < size; ++r) {
+    send_bytes[r] = out.bytes[r].size();
+    send.insert(send.end(), out.bytes[r].begin(), out.bytes[r].end());
+  }
+  PeerReader reader;
+  KEEL_RETURN_IF_ERROR(communicator.AllToAllV(send, send_bytes, reader.recv_, reader.recv_bytes_));
+  reader.offset_.assign(size, 0);
+  reader.consumed_.assign(size, 0);
+  for (int r = 1; r < size; ++r) {
+    reader.offset_[r] = reader.offset_[r - 1] + reader.recv_bytes_[r - 1];
+  }
+  return reader;
+}
+
+std::string ShapeFingerprint(const EngineOptions& o) {
+  return ConfigToYaml(o.config) + "\nlayers " + std::to_string(o.num_layers) + " experts " +
+         std::to_string(o.num_experts) + " top_k " + std::to_string(o.top_k) + " weights " +
+         std::to_string(o.shape.weight_bytes) + " gradients " +
+         std::to_string(o.shape.gradient_bytes) + " optimizer " +
+         std::to_string(o.shape.optimizer_bytes) + " gradient type " +
+         std::to_string(static_cast<int>(o.shape.gradient_type)) + " memory " +
+         std::to_string(static_cast<int>(o.shape.memory));
+}
+
+}  // namespace
+
+class Engine::Impl {
+ public:
+  explicit Impl(const EngineOptions& options)
+      : options_(options), communicator_(*options.communicator) {}
+  ~Impl();
+
+  Status Init();
+  Status RegisterSlot(int layer, int local_slot, const SlotBuffers& buffers);
+  Result<LayerRoute> Route(int layer, std::span<const int32_t> topk_ids);
+  Status ReduceGradients();
+  Status StepEnd();
+  std::vector<HomeSlotEntry> HomeSlots(int layer) const;
+  bool migrating() const { return migrating_; }
+
+  const EngineOptions options_;
+  Communicator& communicator_;
+  int rank_ = 0;
+  int num_ranks_ = 0;
+  int slots_per_rank_ = 0;
+  int transient_per_rank_ = 0;  // registered transient slots
+  int transients_planned_ = 0;  // transient replicas the quota planner may add per rank
+  std::optional<PolicyContext> context_;
+  std::unique_ptr<Policy> policy_;
+  std::vector<Placement> placements_;  // in force
+  EngineStats stats_;
+
+ private:
+  int num_slots() const { return num_ranks_ * slots_per_rank_; }
+  int local_slots() const { return slots_per_rank_ + transient_per_rank_; }
+  const SlotBuffers& Buffers(int layer, int local_slot) const {
+    return buffers_[static_cast<size_t>(layer) * local_slots() + local_slot];
+  }
+  // The physical slot of copy `copy` of a StepRouting (a persistent slot, or num_slots + i for
+  // transients[i]), given `transient_slot` [transients] from TransientSlots.
+  int PhysicalSlot(int copy, const std::vector<int>& transient_slot) const {
+    return copy < num_slots() ? copy : transient_slot[copy - num_slots()];
+  }
+  std::vector<int> TransientSlots(const StepRouting& routing) const;
+  int RankOfPhysical(int slot) const {
+    return slot < num_slots() ? slot / slots_per_rank_
+                              : (slot - num_slots()) / std::max(1, transient_per_rank_);
+  }
+  int LocalOfPhysical(int slot) const {
+    return slot < num_slots() ? slot % slots_per_rank_
+                              : slots_per_rank_ + (slot - num_slots()) % transient_per_rank_;
+  }
+  Status FillTransients(int layer, const Placement& placement, const StepRouting& routing,
+                        const std::vector<int>& transient_slot);
+  Status ResolveMigration(bool& commit);
+  Status PushWeights();
+  Status AdvancePlanner();
+  void StartPlanner();
+  Status StartMigration(std::vector<Placement> planned);
+  Status RecordStep();
+  bool aggregating() const { return rank_ == options_.config.monitor.aggregating_rank; }
+
+  std::vector<SlotBuffers> buffers_;  // [layer * local_slots + local slot]
+  int registered_ = 0;
+  std::vector<bool> is_registered_;
+
+  // This step, per layer.
+  std::vector<bool> routed_;
+  std::vector<std::vector<double>> traffic_;  // [layer][num_ranks * num_experts]
+  std::vector<StepRouting> routing_;
+  std::vector<std::vector<int>> transient_slot_;  // [layer][transients] physical slot
+  std::vector<LoadEstimator> estimators_;
+
+  // Migration.
+  std::unique_ptr<Transport> owned_transport_;
+  Transport* transport_ = nullptr;
+  std::unique_ptr<ExpertStore> store_;
+  std::unique_ptr<Migrator> migrator_;
+  bool migrating_ = false;
+  std::vector<Placement> pending_;  // the placement the running epoch builds
+
+  // Planner thread.
+  std::thread planner_;
+  std::atomic<bool> planner_done_{false};
+  bool planning_ = false;
+  std::vector<Placement> planned_;
+  Status planner_status_;
+  double planner_seconds_ = 0;
+
+  // Telemetry.
+  std::unique_ptr<Metrics> owned_metrics_;
+  Metrics* metrics_ = nullptr;
+  std::unique_ptr<TraceRecorder> recorder_;
+};
+
+Engine::Impl::~Impl() {
+  if (planner_.joinable()) planner_.join();
+  if (migrator_ != nullptr) migrator_->Cancel();
+  migrator_.reset();
+}
+
+Status Engine::Impl::Init() {
+  const KeelConfig& config = options_.config;
+  KEEL_RETURN_IF_ERROR(ValidateConfig(config));
+  rank_ = communicator_.rank();
+  num_ranks_ = communicator_.size();
+  if (config.num_ranks() != num_ranks_) {
+    return InvalidArgument(
+        "topology.num_nodes x topology.gpus_per_node = " + std::to_string(config.num_ranks()) +
+        " ranks, but the communicator has " + std::to_string(num_ranks_));
+  }
+  const auto positive = [](const char* field, long long value) -> Status {
+    if (value > 0) return Status::Ok();
+    return InvalidArgument(std::string(field) + " = " + std::to_string(value) + " must be > 0");
+  };
+  KEEL_RETURN_IF_ERROR(positive("num_layers", options_.num_layers));
+  KEEL_RETURN_IF_ERROR(positive("num_experts", options_.num_experts));
+  KEEL_RETURN_IF_ERROR(positive("top_k", options_.top_k));
+  KEEL_RETURN_IF_ERROR(
+      positive("shape.weight_bytes", static_cast<long long>(options_.shape.weight_bytes)));
+  const size_t element = GradientElementBytes(options_.shape.gradient_type);
+  if (options_.shape.gradient_bytes == 0 || options_.shape.gradient_bytes % element != 0) {
+    return InvalidArgument(
+        "shape.gradient_bytes = " + std::to_string(options_.shape.gradient_bytes) +
+        " must be a positive multiple of the gradient element size " + std::to_string(element));
+  }
+  if (options_.top_k > options_.num_experts) {
+    return InvalidArgument("top_k = " + std::to_string(options_.top_k) +
+                           " exceeds num_experts = " + std::to_string(options_.num_experts));
+  }
+  if (options_.shape.memory == MemoryKind::kDevice) {
+    return Unimplemented(
+        "shape.memory = device: this engine moves host buffers only; register host (or pinned "
+        "host) buffers and copy to the GPU in the trainer");
+  }
+  communicator_.set_timeout_seconds(config.engine.collective_timeout_seconds);
+
+  // Every rank must plan with the same inputs, or their placements would diverge.
+  KEEL_ASSIGN_OR_RETURN(std::vector<std::string> fingerprints,
+                        communicator_.AllGather(ShapeFingerprint(options_)));
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (fingerprints[r] != fingerprints[0]) {
+      return InvalidArgument("rank " + std::to_string(r) +
+                             " created its engine with a different config or shape than rank 0");
+    }
+  }
+
+  KEEL_ASSIGN_OR_RETURN(
+      PolicyContext context,
+      PolicyContext::FromConfig(config, options_.num_layers, options_.num_experts));
+  context_ = std::move(context);
+  slots_per_rank_ = context_->slots_per_rank;
+  transient_per_rank_ = context_->transient_per_rank;
+  transients_planned_ = config.policy.name == "keel" && config.policy.keel.transient_replicas
+                            ? transient_per_rank_
+                            : 0;
+  KEEL_ASSIGN_OR_RETURN(policy_, MakePolicy(config.policy.name, *context_));
+  for (int l = 0; l < options_.num_layers; ++l) {
+    KEEL_ASSIGN_OR_RETURN(Placement initial, policy_->Initial(l));
+    placements_.push_back(std::move(initial));
+  }
+
+  const size_t slots = static_cast<size_t>(options_.num_layers) * local_slots();
+  buffers_.resize(slots);
+  is_registered_.assign(slots, false);
+  routed_.assign(options_.num_layers, false);
+  traffic_.assign(options_.num_layers, {});
+  routing_.resize(options_.num_layers);
+  transient_slot_.resize(options_.num_layers);
+  for (int l = 0; l < options_.num_layers; ++l) {
+    estimators_.emplace_back(config.estimator, num_ranks_ * options_.num_experts);
+  }
+
+  if (options_.transport != nullptr) {
+    transport_ = options_.transport;
+  } else {
+    KEEL_ASSIGN_OR_RETURN(owned_transport_,
+                          CreateTransport(config.migration, communicator_, options_.fabric));
+    transport_ = owned_transport_.get();
+  }
+  if (transport_->rank() != rank_ || transport_->num_ranks() != num_ranks_) {
+    return InvalidArgument("transport is rank " + std::to_string(transport_->rank()) + " of " +
+                           std::to_string(transport_->num_ranks()) + ", the communicator rank " +
+                           std::to_string(rank_) + " of " + std::to_string(num_ranks_));
+  }
+
+  if (aggregating()) {
+    metrics_ = options_.metrics;
+    if (metrics_ == nullptr && !config.monitor.metrics_address.empty()) {
+      KEEL_ASSIGN_OR_RETURN(
+          owned_metrics_, Metrics::Create(MetricsLayout::FromConfig(config, options_.num_layers,
+                                                                    options_.num_experts, rank_)));
+      KEEL_RETURN_IF_ERROR(owned_metrics_->Serve(config.monitor.metrics_address));
+      metrics_ = owned_metrics_.get();
+    }
+    if (!config.monitor.trace_path.empty()) {
+      TraceRecorderOptions trace;
+      trace.path = config.monitor.trace_path;
+      trace.description = "recorded by the keel engine";
+      trace.num_layers = options_.num_layers;
+      trace.num_experts = options_.num_experts;
+      trace.num_sources = num_ranks_;
+      trace.sample_interval_steps = config.monitor.trace_sample_interval_steps;
+      KEEL_ASSIGN_OR_RETURN(recorder_, TraceRecorder::Open(trace));
+    }
+    if (metrics_ != nullptr) metrics_->SetEpoch(0);
+  }
+  return Status::Ok();
+}
+
+Status Engine::Impl::RegisterSlot(int layer, int local_slot, const SlotBuffers& buffers) {
+  if (layer < 0 || layer >= options_.num_layers) {
+    return InvalidArgument("layer = " + std::to_string(layer) + " is not in [0, " +
+                           std::to_string(options_.num_layers) + ")");
+  }
+  if (local_slot < 0 || local_slot >= local_slots()) {
+    return InvalidArgument("local_slot = " + std::to_string(local_slot) + " is not in [0, " +
+                           std::to_string(local_slots()) + ")");
+  }
+  if (buffers.weights == nullptr) return InvalidArgument("buffers.weights is null");
+  if (buffers.gradients == nullptr) return InvalidArgument("buffers.gradients is null");
+  const bool persistent = local_slot < slots_per_rank_;
+  if (persistent && options_.shape.optimizer_bytes > 0 && buffers.optimizer == nullptr) {
+    return InvalidArgument("buffers.optimizer is null for persistent local_slot = " +
+                           std::to_string(local_slot) + " (any persistent slot can become a home)");
+  }
+  if (migrating_) {
+    return FailedPrecondition("slots cannot be registered again while an epoch's transfers run");
+  }
+  const size_t index = static_cast<size_t>(layer) * local_slots() + local_slot;
+  if (!is_registered_[index]) ++registered_;
+  is_registered_[index] = true;
+  buffers_[index] = buffers;
+  store_.reset();  // rebuilt over the new buffers when the next epoch starts
+  migrator_.reset();
+  return Status::Ok();
+}
+
+std::vector<int> Engine::Impl::TransientSlots(const StepRouting& routing) const {
+  std::vector<int> slot(routing.transients.size());
+  std::vector<int> used(num_ranks_, 0);
+  for (size_t i = 0; i < routing.transients.size(); ++i) {
+    const int rank = routing.transients[i].rank;
+    slot[i] = num_slots() + rank * transient_per_rank_ + used[rank]++;
+  }
+  return slot;
+}
+
+Result<LayerRoute> Engine::Impl::Route(int layer, std::span<const int32_t> topk_ids) {
+  const auto start = std::chrono::steady_clock::now();
+  const int num_experts = options_.num_experts;
+  const int top_k = options_.top_k;
+  if (layer < 0 || layer >= options_.num_layers) {
+    return InvalidArgument("layer = " + std::to_string(layer) + " is not in [0, " +
+                           std::to_string(options_.num_layers) + ")");
+  }
+  if (topk_ids.size() % top_k != 0) {
+    return InvalidArgument("topk_ids has " + std::to_string(topk_ids.size()) +
+                           " entries, not a multiple of top_k = " + std::to_string(top_k));
+  }
+  if (registered_ != static_cast<int>(buffers_.size())) {
+    return FailedPrecondition("only " + std::to_string(registered_) + " of " +
+                              std::to_string(buffers_.size()) +
+                              " slots are registered; register every slot of every layer first");
+  }
+  if (routed_[layer]) {
+    return FailedPrecondition("layer " + std::to_string(layer) +
+                              " was already routed this step; call StepEnd first");
+  }
+  // Count this rank's row of the traffic matrix; every rank's row arrives with one all-reduce.
+  std::vector<int64_t> counts(static_cast<size_t>(num_ranks_) * num_experts, 0);
+  int64_t* mine = counts.data() + static_cast<size_t>(rank_) * num_experts;
+  for (size_t i = 0; i < topk_ids.size(); ++i) {
+    const int32_t id = topk_ids[i];
+    if (id == -1) continue;
+    if (id < 0 || id >= num_experts) {
+      return InvalidArgument("topk_ids[" + std::to_string(i) + "] = " + std::to_string(id) +
+                             " is not an expert id in [0, " + std::to_string(num_experts) +
+                             ") or -1");
+    }
+    ++mine[id];
+  }
+  KEEL_RETURN_IF_ERROR(communicator_.AllReduce(counts, ReduceOp::kSum));
+  std::vector<double> traffic(counts.begin(), counts.end());
+
+  const Placement& placement = placements_[layer];
+  KEEL_ASSIGN_OR_RETURN(StepLoad load, StepLoad::FromTraffic(num_ranks_, num_experts, traffic));
+  QuotaPlanOptions quota_options;
+  quota_options.transient_per_rank = transients_planned_;
+  quota_options.record_shares = true;
+  KEEL_ASSIGN_OR_RETURN(StepRouting routing, PlanStepQuotas(placement, load, context_->topology,
+                                                            context_->cost, quota_options));
+  std::vector<int> transient_slot = TransientSlots(routing);
+
+  // This rank's shares per expert, in the planner's order: its tokens fill them front to back.
+  struct Share {
+    int slot;
+    int64_t tokens;
+  };
+  std::vector<std::vector<Share>> shares(num_experts);
+  LayerRoute route;
+  route.epoch = stats_.epoch;
+  route.send_counts.assign(num_ranks_, 0);
+  route.recv_counts.assign(static_cast<size_t>(num_ranks_) * local_slots(), 0);
+  route.recv_totals.assign(num_ranks_, 0);
+  for (const CopyShare& share : routing.shares) {
+    const int slot = PhysicalSlot(share.copy, transient_slot);
+    const int64_t tokens = std::llround(share.tokens);
+    if (tokens <= 0) continue;
+    if (share.source == rank_) shares[share.expert].push_back({slot, tokens});
+    if (RankOfPhysical(slot) == rank_) {
+      route
+          .recv_counts[static_cast<size_t>(share.source) * local_slots() + LocalOfPhysical(slot)] +=
+          tokens;
+      route.recv_totals[share.source] += tokens;
+    }
+  }
+  route.local_experts.assign(local_slots(), -1);
+  for (int i = 0; i < slots_per_rank_; ++i) {
+    route.local_experts[i] = placement.expert_at(rank_ * slots_per_rank_ + i);
+  }
+  for (size_t i = 0; i < routing.transients.size(); ++i) {
+    if (routing.transients[i].rank == rank_) {
+      route.local_experts[LocalOfPhysical(transient_slot[i])] = routing.transients[i].expert;
+    }
+  }
+  std::vector<size_t> next(num_experts, 0);
+  route.slot.resize(topk_ids.size());
+  for (size_t i = 0; i < topk_ids.size(); ++i) {
+    const int32_t id = topk_ids[i];
+    if (id == -1) {
+      route.slot[i] = -1;
+      continue;
+    }
+    std::vector<Share>& list = shares[id];
+    size_t& at = next[id];
+    while (at + 1 < list.size() && list[at].tokens == 0) ++at;
+    if (list.empty()) {
+      return Internal("the quota plan of layer " + std::to_string(layer) + " gave rank " +
+                      std::to_string(rank_) + " no copy for expert " + std::to_string(id));
+    }
+    Share& share = list[at];
+    --share.tokens;  // the last share absorbs rounding dust (goes negative, harmlessly)
+    route.slot[i] = share.slot;
+    ++route.send_counts[RankOfPhysical(share.slot)];
+  }
+
+  KEEL_RETURN_IF_ERROR(FillTransients(layer, placement, routing, transient_slot));
+  traffic_[layer] = std::move(traffic);
+  routed_[layer] = true;
+  if (metrics_ != nullptr) {
+    const std::vector<double> expert_tokens = load.ExpertTotals();
+    LayerStepObservation observation;
+    observation.layer = layer;
+    observation.rank_tokens = routing.rank_tokens;
+    observation.expert_tokens = expert_tokens;
+    observation.max_copies_per_expert =
+        std::min(num_ranks_, placement.max_copies() + (transients_planned_ > 0 ? 1 : 0));
+    metrics_->ObserveLayerStep(observation);
+    int extra = 0;
+    for (int count : placement.logcnt()) extra += count - 1;
+    metrics_->SetReplicas(layer, extra, static_cast<int>(routing.transients.size()));
+  }
+  routing_[layer] = std::move(routing);
+  transient_slot_[layer] = std::move(transient_slot);
+  stats_.route_seconds += SecondsSince(start);
+  return route;
+}
+
+// A transient replica's weights come from a copy on its source rank: the home slot when the
+// home is there, else that rank's lowest copy.
+Status Engine::Impl::FillTransients(int layer, const Placement& placement,
+                                    const StepRouting& routing,
+                                    const std::vector<int>& transient_slot) {
+  if (routing.transients.empty()) return Status::Ok();
+  const size_t bytes = options_.shape.weight_bytes;
+  auto source_slot = [&](const TransientReplica& t) {
+    if (placement.home(t.expert) == t.source_rank) return keel::HomeSlot(placement, t.expert);
+    for (int slot : placement.copies(t.expert)) {
+      if (placement.rank_of_slot(slot) == t.source_rank) return slot;
+    }
+    return -1;
+  };
+  PeerBuffers out(num_ranks_);
+  for (const TransientReplica& t : routing.transients) {
+    if (t.source_rank != rank_) continue;
+    const int slot = source_slot(t);
+    if (slot < 0) {
+      return Internal("transient replica of expert " + std::to_string(t.expert) +
+                      " names source rank " + std::to_string(t.source_rank) +
+                      ", which holds no copy");
+    }
+    out.Append(t.rank, Buffers(layer, slot % slots_per_rank_).weights, bytes);
+  }
+  KEEL_ASSIGN_OR_RETURN(PeerReader in, Exchange(communicator_, out));
+  for (size_t i = 0; i < routing.transients.size(); ++i) {
+    const TransientReplica& t = routing.transients[i];
+    if (t.rank != rank_) continue;
+    std::memcpy(Buffers(layer, LocalOfPhysical(transient_slot[i])).weights,
+                in.Next(t.source_rank, bytes), bytes);
+  }
+  return Status::Ok();
+}
+
+// Waits for the running epoch and lets every rank agree whether it commits.
+Status Engine::Impl::ResolveMigration(bool& commit) {
+  commit = false;
+  if (!migrating_) return Status::Ok();
+  const auto start = std::chrono::steady_clock::now();
+  Status status = migrator_->Wait();
+  stats_.exposed_migration_seconds += SecondsSince(start);
+  migrating_ = false;
+  const MigrationReport report = migrator_->last_report();
+  std::vector<int64_t> verdict = {status.ok() ? 1 : 0};
+  KEEL_RETURN_IF_ERROR(communicator_.AllReduce(verdict, ReduceOp::kMin));
+  std::vector<int64_t> moved = {
+      static_cast<int64_t>(report.bytes_sent + report.bytes_copied_locally)};
+  KEEL_RETURN_IF_ERROR(communicator_.AllReduce(moved, ReduceOp::kSum));
+  stats_.bytes_moved += static_cast<uint64_t>(moved[0]);
+  if (verdict[0] == 1) {
+    commit = true;
+  } else {
+    if (status.ok()) {
+      migrator_->Discard();
+      status = Aborted("epoch " + std::to_string(stats_.epoch + 1) +
+                       " aborted: another rank failed its transfers");
+    }
+    ++stats_.epochs_aborted;
+    stats_.last_abort = status;
+    pending_.clear();
+  }
+  if (metrics_ != nullptr) {
+    metrics_->RecordMigration(commit ? MigrationOutcome::kOk : MigrationOutcome::kAborted,
+                              transport_->name(), static_cast<double>(moved[0]), report.seconds,
+                              SecondsSince(start));
+    metrics_->SetMigrationsInFlight(0);
+  }
+  return Status::Ok();
+}
+
+Status Engine::Impl::ReduceGradients() {
+  const auto start = std::chrono::steady_clock::now();
+  bool commit = false;
+  KEEL_RETURN_IF_ERROR(ResolveMigration(commit));
+  const double waited = stats_.exposed_migration_seconds;
+  const std::vector<Placement>& target = commit ? pending_ : placements_;
+  const size_t bytes = options_.shape.gradient_bytes;
+
+  // Sources of expert e in the fixed order: the home slot this step used, its other copies by
+  // ascending slot, then this step's transient replicas in plan order.
+  auto for_each_source = [&](int layer, int expert, const std::function<void(int)>& visit) {
+    const Placement& used = placements_[layer];
+    const int home_slot = keel::HomeSlot(used, expert);
+    visit(home_slot);
+    for (int slot : used.copies(expert)) {
+      if (slot != home_slot) visit(slot);
+    }
+    const StepRouting& routing = routing_[layer];
+    if (!routed_[layer]) return;
+    for (size_t i = 0; i < routing.transients.size(); ++i) {
+      if (routing.transients[i].expert == expert) visit(transient_slot_[layer][i]);
+    }
+  };
+  auto needs_reduction = [&](int layer, int expert) {
+    const Placement& used = placements_[layer];
+    if (used.logcnt()[expert] > 1 ||
+        keel::HomeSlot(target[layer], expert) != keel::HomeSlot(used, expert)) {
+      return true;
+    }
+    const StepRouting& routing = routing_[layer];
+    return routed_[layer] &&
+           std::any_of(routing.transients.begin(), routing.transients.end(),
+                       [&](const TransientReplica& t) { return t.expert == expert; });
+  };
+
+  PeerBuffers out(num_ranks_);
+  for (int l = 0; l < options_.num_layers; ++l) {
+    for (int e = 0; e < options_.num_experts; ++e) {
+      if (!needs_reduction(l, e)) continue;
+      const int destination = target[l].home(e);
+      for_each_source(l, e, [&](int slot) {
+        if (RankOfPhysical(slot) == rank_ && destination != rank_) {
+          out.Append(destination, Buffers(l, LocalOfPhysical(slot)).gradients, bytes);
+        }
+      });
+    }
+  }
+  KEEL_ASSIGN_OR_RETURN(PeerReader in, Exchange(communicator_, out));
+
+  // Sum into scratch first: a home slot's own gradient buffer may still be another expert's
+  // source until every sum of the layer is done.
+  struct Sum {
+    int layer;
+    int local_slot;
+    std::vector<std::byte> value;
+  };
+  std::vector<Sum> sums;
+  for (int l = 0; l < options_.num_layers; ++l) {
+    for (int e = 0; e < options_.num_experts; ++e) {
+      if (!needs_reduction(l, e) || target[l].home(e) != rank_) continue;
+      Sum sum{l, keel::HomeSlot(target[l], e) % slots_per_rank_,
+              std::vector<std::byte>(bytes, std::byte{0})};
+      for_each_source(l, e, [&](int slot) {
+        const int source_rank = RankOfPhysical(slot);
+        const std::byte* data =
+            source_rank == rank_
+                ? static_cast<const std::byte*>(Buffers(l, LocalOfPhysical(slot)).gradients)
+                : in.Next(source_rank, bytes);
+        AddGradient(options_.shape.gradient_type, sum.value.data(), data, bytes);
+      });
+      sums.push_back(std::move(sum));
+    }
+  }
+  for (const Sum& sum : sums) {
+    std::memcpy(Buffers(sum.layer, sum.local_slot).gradients, sum.value.data(), bytes);
+  }
+
+  if (commit) {
+    KEEL_RETURN_IF_ERROR(migrator_->Commit(pending_));
+    placements_ = std::move(pending_);
+    pending_.clear();
+    ++stats_.epoch;
+    ++stats_.epochs_committed;
+    if (metrics_ != nullptr) {
+      metrics_->SetEpoch(stats_.epoch);
+      metrics_->RecordPlan(PlanOutcome::kApplied);
+    }
+  }
+  stats_.control_seconds += SecondsSince(start) - (stats_.exposed_migration_seconds - waited);
+  return Status::Ok();
+}
+
+// Every home's weights to every other persistent copy of its expert, in (layer, expert, slot)
+// order on both sides.
+Status Engine::Impl::PushWeights() {
+  const size_t bytes = options_.shape.weight_bytes;
+  bool any = false;
+  for (const Placement& p : placements_) any |= p.max_copies() > 1;
+  if (!any) return Status::Ok();
+  PeerBuffers out(num_ranks_);
+  for (int l = 0; l < options_.num_layers; ++l) {
+    const Placement& p = placements_[l];
+    for (int e = 0; e < options_.num_experts; ++e) {
+      if (p.logcnt()[e] < 2 || p.home(e) != rank_) continue;
+      const int home_slot = keel::HomeSlot(p, e);
+      const void* weights = Buffers(l, home_slot % slots_per_rank_).weights;
+      for (int slot : p.copies(e)) {
+        if (slot == home_slot) continue;
+        const int rank = p.rank_of_slot(slot);
+        if (rank == rank_) {
+          std::memcpy(Buffers(l, slot % slots_per_rank_).weights, weights, bytes);
+        } else {
+          out.Append(rank, weights, bytes);
+        }
+      }
+    }
+  }
+  KEEL_ASSIGN_OR_RETURN(PeerReader in, Exchange(communicator_, out));
+  for (int l = 0; l < options_.num_layers; ++l) {
+    const Placement& p = placements_[l];
+    for (int e = 0; e < options_.num_experts; ++e) {
+      if (p.logcnt()[e] < 2 || p.home(e) == rank_) continue;
+      const int home_slot = keel::HomeSlot(p, e);
+      for (int slot : p.copies(e)) {
+        if (slot == home_slot || p.rank_of_slot(slot) != rank_) continue;
+        std::memcpy(Buffers(l, slot % slots_per_rank_).weights, in.Next(p.home(e), bytes), bytes);
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status Engine::Impl::RecordStep() {
+  const size_t row = static_cast<size_t>(num_ranks_) * options_.num_experts;
+  for (int l = 0; l < options_.num_layers; ++l) {
+    if (routed_[l]) estimators_[l].Observe(traffic_[l]);
+  }
+  if (recorder_ != nullptr) {
+    std::vector<double> step(row * options_.num_layers, 0.0);
+    for (int l = 0; l < options_.num_layers; ++l) {
+      if (routed_[l]) std::copy(traffic_[l].begin(), traffic_[l].end(), step.begin() + l * row);
+    }
+    KEEL_RETURN_IF_ERROR(recorder_->RecordStep(stats_.steps, step));
+  }
+  if (metrics_ != nullptr) metrics_->EndStep();
+  return Status::Ok();
+}
+
+void Engine::Impl::StartPlanner() {
+  // The planner sees copies: the placements in force do not change while it runs (no epoch is
+  // in flight), but the copies keep it independent of the caller's thread anyway.
+  struct Snapshot {
+    std::vector<Placement> current;
+    std::vector<std::vector<double>> traffic;
+  };
+  auto snapshot = std::make_shared<Snapshot>();
+  snapshot->current = placements_;
+  for (const LoadEstimator& estimator : estimators_) {
+    snapshot->traffic.push_back(estimator.Estimate());
+  }
+  planning_ = true;
+  planner_done_.store(false, std::memory_order_relaxed);
+  planner_ = std::thread([this, snapshot] {
+    const auto start = std::chrono::steady_clock::now();
+    const int num_experts = options_.num_experts;
+    std::vector<Placement> planned;
+    Status status;
+    for (int l = 0; l < options_.num_layers && status.ok(); ++l) {
+      Result<StepLoad> traffic =
+          StepLoad::FromTraffic(num_ranks_, num_experts, snapshot->traffic[l]);
+      if (!traffic.ok()) {
+        status = traffic.status();
+        break;
+      }
+      const std::vector<double> expert_load = traffic->ExpertTotals();
+      LayerView view;
+      view.layer = l;
+      view.current = &snapshot->current[l];
+      view.expert_load = expert_load;
+      view.traffic = &*traffic;
+      Result<Placement> next = policy_->Replan(view);
+      if (!next.ok()) {
+        status = next.status();
+        break;
+      }
+      planned.push_back(std::move(*next));
+    }
+    planned_ = std::move(planned);
+    planner_status_ = status;
+    planner_seconds_ = SecondsSince(start);
+    planner_done_.store(true, std::memory_order_release);
+  });
+}
+
+Status Engine::Impl::StartMigration(std::vector<Placement> planned) {
+  const ExpertLayout layout{options_.shape.weight_bytes, options_.shape.optimizer_bytes};
+  KEEL_ASSIGN_OR_RETURN(TransferPlan plan,
+                        PlanTransfers(placements_, planned, context_->topology, layout));
+  if (store_ == nullptr) {
+    std::vector<std::span<std::byte>> weights;
+    std::vector<std::span<std::byte>> optimizer;
+    for (int l = 0; l < options_.num_layers; ++l) {
+      for (int i = 0; i < slots_per_rank_; ++i) {
+        const SlotBuffers& b = Buffers(l, i);
+        weights.emplace_back(static_cast<std::byte*>(b.weights), layout.weight_bytes);
+        optimizer.emplace_back(static_cast<std::byte*>(b.optimizer), layout.optimizer_bytes);
+      }
+    }
+    KEEL_ASSIGN_OR_RETURN(ExpertStore store,
+                          ExpertStore::Wrap(rank_, options_.num_layers, slots_per_rank_, layout,
+                                            std::move(weights), std::move(optimizer)));
+    store_ = std::make_unique<ExpertStore>(std::move(store));
+    KEEL_ASSIGN_OR_RETURN(migrator_,
+                          Migrator::Create(*transport_, *store_, options_.config.migration));
+  }
+  KEEL_RETURN_IF_ERROR(migrator_->Start(static_cast<uint64_t>(stats_.epoch + 1),
+                                        std::make_shared<const TransferPlan>(std::move(plan))));
+  pending_ = std::move(planned);
+  migrating_ = true;
+  if (metrics_ != nullptr) {
+    metrics_->RecordPlan(PlanOutcome::kMade);
+    metrics_->SetMigrationsInFlight(1);
+  }
+  return Status::Ok();
+}
+
+// Adopts the planner's result once every rank has it; starts the next run on replan steps.
+Status Engine::Impl::AdvancePlanner() {
+  if (planning_) {
+    std::vector<int64_t> done = {planner_done_.load(std::memory_order_acquire) ? 1 : 0};
+    KEEL_RETURN_IF_ERROR(communicator_.AllReduce(done, ReduceOp::kMin));
+    if (done[0] == 0) return Status::Ok();
+    planner_.join();
+    planning_ = false;
+    if (metrics_ != nullptr) metrics_->RecordPlannerRun(planner_seconds_);
+    // The planner is deterministic: every rank reaches the same verdict. A failed plan keeps
+    // the placement in force; training goes on.
+    if (!planner_status_.ok()) {
+      ++stats_.plans_failed;
+      stats_.last_plan_error = planner_status_;
+      if (metrics_ != nullptr) metrics_->RecordPlan(PlanOutcome::kRejected, "planner error");
+      if (aggregating()) {
+        KEEL_LOG_WARN("planner failed, keeping epoch %lld: %s",
+                      static_cast<long long>(stats_.epoch), planner_status_.ToString().c_str());
+      }
+      return Status::Ok();
+    }
+    if (planned_ == placements_) {
+      ++stats_.plans_unchanged;
+      if (metrics_ != nullptr) metrics_->RecordPlan(PlanOutcome::kSkipped, "no change");
+      return Status::Ok();
+    }
+    return StartMigration(std::move(planned_));
+  }
+  const int interval = options_.config.policy.replan_interval_steps;
+  if (!migrating_ && options_.config.policy.name != "static" && stats_.steps % interval == 0) {
+    StartPlanner();
+  }
+  return Status::Ok();
+}
+
+Status Engine::Impl::StepEnd() {
+  const auto start = std::chrono::steady_clock::now();
+  KEEL_RETURN_IF_ERROR(PushWeights());
+  KEEL_RETURN_IF_ERROR(RecordStep());
+  ++stats_.steps;
+  Status planned = AdvancePlanner();
+  std::fill(routed_.begin(), routed_.end(), false);
+  stats_.control_seconds += SecondsSince(start);
+  return planned;
+}
+
+std::vector<HomeSlotEntry> Engine::Impl::HomeSlots(int layer) const {
+  std::vector<HomeSlotEntry> homes;
+  if (layer < 0 || layer >= options_.num_layers) return homes;
+  const Placement& p = placements_[layer];
+  for (int e = 0; e < options_.num_experts; ++e) {
+    if (p.home(e) == rank_) homes.push_back({e, keel::HomeSlot(p, e) % slots_per_rank_});
+  }
+  return homes;
+}
+
+// --- Engine ----------------------------------------------------------------------------------
+
+Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
+  if (options.communicator == nullptr) return InvalidArgument("communicator is null");
+  auto impl = std::make_unique<Impl>(options);
+  KEEL_RETURN_IF_ERROR(impl->Init());
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+int Engine::rank() const { return impl_->rank_; }
+int Engine::num_ranks() const { return impl_->num_ranks_; }
+int Engine::slots_per_rank() const { return impl_->slots_per_rank_; }
+int Engine::transient_per_rank() const { return impl_->transient_per_rank_; }
+
+Status Engine::RegisterSlot(int layer, int local_slot, const SlotBuffers& buffers) {
+  return impl_->RegisterSlot(layer, local_slot, buffers);
+}
+Result<LayerRoute> Engine::Route(int layer, std::span<const int32_t> topk_ids) {
+  return impl_->Route(layer, topk_ids);
+}
+Status Engine::ReduceGradients() { return impl_->ReduceGradients(); }
+Status Engine::StepEnd() { return impl_->StepEnd(); }
+std::vector<HomeSlotEntry> Engine::HomeSlots(int layer) const { return impl_->HomeSlots(layer); }
+const Placement& Engine::placement(int layer) const { return impl_->placements_.at(layer); }
+int64_t Engine::epoch() const { return impl_->stats_.epoch; }
+EngineStats Engine::stats() const {
+  EngineStats stats = impl_->stats_;
+  stats.migration_in_flight = impl_->migrating();
+  return stats;
+}
+
+}  // namespace keel

@@ -1,0 +1,284 @@
+// The engine with ranks as threads (local communicator and transport): physical routing that
+// agrees across ranks, epochs switched at the same step everywhere, aborted epochs that lose no
+// update, and gradient reduction that is deterministic.
+#include "keel/engine.hpp"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#include "monitor/metrics.h"
+#include "monitor/trace.h"
+#include "tests/common/test_util.h"
+#include "tests/engine/toy_trainer.h"
+
+namespace keel::toy {
+namespace {
+
+struct TrainingRun {
+  std::vector<RankBuffers> buffers;
+  std::vector<RankRecord> records;
+};
+
+TrainingRun RunAll(const KeelConfig& config, int steps,
+                   const std::function<void(LocalFabric&)>& before = nullptr,
+                   Metrics* metrics = nullptr) {
+  LocalCommunicatorGroup group(kRanks);
+  LocalFabric fabric(kRanks);
+  if (before) before(fabric);
+  TrainingRun run;
+  run.buffers.resize(kRanks);
+  run.records.resize(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      std::unique_ptr<Communicator> communicator = group.Join(r);
+      run.records[r].status =
+          RunRank(config, steps, *communicator, &fabric, run.buffers[r], run.records[r], metrics);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return run;
+}
+
+void ExpectMatchesReference(const TrainingRun& run, const Reference& ref) {
+  for (int r = 0; r < kRanks; ++r) {
+    const Status status = CheckAgainstReference(r, run.buffers[r], run.records[r], ref);
+    EXPECT_TRUE(status.ok()) << status.ToString();
+  }
+}
+
+void ExpectRoutingAgrees(const TrainingRun& run, int /*steps*/) {
+  for (int src = 0; src < kRanks; ++src) {
+    const std::vector<int64_t> sent = FlattenSent(run.records[src]);
+    EXPECT_FALSE(sent.empty());
+    for (int owner = 0; owner < kRanks; ++owner) {
+      const Status status = CheckRoutingAgrees(src, sent, owner, run.records[owner]);
+      EXPECT_TRUE(status.ok()) << status.ToString();
+    }
+  }
+}
+
+TEST(EngineTest, StaticPolicyTrainsExactlyAndNeverMigrates) {
+  constexpr int kSteps = 6;
+  TrainingRun run = RunAll(TestConfig("static"), kSteps);
+  for (const RankRecord& record : run.records) {
+    ASSERT_TRUE(record.status.ok()) << record.status.ToString();
+    EXPECT_EQ(record.stats.epoch, 0);
+    EXPECT_EQ(record.stats.bytes_moved, 0u);
+  }
+  ExpectRoutingAgrees(run, kSteps);
+  ExpectMatchesReference(run, ComputeReference(kSteps));
+}
+
+TEST(EngineTest, KeelPolicySwitchesEpochsTogetherAndLosesNoUpdate) {
+  constexpr int kSteps = 24;
+  TrainingRun run = RunAll(TestConfig("keel"), kSteps);
+  for (const RankRecord& record : run.records) {
+    ASSERT_TRUE(record.status.ok()) << record.status.ToString();
+  }
+  // Every rank is in the same epoch after every step.
+  for (int r = 1; r < kRanks; ++r) {
+    EXPECT_EQ(run.records[r].epoch_after_step, run.records[0].epoch_after_step) << "rank " << r;
+    EXPECT_EQ(run.records[r].final_placements, run.records[0].final_placements);
+  }
+  EXPECT_GE(run.records[0].stats.epochs_committed, 1) << "the skewed load should move experts";
+  EXPECT_GT(run.records[0].stats.bytes_moved, 0u);
+  ExpectRoutingAgrees(run, kSteps);
+  ExpectMatchesReference(run, ComputeReference(kSteps));
+}
+
+TEST(EngineTest, AbortedEpochKeepsOldPlacementAndLosesNoUpdate) {
+  constexpr int kSteps = 24;
+  // The first data chunk between every pair of ranks arrives corrupted: the first epoch that
+  // moves anything fails its checksums and aborts.
+  TrainingRun run = RunAll(TestConfig("keel"), kSteps, [](LocalFabric& fabric) {
+    for (int src = 0; src < kRanks; ++src) {
+      for (int dst = 0; dst < kRanks; ++dst) {
+        if (src != dst) fabric.CorruptChunk(src, dst, 0);
+      }
+    }
+  });
+  for (const RankRecord& record : run.records) {
+    ASSERT_TRUE(record.status.ok()) << record.status.ToString();
+    EXPECT_GE(record.stats.epochs_aborted, 1);
+    EXPECT_FALSE(record.stats.last_abort.ok());
+  }
+  for (int r = 1; r < kRanks; ++r) {
+    EXPECT_EQ(run.records[r].epoch_after_step, run.records[0].epoch_after_step);
+    EXPECT_EQ(run.records[r].stats.epochs_aborted, run.records[0].stats.epochs_aborted);
+  }
+  ExpectRoutingAgrees(run, kSteps);
+  ExpectMatchesReference(run, ComputeReference(kSteps));
+}
+
+// The aggregating rank records the exact traffic matrix of every step as a Keel trace and feeds
+// the Prometheus metrics the dashboards query.
+TEST(EngineTest, RecordsTraceAndMetrics) {
+  constexpr int kSteps = 12;
+  KeelConfig config = TestConfig("keel");
+  const std::string trace_path = ::testing::TempDir() + "/engine_trace.jsonl";
+  config.monitor.trace_path = trace_path;
+  config.monitor.aggregating_rank = 2;
+  auto metrics = Metrics::Create(MetricsLayout::FromConfig(config, kLayers, kExperts, 2));
+  ASSERT_TRUE(metrics.ok());
+  TrainingRun run = RunAll(config, kSteps, nullptr, metrics->get());
+  for (const RankRecord& record : run.records) {
+    ASSERT_TRUE(record.status.ok()) << record.status.ToString();
+  }
+  auto trace = ReadTrace(trace_path);
+  ASSERT_TRUE(trace.ok()) << trace.status().ToString();
+  ASSERT_EQ(trace->num_steps(), kSteps);
+  EXPECT_EQ(trace->num_sources, kRanks);
+  for (int step = 0; step < kSteps; ++step) {
+    for (int l = 0; l < kLayers; ++l) {
+      for (int r = 0; r < kRanks; ++r) {
+        std::vector<double> expected(kExperts, 0.0);
+        for (int32_t id : RouterIds(step, r, l)) {
+          if (id >= 0) ++expected[id];
+        }
+        const auto row = trace->layer_row(step, l).subspan(r * kExperts, kExperts);
+        EXPECT_EQ(std::vector<double>(row.begin(), row.end()), expected)
+            << "step " << step << " layer " << l << " source " << r;
+      }
+    }
+  }
+  const std::string text = (*metrics)->Serialize();
+  EXPECT_NE(text.find("keel_steps_total " + std::to_string(kSteps)), std::string::npos) << text;
+  EXPECT_NE(text.find("keel_placement_epoch " + std::to_string(run.records[0].stats.epoch)),
+            std::string::npos);
+  EXPECT_NE(text.find("keel_migrations_total{outcome=\"ok\"} " +
+                      std::to_string(run.records[0].stats.epochs_committed)),
+            std::string::npos);
+}
+
+// kFloat32 sums depend on their order; the engine's fixed order gives the same bits every run.
+TEST(EngineTest, FloatGradientReductionIsDeterministic) {
+  auto run_once = [] {
+    LocalCommunicatorGroup group(kRanks);
+    LocalFabric fabric(kRanks);
+    std::vector<std::vector<float>> homes(kRanks);
+    std::vector<Status> status(kRanks);
+    std::atomic<int> transient_copies{0};
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        status[r] = [&]() -> Status {
+          auto communicator = group.Join(r);
+          EngineOptions options;
+          options.config = TestConfig("keel");
+          options.num_layers = 1;
+          options.num_experts = kExperts;
+          options.top_k = kTopK;
+          options.shape.weight_bytes = 16;
+          options.shape.gradient_bytes = kWeightWords * sizeof(float);
+          options.shape.optimizer_bytes = 16;
+          options.shape.gradient_type = GradientType::kFloat32;
+          options.communicator = communicator.get();
+          options.fabric = &fabric;
+          KEEL_ASSIGN_OR_RETURN(auto engine, Engine::Create(options));
+          const int slots = engine->local_slots();
+          std::vector<std::vector<std::byte>> w(slots, std::vector<std::byte>(16));
+          std::vector<std::vector<float>> g(slots, std::vector<float>(kWeightWords));
+          std::vector<std::vector<std::byte>> o(slots, std::vector<std::byte>(16));
+          for (int i = 0; i < slots; ++i) {
+            KEEL_RETURN_IF_ERROR(
+                engine->RegisterSlot(0, i, {w[i].data(), g[i].data(), o[i].data()}));
+          }
+          // Everything to expert 0: the transient replica splits it, and both copies hold
+          // gradients whose float sum depends on the order.
+          std::vector<int32_t> ids(kTokens * kTopK, 0);
+          for (int t = 0; t < kTokens; ++t) ids[t * kTopK + 1] = 1 + t % (kExperts - 1);
+          KEEL_ASSIGN_OR_RETURN(LayerRoute route, engine->Route(0, ids));
+          for (int i = engine->slots_per_rank(); i < slots; ++i) {
+            if (route.local_experts[i] == 0) ++transient_copies;
+          }
+          for (int i = 0; i < slots; ++i) {
+            for (int j = 0; j < kWeightWords; ++j) {
+              g[i][j] = 1.0f / static_cast<float>(3 + r * 7 + i * 11 + j);
+            }
+          }
+          KEEL_RETURN_IF_ERROR(engine->ReduceGradients());
+          for (const auto& home : engine->HomeSlots(0)) {
+            if (home.expert == 0) homes[r] = g[home.local_slot];
+          }
+          return engine->StepEnd();
+        }();
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (const Status& s : status) EXPECT_TRUE(s.ok()) << s.ToString();
+    EXPECT_GE(transient_copies.load(), 1) << "expert 0 should get transient replicas";
+    std::vector<float> home;
+    for (auto& h : homes) {
+      if (!h.empty()) home = h;
+    }
+    return home;
+  };
+  const std::vector<float> first = run_once();
+  ASSERT_EQ(first.size(), static_cast<size_t>(kWeightWords));
+  for (int i = 0; i < 3; ++i) {
+    const std::vector<float> again = run_once();
+    ASSERT_EQ(again.size(), first.size());
+    EXPECT_EQ(std::memcmp(again.data(), first.data(), first.size() * sizeof(float)), 0);
+  }
+}
+
+TEST(EngineTest, CreateRejectsBadOptionsNamingTheField) {
+  LocalCommunicatorGroup group(1);
+  auto communicator = group.Join(0);
+  LocalFabric fabric(1);
+  EngineOptions options;
+  options.config = TestConfig("keel");
+  options.config.topology.gpus_per_node = 1;
+  options.config.slots.persistent_per_rank = kExperts;
+  options.num_experts = kExperts;
+  options.shape.weight_bytes = 8;
+  options.shape.gradient_bytes = 8;
+  options.communicator = communicator.get();
+  options.fabric = &fabric;
+  {
+    EngineOptions bad = options;
+    bad.num_layers = 0;
+    auto engine = Engine::Create(bad);
+    ASSERT_FALSE(engine.ok());
+    EXPECT_NE(engine.status().ToString().find("num_layers = 0"), std::string::npos);
+  }
+  {
+    EngineOptions bad = options;
+    bad.shape.gradient_bytes = 6;
+    auto engine = Engine::Create(bad);
+    ASSERT_FALSE(engine.ok());
+    EXPECT_NE(engine.status().ToString().find("shape.gradient_bytes = 6"), std::string::npos);
+  }
+  {
+    EngineOptions bad = options;
+    bad.config.topology.gpus_per_node = 2;
+    auto engine = Engine::Create(bad);
+    ASSERT_FALSE(engine.ok());
+    EXPECT_NE(engine.status().ToString().find("topology"), std::string::npos);
+  }
+  auto engine = Engine::Create(options);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  std::vector<int32_t> ids = {0, 1};
+  auto route = (*engine)->Route(0, ids);
+  ASSERT_FALSE(route.ok());
+  EXPECT_NE(route.status().ToString().find("registered"), std::string::npos);
+  std::vector<std::byte> w(8), g(8);
+  for (int i = 0; i < (*engine)->local_slots(); ++i) {
+    ASSERT_TRUE((*engine)->RegisterSlot(0, i, {w.data(), g.data(), w.data()}).ok());
+  }
+  std::vector<int32_t> bad_ids = {0, kExperts};
+  route = (*engine)->Route(0, bad_ids);
+  ASSERT_FALSE(route.ok());
+  EXPECT_NE(route.status().ToString().find("topk_ids[1] = 8"), std::string::npos);
+  route = (*engine)->Route(3, ids);
+  ASSERT_FALSE(route.ok());
+  EXPECT_NE(route.status().ToString().find("layer = 3"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace keel::toy

@@ -1,0 +1,39 @@
+# The C API as C: c_api_compile_check.c includes keel/keel.h, is compiled as C99 with -pedantic and
+# warnings as errors, links against keel_engine and runs as a test (its checks exit non-zero).
+enable_language(C)
+add_executable(keel_c_api_compile_check ${CMAKE_CURRENT_LIST_DIR}/c_api_compile_check.c)
+set_target_properties(keel_c_api_compile_check PROPERTIES
+                      C_STANDARD 99 C_STANDARD_REQUIRED ON C_EXTENSIONS OFF
+                      RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+target_compile_options(keel_c_api_compile_check PRIVATE -std=c99 -Wall -Wextra -Werror -pedantic)
+target_link_libraries(keel_c_api_compile_check PRIVATE keel_engine)
+add_test(NAME engine.c_api_compile_check COMMAND keel_c_api_compile_check)
+
+# The engine across 4 Open MPI processes with the UCX transport (tests/engine/engine_mpi_main.cc),
+# over shared memory and over TCP on loopback, for the static and the keel policy.
+find_program(KEEL_MPIRUN mpirun)
+if(KEEL_WITH_MPI AND KEEL_WITH_UCX AND KEEL_MPIRUN)
+  add_executable(keel_engine_mpi ${CMAKE_CURRENT_LIST_DIR}/engine_mpi_main.cc)
+  target_link_libraries(keel_engine_mpi PRIVATE keel_engine MPI::MPI_CXX keel_warnings)
+  target_include_directories(keel_engine_mpi PRIVATE ${CMAKE_SOURCE_DIR})
+  set_target_properties(keel_engine_mpi PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+  set(_engine_lsan "LSAN_OPTIONS=suppressions=${CMAKE_SOURCE_DIR}/tests/migration/lsan.supp:print_suppressions=0:fast_unwind_on_malloc=0;OMPI_MCA_mca_base_component_disable_dlclose=1")
+  foreach(_tls sm tcp)
+    if(_tls STREQUAL "sm")
+      set(_env "UCX_TLS=sm")
+      set(_x -x UCX_TLS)
+    else()
+      set(_env "UCX_TLS=tcp;UCX_NET_DEVICES=lo")
+      set(_x -x UCX_TLS -x UCX_NET_DEVICES)
+    endif()
+    foreach(_policy static keel)
+      add_test(NAME engine.mpirun_${_policy}_ucx_${_tls}
+               COMMAND ${KEEL_MPIRUN} -np 4 --oversubscribe --mca btl self,vader --mca pml ob1
+                       --mca oob_tcp_if_include lo --mca btl_tcp_if_include lo ${_x}
+                       -x LSAN_OPTIONS -x ASAN_OPTIONS $<TARGET_FILE:keel_engine_mpi> ${_policy} 24)
+      set_tests_properties(engine.mpirun_${_policy}_ucx_${_tls} PROPERTIES
+          ENVIRONMENT "${_env};${_engine_lsan};OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
+          TIMEOUT 180 PROCESSORS 2)
+    endforeach()
+  endforeach()
+endif()

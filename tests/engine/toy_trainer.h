@@ -1,0 +1,308 @@
+// A toy trainer over the engine, shared by the threaded engine tests and the multi-process test:
+// each (token, k) row adds a fixed vector to its expert's gradient (int64), so the exact result
+// of any number of steps is known without the engine, whatever the placement did.
+#pragma once
+
+#include <cmath>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/status.h"
+#include "keel/engine.hpp"
+#include "migration/transfer_plan.h"
+
+namespace keel::toy {
+
+constexpr int kRanks = 4;
+constexpr int kLayers = 2;
+constexpr int kExperts = 8;
+constexpr int kTopK = 2;
+constexpr int kTokens = 256;      // per rank per step
+constexpr int kWeightWords = 64;  // floats per expert
+
+inline KeelConfig TestConfig(const std::string& policy) {
+  KeelConfig config;
+  config.topology.num_nodes = 1;
+  config.topology.gpus_per_node = kRanks;
+  config.slots.persistent_per_rank = 3;
+  config.slots.transient_per_rank = 1;
+  // Small experts on slow "GPUs": compute dominates, so replicas pay.
+  config.cost_model.hidden_size = 64;
+  config.cost_model.expert_ffn_size = 128;
+  config.cost_model.expert_tflops = 0.001;
+  config.cost_model.dtype_bytes = 4;
+  config.policy.name = policy;
+  config.migration.deadline_seconds = 10;
+  config.engine.collective_timeout_seconds = 30;
+  return config;
+}
+
+// Router output of `rank` at `step`, skewed toward low expert ids and drifting every few steps.
+inline std::vector<int32_t> RouterIds(int step, int rank, int layer) {
+  std::mt19937 rng(static_cast<uint32_t>(step * 1009 + rank * 31 + layer * 7 + 1));
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  std::vector<int32_t> ids(kTokens * kTopK);
+  for (int t = 0; t < kTokens; ++t) {
+    const int first = static_cast<int>(kExperts * std::pow(uniform(rng), 3.0));
+    int second = (first + 1 + static_cast<int>(uniform(rng) * (kExperts - 1))) % kExperts;
+    ids[t * kTopK] = (first + step / 6 + layer) % kExperts;
+    ids[t * kTopK + 1] = (second + step / 6 + layer) % kExperts;
+    if (t % 97 == 5) ids[t * kTopK + 1] = -1;  // a dropped choice
+  }
+  return ids;
+}
+
+// A row routed to expert e adds this to its gradient, whichever copy computes it.
+inline int64_t RowGradient(int layer, int expert, int word) {
+  return 1000 * (layer + 1) + 37 * expert + word + 1;
+}
+
+// The toy optimizer: weights and an accumulated state, both exact functions of the gradient.
+inline void Optimize(float* weights, double* state, const int64_t* gradient) {
+  for (int j = 0; j < kWeightWords; ++j) {
+    state[j] += static_cast<double>(gradient[j]);
+    weights[j] -= 1e-6f * static_cast<float>(gradient[j]);
+  }
+}
+
+struct RankBuffers {
+  std::vector<std::vector<float>> weights;  // [layer * local_slots + local slot]
+  std::vector<std::vector<int64_t>> gradients;
+  std::vector<std::vector<double>> optimizer;
+};
+
+struct RankRecord {
+  std::vector<int64_t> epoch_after_step;  // [step]
+  // [step][layer] (rows this rank sent to each physical slot) and its recv_counts.
+  std::vector<std::vector<std::map<int, int64_t>>> sent;
+  std::vector<std::vector<std::vector<int64_t>>> recv;
+  std::vector<Placement> final_placements;
+  EngineStats stats;
+  Status status;
+  int local_slots = 0;
+  int slots_per_rank = 0;
+};
+
+// Trains `steps` steps of the toy model on this rank; `fabric` is null unless the migration
+// transport is local.
+inline Status RunRank(const KeelConfig& config, int steps, Communicator& communicator,
+                      LocalFabric* fabric, RankBuffers& mine, RankRecord& record,
+                      Metrics* metrics = nullptr) {
+  const int rank = communicator.rank();
+  EngineOptions options;
+  options.config = config;
+  options.num_layers = kLayers;
+  options.num_experts = kExperts;
+  options.top_k = kTopK;
+  options.shape.weight_bytes = kWeightWords * sizeof(float);
+  options.shape.gradient_bytes = kWeightWords * sizeof(int64_t);
+  options.shape.optimizer_bytes = kWeightWords * sizeof(double);
+  options.shape.gradient_type = GradientType::kFixedInt64;
+  options.communicator = &communicator;
+  options.fabric = fabric;
+  options.metrics = metrics;
+  KEEL_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(options));
+  const int local_slots = engine->local_slots();
+  const int slots_per_rank = engine->slots_per_rank();
+  record.local_slots = local_slots;
+  record.slots_per_rank = slots_per_rank;
+  const size_t regions = static_cast<size_t>(kLayers) * local_slots;
+  mine.weights.assign(regions, std::vector<float>(kWeightWords));
+  mine.gradients.assign(regions, std::vector<int64_t>(kWeightWords));
+  mine.optimizer.assign(regions, std::vector<double>(kWeightWords, 0.0));
+  for (int l = 0; l < kLayers; ++l) {
+    for (int i = 0; i < local_slots; ++i) {
+      const size_t index = static_cast<size_t>(l) * local_slots + i;
+      if (i < slots_per_rank) {
+        const int expert = engine->placement(l).expert_at(rank * slots_per_rank + i);
+        for (int j = 0; j < kWeightWords; ++j) {
+          mine.weights[index][j] = expert < 0 ? 0.0f : static_cast<float>(expert * 100 + j);
+        }
+      }
+      SlotBuffers slot{mine.weights[index].data(), mine.gradients[index].data(),
+                       i < slots_per_rank ? mine.optimizer[index].data() : nullptr};
+      KEEL_RETURN_IF_ERROR(engine->RegisterSlot(l, i, slot));
+    }
+  }
+  record.sent.resize(steps);
+  record.recv.resize(steps);
+  for (int step = 0; step < steps; ++step) {
+    for (auto& g : mine.gradients) std::fill(g.begin(), g.end(), 0);
+    for (int l = 0; l < kLayers; ++l) {
+      const std::vector<int32_t> ids = RouterIds(step, rank, l);
+      KEEL_ASSIGN_OR_RETURN(LayerRoute route, engine->Route(l, ids));
+      std::map<int, int64_t> sent;
+      int64_t valid = 0;
+      for (size_t i = 0; i < ids.size(); ++i) {
+        if (ids[i] < 0) {
+          if (route.slot[i] != -1) return Internal("dropped choice got a slot");
+          continue;
+        }
+        ++valid;
+        ++sent[route.slot[i]];
+      }
+      int64_t sent_total = 0;
+      for (int64_t c : route.send_counts) sent_total += c;
+      if (sent_total != valid) return Internal("send_counts do not add up to the valid choices");
+      // Every routed choice lands on a copy of the expert it asked for.
+      const Placement& placement = engine->placement(l);
+      for (size_t i = 0; i < ids.size(); ++i) {
+        const int slot = route.slot[i];
+        if (slot < 0) continue;
+        if (slot < placement.num_slots()) {
+          if (placement.expert_at(slot) != ids[i]) return Internal("slot holds another expert");
+        } else if (slot >= placement.num_slots() + kRanks * engine->transient_per_rank()) {
+          return Internal("slot out of range");
+        }
+      }
+      // The slot owner computes its rows: gradient = rows x the expert's row gradient.
+      for (int src = 0; src < kRanks; ++src) {
+        for (int i = 0; i < local_slots; ++i) {
+          const int64_t rows = route.recv_counts[static_cast<size_t>(src) * local_slots + i];
+          if (rows == 0) continue;
+          const int expert = route.local_experts[i];
+          if (expert < 0) return Internal("rows sent to an empty slot");
+          int64_t* g = mine.gradients[static_cast<size_t>(l) * local_slots + i].data();
+          for (int j = 0; j < kWeightWords; ++j) g[j] += rows * RowGradient(l, expert, j);
+        }
+      }
+      record.sent[step].push_back(std::move(sent));
+      record.recv[step].push_back(route.recv_counts);
+    }
+    KEEL_RETURN_IF_ERROR(engine->ReduceGradients());
+    for (int l = 0; l < kLayers; ++l) {
+      for (const auto& home : engine->HomeSlots(l)) {
+        const size_t index = static_cast<size_t>(l) * local_slots + home.local_slot;
+        Optimize(mine.weights[index].data(), mine.optimizer[index].data(),
+                 mine.gradients[index].data());
+      }
+    }
+    KEEL_RETURN_IF_ERROR(engine->StepEnd());
+    record.epoch_after_step.push_back(engine->epoch());
+  }
+  for (int l = 0; l < kLayers; ++l) record.final_placements.push_back(engine->placement(l));
+  record.stats = engine->stats();
+  return Status::Ok();
+}
+
+// What every expert's home holds after `steps` steps, computed without the engine.
+struct Reference {
+  std::vector<std::vector<float>> weights;  // [layer * experts + expert]
+  std::vector<std::vector<double>> state;
+};
+
+inline Reference ComputeReference(int steps) {
+  Reference ref;
+  ref.weights.resize(kLayers * kExperts);
+  ref.state.assign(kLayers * kExperts, std::vector<double>(kWeightWords, 0.0));
+  for (int l = 0; l < kLayers; ++l) {
+    for (int e = 0; e < kExperts; ++e) {
+      auto& w = ref.weights[l * kExperts + e];
+      w.resize(kWeightWords);
+      for (int j = 0; j < kWeightWords; ++j) w[j] = static_cast<float>(e * 100 + j);
+    }
+  }
+  for (int step = 0; step < steps; ++step) {
+    for (int l = 0; l < kLayers; ++l) {
+      std::vector<int64_t> rows(kExperts, 0);
+      for (int r = 0; r < kRanks; ++r) {
+        for (int32_t id : RouterIds(step, r, l)) {
+          if (id >= 0) ++rows[id];
+        }
+      }
+      for (int e = 0; e < kExperts; ++e) {
+        std::vector<int64_t> g(kWeightWords);
+        for (int j = 0; j < kWeightWords; ++j) g[j] = rows[e] * RowGradient(l, e, j);
+        Optimize(ref.weights[l * kExperts + e].data(), ref.state[l * kExperts + e].data(),
+                 g.data());
+      }
+    }
+  }
+  return ref;
+}
+
+// Every copy of `record`'s rank holds the reference weights of its expert and every home slot
+// the reference optimizer state.
+inline Status CheckAgainstReference(int rank, const RankBuffers& buffers, const RankRecord& record,
+                                    const Reference& ref) {
+  for (int l = 0; l < kLayers; ++l) {
+    const Placement& p = record.final_placements[l];
+    for (int i = 0; i < record.slots_per_rank; ++i) {
+      const int slot = rank * record.slots_per_rank + i;
+      const int e = p.expert_at(slot);
+      if (e < 0) continue;
+      const size_t index = static_cast<size_t>(l) * record.local_slots + i;
+      const std::string where = "rank " + std::to_string(rank) + " layer " + std::to_string(l) +
+                                " slot " + std::to_string(slot) + " expert " + std::to_string(e);
+      if (buffers.weights[index] != ref.weights[l * kExperts + e]) {
+        return Internal(where + ": weights differ from the reference");
+      }
+      if (p.home(e) == rank && HomeSlot(p, e) == slot &&
+          buffers.optimizer[index] != ref.state[l * kExperts + e]) {
+        return Internal(where + ": optimizer state differs from the reference");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// (step, layer, physical slot, rows) for every slot `record`'s rank sent rows to.
+inline std::vector<int64_t> FlattenSent(const RankRecord& record) {
+  std::vector<int64_t> flat;
+  for (size_t step = 0; step < record.sent.size(); ++step) {
+    for (size_t l = 0; l < record.sent[step].size(); ++l) {
+      for (const auto& [slot, rows] : record.sent[step][l]) {
+        flat.insert(flat.end(), {static_cast<int64_t>(step), static_cast<int64_t>(l), slot, rows});
+      }
+    }
+  }
+  return flat;
+}
+
+// What source `src` sent to each of `owner`'s slots (FlattenSent of src) equals the rows
+// `owner`'s engine announced in recv_counts, and nothing was sent that the owner did not expect.
+inline Status CheckRoutingAgrees(int src, const std::vector<int64_t>& sent, int owner,
+                                 const RankRecord& record) {
+  const int persistent = kRanks * record.slots_per_rank;
+  const int transient = record.local_slots - record.slots_per_rank;
+  std::map<std::tuple<int64_t, int64_t, int>, int64_t> expected;
+  for (size_t step = 0; step < record.recv.size(); ++step) {
+    for (size_t l = 0; l < record.recv[step].size(); ++l) {
+      for (int i = 0; i < record.local_slots; ++i) {
+        const int64_t rows =
+            record.recv[step][l][static_cast<size_t>(src) * record.local_slots + i];
+        if (rows == 0) continue;
+        const int slot = i < record.slots_per_rank
+                             ? owner * record.slots_per_rank + i
+                             : persistent + owner * transient + (i - record.slots_per_rank);
+        expected[{static_cast<int64_t>(step), static_cast<int64_t>(l), slot}] = rows;
+      }
+    }
+  }
+  for (size_t i = 0; i + 3 < sent.size(); i += 4) {
+    const int slot = static_cast<int>(sent[i + 2]);
+    const int slot_owner =
+        slot < persistent ? slot / record.slots_per_rank : (slot - persistent) / transient;
+    if (slot_owner != owner) continue;
+    auto it = expected.find({sent[i], sent[i + 1], slot});
+    const int64_t announced = it == expected.end() ? 0 : it->second;
+    if (announced != sent[i + 3]) {
+      return Internal("step " + std::to_string(sent[i]) + " layer " + std::to_string(sent[i + 1]) +
+                      ": rank " + std::to_string(src) + " sent " + std::to_string(sent[i + 3]) +
+                      " rows to slot " + std::to_string(slot) + ", its owner expected " +
+                      std::to_string(announced));
+    }
+    if (it != expected.end()) expected.erase(it);
+  }
+  if (!expected.empty()) {
+    return Internal("rank " + std::to_string(owner) + " expected rows from rank " +
+                    std::to_string(src) + " that never came");
+  }
+  return Status::Ok();
+}
+
+}  // namespace keel::toy

@@ -1,0 +1,564 @@
+// `keel demo`: every rank really trains a small MoE model on the CPU through the Keel engine, once
+// with the static placement and once with the `keel` policy from the same seed, then compares
+// them: parallel step time, imbalance, epochs, moved bytes, loss, and whether the final expert
+// weights are bitwise identical (placement must never change the math). Ranks are threads
+// (default) or MPI processes (`mpirun -np N keel demo --comm mpi --transport ucx`).
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "common/config.h"
+#include "common/file.h"
+#include "keel/version.hpp"
+#include "migration/communicator.h"
+#include "monitor/metrics.h"
+#include "monitor/trace.h"
+#include "tools/commands.h"
+#include "tools/demo_trainer.h"
+#include "tools/flags.h"
+#include "tools/progress.h"
+
+#if KEEL_TOOLS_WITH_MPI
+#include <mpi.h>
+#endif
+
+namespace keel::tools {
+namespace {
+
+// The issue's targets for the default demo.
+constexpr double kTargetStepRatio = 0.75;     // keel parallel step <= 0.75 x static
+constexpr double kTargetImbalance = 1.10;     // keel mean imbalance
+constexpr double kTargetOverhead = 0.02;      // engine route + control <= 2% of the step
+constexpr double kDemoExpertTflops = 0.002;   // about what one CPU thread achieves on the experts
+constexpr double kDemoLinkGbPerSecond = 4.0;  // about a memcpy between threads
+
+struct DemoFlags {
+  int ranks = 8;
+  std::string comm = "local";
+  std::string transport = "local";
+  int layers = 4;
+  int experts = 32;
+  int top_k = 2;
+  int tokens = 4096;
+  int hidden = 16;
+  int ffn = 32;
+  int steps = 30;
+  uint64_t seed = 1;
+  double zipf = 1.0;
+  double learning_rate = AdamOptions().learning_rate;
+  std::string config_path;
+  std::string metrics_address;
+  std::string report_path;
+  std::string trace_path;
+  bool quiet = false;
+};
+
+int Fail(const Status& status) {
+  std::fprintf(stderr, "keel demo: %s\n", status.message().c_str());
+  return status.code() == StatusCode::kInvalidArgument || status.code() == StatusCode::kNotFound
+             ? 2
+             : 1;
+}
+
+Status CheckFlags(const DemoFlags& f) {
+  auto at_least = [](const char* flag, long long value, long long least) -> Status {
+    if (value >= least) return Status::Ok();
+    return InvalidArgument(std::string(flag) + " " + std::to_string(value) +
+                           " must be >= " + std::to_string(least));
+  };
+  KEEL_RETURN_IF_ERROR(at_least("--ranks", f.ranks, 1));
+  KEEL_RETURN_IF_ERROR(at_least("--layers", f.layers, 1));
+  KEEL_RETURN_IF_ERROR(at_least("--experts", f.experts, 1));
+  KEEL_RETURN_IF_ERROR(at_least("--top-k", f.top_k, 1));
+  KEEL_RETURN_IF_ERROR(at_least("--tokens", f.tokens, 1));
+  KEEL_RETURN_IF_ERROR(at_least("--hidden", f.hidden, 1));
+  KEEL_RETURN_IF_ERROR(at_least("--ffn", f.ffn, 1));
+  KEEL_RETURN_IF_ERROR(at_least("--steps", f.steps, 1));
+  if (f.top_k > f.experts) {
+    return InvalidArgument("--top-k " + std::to_string(f.top_k) + " exceeds --experts " +
+                           std::to_string(f.experts));
+  }
+  if (f.comm != "local" && f.comm != "mpi") {
+    return InvalidArgument("--comm '" + f.comm + "' is not local or mpi");
+  }
+  if (f.transport != "local" && f.transport != "ucx") {
+    return InvalidArgument("--transport '" + f.transport + "' is not local or ucx");
+  }
+  if (!(f.learning_rate > 0.0 && f.learning_rate < 1.0)) {
+    return InvalidArgument("--learning-rate " + std::to_string(f.learning_rate) +
+                           " must be in (0, 1)");
+  }
+  return Status::Ok();
+}
+
+// The config of a run: --config as written (its topology must have `ranks` ranks), or 1 node x
+// `ranks` GPUs with room for the static placement plus one spare persistent slot and one transient
+// slot per rank, the cost model sized to the demo's experts on a CPU.
+Result<KeelConfig> MakeConfig(const DemoFlags& f, const FlagParser& parser, int ranks) {
+  KeelConfig config;
+  if (!f.config_path.empty()) {
+    KEEL_ASSIGN_OR_RETURN(config, LoadConfigFile(f.config_path));
+    if (config.num_ranks() != ranks) {
+      return InvalidArgument(f.config_path + ": topology has " +
+                             std::to_string(config.num_ranks()) + " ranks (num_nodes " +
+                             std::to_string(config.topology.num_nodes) + " x gpus_per_node " +
+                             std::to_string(config.topology.gpus_per_node) + "), the demo runs " +
+                             std::to_string(ranks));
+    }
+  } else {
+    config.topology.num_nodes = 1;
+    config.topology.gpus_per_node = ranks;
+    config.topology.intra_node_gb_per_s = kDemoLinkGbPerSecond;
+    config.topology.inter_node_gb_per_s = kDemoLinkGbPerSecond;
+    config.slots.persistent_per_rank = (f.experts + ranks - 1) / ranks + 1;
+    config.slots.transient_per_rank = 1;
+    config.cost_model.expert_tflops = kDemoExpertTflops;
+    config.cost_model.hidden_size = f.hidden;
+    config.cost_model.expert_ffn_size = f.ffn;
+    config.cost_model.dtype_bytes = 4;
+    config.cost_model.home_move_bytes_per_parameter = 12.0;  // float32 weights + Adam's m, v
+  }
+  if (f.config_path.empty() || parser.IsSet("transport")) {
+    config.migration.transport = f.transport;
+  }
+  if (!f.metrics_address.empty()) config.monitor.metrics_address = f.metrics_address;
+  KEEL_RETURN_IF_ERROR(ValidateConfig(config));
+  return config;
+}
+
+// One mode's run as rank 0 saw it (every rank sees the same reduced numbers).
+struct ModeRun {
+  std::string policy;
+  RankRunResult result;
+  double wall_seconds = 0;
+};
+
+// Live progress on stderr from rank 0: one line per step, redrawn in place on a terminal.
+class DemoProgress {
+ public:
+  DemoProgress(std::string policy, int steps)
+      : policy_(std::move(policy)), steps_(steps), terminal_(isatty(fileno(stderr)) != 0) {}
+
+  void OnStep(const StepMeasurement& m) {
+    std::string bars;
+    const int64_t most =
+        std::max<int64_t>(1, *std::max_element(m.rank_rows.begin(), m.rank_rows.end()));
+    static const char* const kBlocks[] = {"▁", "▂", "▃", "▄", "▅", "▆", "▇", "█"};
+    for (int64_t rows : m.rank_rows) {
+      const int level = static_cast<int>(std::lround(7.0 * static_cast<double>(rows) / most));
+      bars += kBlocks[std::clamp(level, 0, 7)];
+    }
+    const char* in_flight = m.migration_in_flight ? "1" : "0";
+    std::fprintf(stderr,
+                 "%s%-6s step %3lld/%d  loss %.5f  ranks %s  imbalance %.3f  epoch %lld "
+                 "(committed %lld, aborted %lld, in flight %s)  step %.1f ms%s",
+                 terminal_ ? "\r\033[K" : "", policy_.c_str(), static_cast<long long>(m.step + 1),
+                 steps_, m.loss, bars.c_str(), m.imbalance, static_cast<long long>(m.epoch),
+                 static_cast<long long>(m.epochs_committed),
+                 static_cast<long long>(m.epochs_aborted), in_flight, m.parallel_step_seconds * 1e3,
+                 terminal_ ? "" : "\n");
+    std::fflush(stderr);
+  }
+  void Finish() {
+    if (terminal_) std::fputc('\n', stderr);
+  }
+
+ private:
+  std::string policy_;
+  int steps_;
+  bool terminal_;
+};
+
+// Ranks as threads: a LocalCommunicatorGroup, and a LocalFabric for the local transport.
+Result<ModeRun> RunThreads(const RankRunOptions& base, int ranks, DemoProgress* progress) {
+  LocalCommunicatorGroup group(ranks);
+  std::unique_ptr<LocalFabric> fabric;
+  if (base.config.migration.transport == "local") fabric = std::make_unique<LocalFabric>(ranks);
+  std::vector<std::optional<Result<RankRunResult>>> results(ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) {
+    threads.emplace_back([&, r] {
+      std::unique_ptr<Communicator> communicator = group.Join(r);
+      RankRunOptions options = base;
+      options.communicator = communicator.get();
+      options.fabric = fabric.get();
+      if (r == 0 && progress != nullptr) {
+        options.on_step = [progress](const StepMeasurement& m) { progress->OnStep(m); };
+      }
+      results[r] = RunRank(options);
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (int r = 0; r < ranks; ++r) {
+    if (!results[r]->ok()) {
+      return results[r]->status().WithContext("rank " + std::to_string(r));
+    }
+  }
+  ModeRun run;
+  run.result = std::move(*results[0]).value();
+  return run;
+}
+
+double Mean(const std::vector<StepMeasurement>& steps, double StepMeasurement::*field) {
+  double sum = 0;
+  for (const StepMeasurement& m : steps) sum += m.*field;
+  return steps.empty() ? 0.0 : sum / static_cast<double>(steps.size());
+}
+
+nlohmann::json ModeJson(const ModeRun& run) {
+  const std::vector<StepMeasurement>& steps = run.result.steps;
+  nlohmann::json per_step = nlohmann::json::array();
+  nlohmann::json imbalance = nlohmann::json::array();
+  nlohmann::json loss = nlohmann::json::array();
+  nlohmann::json epochs = nlohmann::json::array();
+  for (const StepMeasurement& m : steps) {
+    per_step.push_back(m.parallel_step_seconds);
+    imbalance.push_back(m.imbalance);
+    loss.push_back(m.loss);
+    epochs.push_back(m.epoch);
+  }
+  const double step = Mean(steps, &StepMeasurement::parallel_step_seconds);
+  const EngineStats& stats = run.result.stats;
+  return {
+      {"policy", run.policy},
+      {"parallel_step_seconds", {{"mean", step}, {"per_step", per_step}}},
+      {"expert_seconds", Mean(steps, &StepMeasurement::expert_seconds)},
+      {"communication_seconds", Mean(steps, &StepMeasurement::communication_seconds)},
+      {"control_seconds", Mean(steps, &StepMeasurement::control_seconds)},
+      {"mean_imbalance", Mean(steps, &StepMeasurement::imbalance)},
+      {"imbalance", imbalance},
+      {"epochs", stats.epochs_committed},
+      {"epochs_aborted", stats.epochs_aborted},
+      {"plans_unchanged", stats.plans_unchanged},
+      {"epoch_per_step", epochs},
+      {"bytes_moved", stats.bytes_moved},
+      {"exposed_migration_seconds", stats.exposed_migration_seconds},
+      {"loss", loss},
+      {"engine_overhead_fraction",
+       step > 0 ? Mean(steps, &StepMeasurement::engine_seconds) / step : 0.0},
+      {"wall_seconds", run.wall_seconds},
+  };
+}
+
+void PrintModeTable(const std::vector<nlohmann::json>& modes) {
+  const std::vector<std::string> header = {"mode",       "step ms",    "expert ms", "comm ms",
+                                           "imbalance",  "epochs",     "aborted",   "moved MB",
+                                           "exposed ms", "loss first", "loss last", "overhead %"};
+  std::vector<std::vector<std::string>> rows;
+  for (const nlohmann::json& m : modes) {
+    const auto& loss = m["loss"];
+    rows.push_back({m["policy"].get<std::string>(),
+                    FormatFixed(m["parallel_step_seconds"]["mean"].get<double>() * 1e3, 2),
+                    FormatFixed(m["expert_seconds"].get<double>() * 1e3, 2),
+                    FormatFixed(m["communication_seconds"].get<double>() * 1e3, 2),
+                    FormatFixed(m["mean_imbalance"].get<double>(), 3),
+                    std::to_string(m["epochs"].get<int64_t>()),
+                    std::to_string(m["epochs_aborted"].get<int64_t>()),
+                    FormatFixed(m["bytes_moved"].get<double>() / 1e6, 2),
+                    FormatFixed(m["exposed_migration_seconds"].get<double>() * 1e3, 2),
+                    FormatFixed(loss.front().get<double>(), 5),
+                    FormatFixed(loss.back().get<double>(), 5),
+                    FormatFixed(m["engine_overhead_fraction"].get<double>() * 100, 2)});
+  }
+  PrintTable(header, rows);
+}
+
+nlohmann::json Target(double value, double target) {
+  return {{"value", value}, {"target", target}, {"met", value <= target}};
+}
+
+// Runs both modes on this process's ranks; `communicator` is null for threads. Returns the
+// exit code.
+int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator* communicator) {
+  const bool mpi = communicator != nullptr;
+  const int ranks = mpi ? communicator->size() : flags.ranks;
+  const bool rank0 = !mpi || communicator->rank() == 0;
+  if (mpi && parser.IsSet("ranks") && flags.ranks != ranks) {
+    return Fail(InvalidArgument("--ranks " + std::to_string(flags.ranks) + " but mpirun started " +
+                                std::to_string(ranks) + " processes"));
+  }
+  DemoModelOptions model;
+  model.layers = flags.layers;
+  model.experts = flags.experts;
+  model.top_k = flags.top_k;
+  model.tokens = flags.tokens;
+  model.ffn.hidden = flags.hidden;
+  model.ffn.ffn = flags.ffn;
+  model.steps = flags.steps;
+  model.seed = flags.seed;
+  model.adam.learning_rate = flags.learning_rate;
+
+  std::optional<TokenGate> gate;
+  if (flags.trace_path.empty()) {
+    SyntheticTraceOptions synthetic;
+    synthetic.seed = flags.seed;
+    synthetic.num_steps = flags.steps;
+    synthetic.num_layers = flags.layers;
+    synthetic.num_experts = flags.experts;
+    synthetic.num_sources = ranks;
+    synthetic.tokens_per_source = flags.tokens;
+    synthetic.top_k = flags.top_k;
+    synthetic.zipf_exponent = flags.zipf;
+    Result<TokenGate> made = TokenGate::Synthetic(synthetic);
+    if (!made.ok()) return Fail(made.status());
+    gate.emplace(std::move(*made));
+  } else {
+    Result<Trace> trace = ReadTrace(flags.trace_path);
+    if (!trace.ok()) return Fail(trace.status().WithContext(flags.trace_path));
+    // The model takes the trace's shape unless the flags name another one.
+    for (auto [flag, value, traced] : {std::tuple{"layers", flags.layers, trace->num_layers},
+                                       std::tuple{"experts", flags.experts, trace->num_experts}}) {
+      if (parser.IsSet(flag) && value != traced) {
+        return Fail(InvalidArgument("--" + std::string(flag) + " " + std::to_string(value) +
+                                    " differs from the trace's " + std::to_string(traced)));
+      }
+    }
+    model.layers = trace->num_layers;
+    model.experts = trace->num_experts;
+    if (model.top_k > model.experts) {
+      return Fail(InvalidArgument("--top-k " + std::to_string(model.top_k) +
+                                  " exceeds the trace's " + std::to_string(model.experts) +
+                                  " experts"));
+    }
+    Result<TokenGate> made = TokenGate::FromTrace(std::move(*trace), model, ranks);
+    if (!made.ok()) return Fail(made.status().WithContext(flags.trace_path));
+    gate.emplace(std::move(*made));
+  }
+  DemoFlags sized = flags;
+  sized.layers = model.layers;
+  sized.experts = model.experts;
+  Result<KeelConfig> config = MakeConfig(sized, parser, ranks);
+  if (!config.ok()) return Fail(config.status());
+  if (mpi && config->migration.transport == "local") {
+    return Fail(InvalidArgument(
+        "--comm mpi needs --transport ucx: the local transport joins threads of one process"));
+  }
+  if (config->migration.transport == "ucx" && !kWithUcx) {
+    return Fail(InvalidArgument("--transport ucx: this keel was built without UCX"));
+  }
+
+  // The exporter lives in the process of the aggregating rank and outlives both runs.
+  std::unique_ptr<Metrics> metrics;
+  const int aggregating = config->monitor.aggregating_rank;
+  if (!mpi || communicator->rank() == aggregating) {
+    Result<std::unique_ptr<Metrics>> made = Metrics::Create(
+        MetricsLayout::FromConfig(*config, model.layers, model.experts, aggregating));
+    if (!made.ok()) return Fail(made.status());
+    metrics = std::move(*made);
+    if (!config->monitor.metrics_address.empty()) {
+      Status served = metrics->Serve(config->monitor.metrics_address);
+      if (!served.ok()) return Fail(served);
+      if (!flags.quiet) {
+        std::fprintf(stderr, "keel demo: metrics on http://%s/metrics\n",
+                     metrics->bound_address().c_str());
+      }
+    }
+  }
+  config->monitor.metrics_address.clear();  // served above, not again by an engine
+
+  if (rank0 && !flags.quiet) {
+    std::fprintf(stderr,
+                 "keel demo: %d ranks (%s, %s transport), %d layers x %d experts top-%d, %d "
+                 "tokens per rank, FFN %dx%d, %d steps; gate: %s\n",
+                 ranks, mpi ? "mpi processes" : "threads", config->migration.transport.c_str(),
+                 model.layers, model.experts, model.top_k, model.tokens, model.ffn.hidden,
+                 model.ffn.ffn, model.steps, gate->description().c_str());
+  }
+
+  std::vector<ModeRun> runs;
+  for (const char* policy : {"static", "keel"}) {
+    RankRunOptions options;
+    options.model = model;
+    options.config = *config;
+    options.config.policy.name = policy;
+    options.gate = &*gate;
+    options.metrics = metrics.get();
+    options.barrier_before_timing = mpi;
+    std::optional<DemoProgress> progress;
+    if (rank0 && !flags.quiet) {
+      progress.emplace(policy, model.steps);
+    }
+    const auto start = std::chrono::steady_clock::now();
+    Result<ModeRun> run = [&]() -> Result<ModeRun> {
+      if (!mpi) return RunThreads(options, ranks, progress ? &*progress : nullptr);
+      options.communicator = communicator;
+      if (progress) {
+        options.on_step = [&progress](const StepMeasurement& m) { progress->OnStep(m); };
+      }
+      KEEL_ASSIGN_OR_RETURN(RankRunResult result, RunRank(options));
+      return ModeRun{policy, std::move(result), 0.0};
+    }();
+    if (progress) progress->Finish();
+    if (!run.ok()) return Fail(run.status().WithContext(std::string("policy ") + policy));
+    run->policy = policy;
+    run->wall_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    runs.push_back(std::move(*run));
+  }
+
+  const bool identical = runs[0].result.final_weights == runs[1].result.final_weights;
+  if (!rank0) return identical ? 0 : 1;
+
+  std::vector<nlohmann::json> modes;
+  for (const ModeRun& run : runs) modes.push_back(ModeJson(run));
+  const double static_step = modes[0]["parallel_step_seconds"]["mean"].get<double>();
+  const double keel_step = modes[1]["parallel_step_seconds"]["mean"].get<double>();
+  const double ratio = static_step > 0 ? keel_step / static_step : 0.0;
+  nlohmann::json report = {
+      {"ranks", ranks},
+      {"comm", mpi ? "mpi" : "local"},
+      {"transport", config->migration.transport},
+      {"model",
+       {{"layers", model.layers},
+        {"experts", model.experts},
+        {"top_k", model.top_k},
+        {"tokens_per_rank", model.tokens},
+        {"hidden", model.ffn.hidden},
+        {"ffn", model.ffn.ffn},
+        {"steps", model.steps},
+        {"seed", model.seed},
+        {"learning_rate", model.adam.learning_rate},
+        {"gate", gate->description()}}},
+      {"config",
+       {{"num_ranks", config->num_ranks()},
+        {"persistent_per_rank", config->slots.persistent_per_rank},
+        {"transient_per_rank", config->slots.transient_per_rank},
+        {"yaml", ConfigToYaml(*config)}}},
+      {"mode_order", {"static", "keel"}},
+      {"modes", {{"static", modes[0]}, {"keel", modes[1]}}},
+      {"final_weights_identical", identical},
+      {"targets",
+       {{"keel_parallel_step_ratio", Target(ratio, kTargetStepRatio)},
+        {"keel_mean_imbalance", Target(modes[1]["mean_imbalance"].get<double>(), kTargetImbalance)},
+        {"keel_engine_overhead_fraction",
+         Target(modes[1]["engine_overhead_fraction"].get<double>(), kTargetOverhead)}}},
+  };
+
+  std::printf("\n");
+  PrintModeTable(modes);
+  std::printf("\nkeel / static parallel step: %.3f (target <= %.2f: %s)\n", ratio, kTargetStepRatio,
+              ratio <= kTargetStepRatio ? "met" : "missed");
+  const double keel_imbalance = modes[1]["mean_imbalance"].get<double>();
+  std::printf("keel mean imbalance:         %.3f (target <= %.2f: %s)\n", keel_imbalance,
+              kTargetImbalance, keel_imbalance <= kTargetImbalance ? "met" : "missed");
+  const double overhead = modes[1]["engine_overhead_fraction"].get<double>();
+  std::printf("keel engine overhead:        %.2f%% (target <= %.0f%%: %s)\n", overhead * 100,
+              kTargetOverhead * 100, overhead <= kTargetOverhead ? "met" : "missed");
+  std::printf("final weights identical:     %s\n", identical ? "yes (bitwise)" : "NO");
+  if (!flags.report_path.empty()) {
+    Status written = WriteFileAtomically(flags.report_path, report.dump(2) + "\n");
+    if (!written.ok()) return Fail(written);
+    std::printf("report: %s\n", flags.report_path.c_str());
+  }
+  std::fflush(stdout);
+  if (!identical) {
+    std::fprintf(stderr, "keel demo: the final expert weights differ between static and keel\n");
+    return 1;
+  }
+  return 0;
+}
+
+int RunDemoOverMpi(int argc, char** argv, const DemoFlags& flags, const FlagParser& parser) {
+#if KEEL_TOOLS_WITH_MPI
+  MPI_Init(&argc, &argv);
+  int code = 0;
+  {
+    Result<std::unique_ptr<Communicator>> communicator = CreateMpiCommunicator();
+    code = communicator.ok() ? RunBothModes(flags, parser, communicator->get())
+                             : Fail(communicator.status());
+  }
+  MPI_Finalize();
+  return code;
+#else
+  (void)argc;
+  (void)argv;
+  (void)flags;
+  (void)parser;
+  return Fail(InvalidArgument("--comm mpi: this keel was built without MPI (KEEL_WITH_MPI off)"));
+#endif
+}
+
+}  // namespace
+
+int RunDemo(int argc, char** argv) {
+  DemoFlags flags;
+  FlagParser parser(
+      "keel demo",
+      "Trains a small Mixture-of-Experts model on the CPU, every rank through the Keel engine:\n"
+      "FFN experts with forward, backward and Adam, tokens routed by a gate whose skew drifts\n"
+      "and bursts (or by a recorded trace). Runs the same seed twice, with the static placement\n"
+      "and with the keel policy, shows live progress, and compares parallel step time (the step\n"
+      "the ranks would take on separate GPUs: per layer the slowest rank's expert CPU time plus\n"
+      "communication, summed), imbalance, epochs, moved bytes and loss. Gradients are summed as\n"
+      "int64 fixed point, so the final expert weights of both runs must be bitwise identical;\n"
+      "the command fails when they are not.");
+  parser.Add("ranks", "N", &flags.ranks,
+             "ranks as threads of this process (with --comm mpi: must equal the mpirun process "
+             "count, or be left out)");
+  parser.Add("comm", "NAME", &flags.comm,
+             "communicator: local (ranks are threads) or mpi (ranks are the mpirun processes; "
+             "needs --transport ucx)");
+  parser.Add("transport", "NAME", &flags.transport,
+             "migration transport: local (threads only) or ucx; overrides migration.transport "
+             "of --config when given");
+  parser.Add("layers", "N", &flags.layers, "MoE layers (with --trace: the trace's)");
+  parser.Add("experts", "N", &flags.experts, "experts per layer (with --trace: the trace's)");
+  parser.Add("top-k", "K", &flags.top_k, "experts each token is routed to");
+  parser.Add("tokens", "N", &flags.tokens, "tokens per rank per step");
+  parser.Add("hidden", "N", &flags.hidden, "hidden size (expert input and output width)");
+  parser.Add("ffn", "N", &flags.ffn, "expert FFN size");
+  parser.Add("steps", "N", &flags.steps, "training steps per run");
+  parser.Add("seed", "N", &flags.seed,
+             "seed of the gate, inputs, teacher and initial weights (both runs use it)");
+  parser.Add("zipf", "S", &flags.zipf,
+             "Zipf exponent of the synthetic gate's expert popularity (higher = more skewed)");
+  parser.Add("learning-rate", "LR", &flags.learning_rate,
+             "Adam learning rate (betas 0.9, 0.999, epsilon 1e-8)");
+  parser.Add("config", "FILE", &flags.config_path,
+             "Keel config (YAML); its topology must have as many ranks as the demo. Default: 1 "
+             "node x N GPUs, ceil(experts/N)+1 persistent and 1 transient slot per rank, cost "
+             "model sized to the demo's experts; policy.name is set by each run");
+  parser.Add("metrics", "ADDR", &flags.metrics_address,
+             "serve Prometheus metrics on host:port (a bare port listens on 127.0.0.1; 0 picks "
+             "a free one) while both runs train");
+  parser.Add("report", "FILE", &flags.report_path,
+             "write the JSON report: per mode parallel step seconds, imbalance, epochs, bytes "
+             "moved, exposed migration, loss curve, engine overhead; final_weights_identical and "
+             "the targets");
+  parser.Add("trace", "FILE", &flags.trace_path,
+             "draw each rank's expert ids from a routing trace's per-step, per-layer counts "
+             "(any format keel trace reads) instead of the synthetic gate");
+  parser.AddBool("quiet", &flags.quiet, "no progress on stderr");
+  parser.SetEpilogue(
+      "Threads:  keel demo --report demo.json\n"
+      "MPI:      mpirun -np 8 keel demo --comm mpi --transport ucx\n"
+      "Small:    keel demo --ranks 4 --layers 2 --experts 8 --tokens 512 --steps 12\n"
+      "Times are thread CPU seconds, so ranks sharing cores measure what separate GPUs would.\n"
+      "Config keys: keel config --markdown");
+  Status parsed = parser.Parse(argc, argv);
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "keel demo: %s\n\n%s", parsed.message().c_str(),
+                 parser.HelpText().c_str());
+    return 2;
+  }
+  if (parser.help_requested()) {
+    std::fputs(parser.HelpText().c_str(), stdout);
+    return 0;
+  }
+  Status checked = CheckFlags(flags);
+  if (!checked.ok()) return Fail(checked);
+  if (flags.comm == "mpi") return RunDemoOverMpi(argc, argv, flags, parser);
+  return RunBothModes(flags, parser, nullptr);
+}
+
+}  // namespace keel::tools

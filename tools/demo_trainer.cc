@@ -1,0 +1,558 @@
+// One rank of `keel demo`: the token gate, and the training loop over the engine. Forward per
+// layer: Route, dispatch (token, k) rows sorted by (rank, slot, token, k), run each local slot's
+// rows, send the outputs back, combine in k order. Backward in reverse layer order over the same
+// routing, accumulating int64 fixed-point weight gradients in the slots' gradient buffers. Then
+// ReduceGradients, Adam on the homes, StepEnd.
+#include "tools/demo_trainer.h"
+
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "migration/communicator.h"
+
+namespace keel::tools {
+namespace {
+
+double ThreadCpuSeconds() {
+  timespec now{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
+  return static_cast<double>(now.tv_sec) + static_cast<double>(now.tv_nsec) * 1e-9;
+}
+
+// Adds the thread CPU time of its scope to `*total`.
+class CpuTimer {
+ public:
+  explicit CpuTimer(double* total) : total_(total), start_(ThreadCpuSeconds()) {}
+  ~CpuTimer() { *total_ += ThreadCpuSeconds() - start_; }
+  CpuTimer(const CpuTimer&) = delete;
+  CpuTimer& operator=(const CpuTimer&) = delete;
+
+ private:
+  double* total_;
+  double start_;
+};
+
+// What one layer's forward leaves for its backward.
+struct LayerActivations {
+  std::vector<uint32_t> send_order;  // (token, k) indices in dispatch order
+  std::vector<int64_t> send_rows;    // [ranks] rows dispatched to each rank
+  std::vector<int64_t> recv_rows;    // [ranks] rows received from each rank
+  std::vector<int32_t> recv_slot;    // [received rows] local slot of each received row
+  std::vector<float> recv_x;         // [received rows, hidden] expert inputs
+  std::vector<float> activation;     // [received rows, ffn] relu(W1 · x)
+};
+
+// Per-rank CPU seconds of one step.
+struct StepTimes {
+  std::vector<double> expert;         // [layers]
+  std::vector<double> communication;  // [layers], Route included
+  double route = 0;
+  double control = 0;    // ReduceGradients + StepEnd
+  double optimizer = 0;  // Adam on the homes
+};
+
+class RankTrainer {
+ public:
+  explicit RankTrainer(const RankRunOptions& options)
+      : options_(options),
+        model_(options.model),
+        communicator_(*options.communicator),
+        rank_(communicator_.rank()),
+        ranks_(communicator_.size()),
+        weight_floats_(model_.ffn.weight_floats()) {}
+
+  Status Init();
+  Result<StepMeasurement> Step(int64_t step);
+  Result<std::vector<float>> GatherFinalWeights();
+  EngineStats stats() const { return engine_->stats(); }
+
+ private:
+  size_t SlotIndex(int layer, int local_slot) const {
+    return static_cast<size_t>(layer) * local_slots_ + local_slot;
+  }
+  float* Weights(int layer, int local_slot) {
+    return weights_.data() + SlotIndex(layer, local_slot) * weight_floats_;
+  }
+  int64_t* Gradients(int layer, int local_slot) {
+    return gradients_.data() + SlotIndex(layer, local_slot) * weight_floats_;
+  }
+  float* Optimizer(int layer, int persistent_slot) {
+    return optimizer_.data() +
+           (static_cast<size_t>(layer) * slots_per_rank_ + persistent_slot) * 2 * weight_floats_;
+  }
+  // The rank and local slot of a physical slot (LayerRoute::slot's numbering).
+  std::pair<int, int> Locate(int32_t slot) const {
+    const int persistent = ranks_ * slots_per_rank_;
+    if (slot < persistent) return {slot / slots_per_rank_, slot % slots_per_rank_};
+    const int transient = slot - persistent;
+    return {transient / transient_per_rank_, slots_per_rank_ + transient % transient_per_rank_};
+  }
+  Status SyncForTiming() {
+    return options_.barrier_before_timing ? communicator_.Barrier() : Status::Ok();
+  }
+  // Sends rows of `width` floats (rows_to[r] to rank r, back to back in `send`) and receives
+  // into `recv`; every rank r must send expected_from[r] rows, or the routing is inconsistent.
+  Status ExchangeRows(std::span<const float> send, std::span<const int64_t> rows_to,
+                      std::span<const int64_t> expected_from, int width, std::vector<float>& recv,
+                      std::string_view what, double* cpu);
+  Status Forward(int64_t step, int layer, StepTimes& times, std::vector<int64_t>& rows);
+  Status Backward(int layer, StepTimes& times);
+
+  const RankRunOptions& options_;
+  const DemoModelOptions& model_;
+  Communicator& communicator_;
+  const int rank_;
+  const int ranks_;
+  const size_t weight_floats_;
+  std::unique_ptr<Engine> engine_;
+  int slots_per_rank_ = 0;
+  int transient_per_rank_ = 0;
+  int local_slots_ = 0;
+
+  std::vector<float> weights_;      // [layers, local slots, weight_floats]
+  std::vector<int64_t> gradients_;  // [layers, local slots, weight_floats]
+  std::vector<float> optimizer_;    // [layers, persistent slots, 2 * weight_floats]
+  std::vector<float> teacher_;      // [hidden, hidden]
+
+  // This step.
+  std::vector<std::vector<float>> x_;  // [layers + 1][tokens, hidden] layer inputs, then output
+  std::vector<float> targets_;         // [tokens, hidden]
+  std::vector<float> d_x_;             // [tokens, hidden] gradient at the current layer output
+  std::vector<LayerActivations> layers_;
+  std::vector<int32_t> topk_ids_;
+  std::vector<float> send_;
+  std::vector<float> recv_;
+  std::vector<float> expert_out_;  // [received rows, hidden]
+  std::vector<float> gathered_;    // [tokens * top_k, hidden] in (token, k) order
+  double exposed_before_ = 0;
+};
+
+Status RankTrainer::Init() {
+  EngineOptions engine_options;
+  engine_options.config = options_.config;
+  engine_options.num_layers = model_.layers;
+  engine_options.num_experts = model_.experts;
+  engine_options.top_k = model_.top_k;
+  engine_options.shape.weight_bytes = model_.ffn.weight_bytes();
+  engine_options.shape.gradient_bytes = model_.ffn.gradient_bytes();
+  engine_options.shape.optimizer_bytes = model_.ffn.optimizer_bytes();
+  engine_options.shape.gradient_type = GradientType::kFixedInt64;
+  engine_options.communicator = &communicator_;
+  engine_options.fabric = options_.fabric;
+  engine_options.metrics = options_.metrics;
+  KEEL_ASSIGN_OR_RETURN(engine_, Engine::Create(engine_options));
+  slots_per_rank_ = engine_->slots_per_rank();
+  transient_per_rank_ = engine_->transient_per_rank();
+  local_slots_ = engine_->local_slots();
+
+  const size_t slots = static_cast<size_t>(model_.layers) * local_slots_;
+  weights_.assign(slots * weight_floats_, 0.0f);
+  gradients_.assign(slots * weight_floats_, 0);
+  optimizer_.assign(static_cast<size_t>(model_.layers) * slots_per_rank_ * 2 * weight_floats_,
+                    0.0f);
+  for (int l = 0; l < model_.layers; ++l) {
+    const Placement& placement = engine_->placement(l);
+    for (int s = 0; s < local_slots_; ++s) {
+      SlotBuffers buffers;
+      buffers.weights = Weights(l, s);
+      buffers.gradients = Gradients(l, s);
+      if (s < slots_per_rank_) {
+        buffers.optimizer = Optimizer(l, s);
+        // Every copy of an expert starts from the same bits as its home.
+        const int expert = placement.expert_at(rank_ * slots_per_rank_ + s);
+        if (expert >= 0) {
+          InitExpertWeights(model_.ffn, model_.seed, l, expert, {Weights(l, s), weight_floats_});
+        }
+      }
+      KEEL_RETURN_IF_ERROR(engine_->RegisterSlot(l, s, buffers));
+    }
+  }
+  teacher_ = MakeTeacher(model_.ffn.hidden, model_.seed);
+  const size_t activations = static_cast<size_t>(model_.tokens) * model_.ffn.hidden;
+  x_.assign(model_.layers + 1, std::vector<float>(activations));
+  targets_.resize(activations);
+  d_x_.resize(activations);
+  layers_.resize(model_.layers);
+  topk_ids_.resize(static_cast<size_t>(model_.tokens) * model_.top_k);
+  return Status::Ok();
+}
+
+Status RankTrainer::ExchangeRows(std::span<const float> send, std::span<const int64_t> rows_to,
+                                 std::span<const int64_t> expected_from, int width,
+                                 std::vector<float>& recv, std::string_view what, double* cpu) {
+  KEEL_RETURN_IF_ERROR(SyncForTiming());
+  CpuTimer timer(cpu);
+  const size_t row_bytes = static_cast<size_t>(width) * sizeof(float);
+  std::vector<size_t> send_bytes(ranks_);
+  for (int r = 0; r < ranks_; ++r) send_bytes[r] = static_cast<size_t>(rows_to[r]) * row_bytes;
+  std::vector<std::byte> received;
+  std::vector<size_t> recv_bytes;
+  KEEL_RETURN_IF_ERROR(
+      communicator_.AllToAllV(std::as_bytes(send), send_bytes, received, recv_bytes));
+  for (int r = 0; r < ranks_; ++r) {
+    if (recv_bytes[r] != static_cast<size_t>(expected_from[r]) * row_bytes) {
+      return Internal(std::string(what) + ": rank " + std::to_string(rank_) + " received " +
+                      std::to_string(recv_bytes[r] / row_bytes) + " rows from rank " +
+                      std::to_string(r) + ", the routing said " + std::to_string(expected_from[r]));
+    }
+  }
+  recv.resize(received.size() / sizeof(float));
+  if (!received.empty()) std::memcpy(recv.data(), received.data(), received.size());
+  return Status::Ok();
+}
+
+Status RankTrainer::Forward(int64_t step, int layer, StepTimes& times, std::vector<int64_t>& rows) {
+  const int hidden = model_.ffn.hidden;
+  const int top_k = model_.top_k;
+  const size_t choices = topk_ids_.size();
+  options_.gate->Draw(step, layer, rank_, topk_ids_);
+
+  KEEL_RETURN_IF_ERROR(SyncForTiming());
+  const double route_start = ThreadCpuSeconds();
+  Result<LayerRoute> routed = engine_->Route(layer, topk_ids_);
+  const double route_cpu = ThreadCpuSeconds() - route_start;
+  times.route += route_cpu;
+  times.communication[layer] += route_cpu;
+  if (!routed.ok())
+    return routed.status().WithContext("Route(layer " + std::to_string(layer) + ")");
+  const LayerRoute& route = *routed;
+
+  // Dispatch order: a counting sort on (rank, local slot), stable in (token, k).
+  LayerActivations& act = layers_[layer];
+  std::vector<uint32_t> bucket_rows(static_cast<size_t>(ranks_) * local_slots_ + 1, 0);
+  std::vector<uint32_t> bucket(choices);
+  act.send_rows.assign(ranks_, 0);
+  for (size_t i = 0; i < choices; ++i) {
+    const int32_t slot = route.slot[i];
+    if (slot < 0) {
+      bucket[i] = static_cast<uint32_t>(bucket_rows.size() - 1);  // dropped: not sent
+      continue;
+    }
+    const auto [owner, local] = Locate(slot);
+    bucket[i] = static_cast<uint32_t>(owner * local_slots_ + local);
+    ++bucket_rows[bucket[i]];
+    ++act.send_rows[owner];
+  }
+  if (act.send_rows != route.send_counts) {
+    return Internal("Route(layer " + std::to_string(layer) + ") on rank " + std::to_string(rank_) +
+                    ": send_counts disagree with the rows its slots send to each rank");
+  }
+  std::vector<size_t> start(bucket_rows.size(), 0);
+  for (size_t b = 1; b < bucket_rows.size(); ++b) start[b] = start[b - 1] + bucket_rows[b - 1];
+  const size_t sent = start.back();
+  act.send_order.resize(sent);
+  for (size_t i = 0; i < choices; ++i) {
+    if (route.slot[i] >= 0) act.send_order[start[bucket[i]]++] = static_cast<uint32_t>(i);
+  }
+  send_.resize(sent * hidden);
+  const std::vector<float>& x = x_[layer];
+  for (size_t r = 0; r < sent; ++r) {
+    const size_t token = act.send_order[r] / top_k;
+    std::memcpy(send_.data() + r * hidden, x.data() + token * hidden, hidden * sizeof(float));
+  }
+  act.recv_rows = route.recv_totals;
+  KEEL_RETURN_IF_ERROR(ExchangeRows(send_, act.send_rows, act.recv_rows, hidden, act.recv_x,
+                                    "dispatch", &times.communication[layer]));
+
+  // Received rows come grouped by source rank, then by local slot ascending.
+  const size_t received = act.recv_x.size() / hidden;
+  act.recv_slot.clear();
+  for (int source = 0; source < ranks_; ++source) {
+    for (int s = 0; s < local_slots_; ++s) {
+      const int64_t count = route.recv_counts[static_cast<size_t>(source) * local_slots_ + s];
+      if (count > 0 && route.local_experts[s] < 0) {
+        return Internal("Route(layer " + std::to_string(layer) + ") sends rows to local slot " +
+                        std::to_string(s) + " of rank " + std::to_string(rank_) +
+                        ", which holds no expert");
+      }
+      act.recv_slot.insert(act.recv_slot.end(), static_cast<size_t>(count), s);
+      rows[static_cast<size_t>(rank_) * model_.layers + layer] += count;
+    }
+  }
+  if (act.recv_slot.size() != received) {
+    return Internal("Route(layer " + std::to_string(layer) + ") on rank " + std::to_string(rank_) +
+                    ": recv_counts add up to " + std::to_string(act.recv_slot.size()) +
+                    " rows, recv_totals to " + std::to_string(received));
+  }
+  {
+    CpuTimer timer(&times.expert[layer]);
+    const int ffn = model_.ffn.ffn;
+    act.activation.resize(received * ffn);
+    expert_out_.resize(received * hidden);
+    for (size_t r = 0; r < received; ++r) {
+      ExpertForward(model_.ffn, Weights(layer, act.recv_slot[r]), act.recv_x.data() + r * hidden,
+                    expert_out_.data() + r * hidden, act.activation.data() + r * ffn);
+    }
+  }
+  KEEL_RETURN_IF_ERROR(ExchangeRows(expert_out_, act.recv_rows, act.send_rows, hidden, recv_,
+                                    "combine", &times.communication[layer]));
+
+  // Combine: outputs come back in dispatch order; dropped choices add nothing.
+  gathered_.assign(choices * hidden, 0.0f);
+  for (size_t r = 0; r < sent; ++r) {
+    std::memcpy(gathered_.data() + static_cast<size_t>(act.send_order[r]) * hidden,
+                recv_.data() + r * hidden, hidden * sizeof(float));
+  }
+  const float gate = 1.0f / static_cast<float>(top_k);
+  std::vector<float>& out = x_[layer + 1];
+  for (int t = 0; t < model_.tokens; ++t) {
+    const size_t row = static_cast<size_t>(t) * hidden;
+    CombineRow(hidden, top_k, gate, x.data() + row, gathered_.data() + row * top_k,
+               out.data() + row);
+  }
+  return Status::Ok();
+}
+
+Status RankTrainer::Backward(int layer, StepTimes& times) {
+  const int hidden = model_.ffn.hidden;
+  const int ffn = model_.ffn.ffn;
+  const int top_k = model_.top_k;
+  const LayerActivations& act = layers_[layer];
+  const float gate = 1.0f / static_cast<float>(top_k);
+  // d_x_ holds the gradient at this layer's output; each expert gets gate · d_out.
+  const size_t sent = act.send_order.size();
+  send_.resize(sent * hidden);
+  for (size_t r = 0; r < sent; ++r) {
+    const float* d_out = d_x_.data() + static_cast<size_t>(act.send_order[r] / top_k) * hidden;
+    for (int i = 0; i < hidden; ++i) send_[r * hidden + i] = gate * d_out[i];
+  }
+  KEEL_RETURN_IF_ERROR(ExchangeRows(send_, act.send_rows, act.recv_rows, hidden, recv_,
+                                    "backward dispatch", &times.communication[layer]));
+  const size_t received = act.recv_slot.size();
+  {
+    CpuTimer timer(&times.expert[layer]);
+    expert_out_.resize(received * hidden);
+    std::vector<float> scratch(ffn);
+    for (size_t r = 0; r < received; ++r) {
+      const int slot = act.recv_slot[r];
+      ExpertBackward(model_.ffn, Weights(layer, slot), act.recv_x.data() + r * hidden,
+                     act.activation.data() + r * ffn, recv_.data() + r * hidden,
+                     Gradients(layer, slot), expert_out_.data() + r * hidden, scratch.data());
+    }
+  }
+  KEEL_RETURN_IF_ERROR(ExchangeRows(expert_out_, act.recv_rows, act.send_rows, hidden, recv_,
+                                    "backward combine", &times.communication[layer]));
+  // d_in = d_out + Σ_k dx_k in k order (the residual plus every expert's input gradient).
+  gathered_.assign(topk_ids_.size() * hidden, 0.0f);
+  for (size_t r = 0; r < sent; ++r) {
+    std::memcpy(gathered_.data() + static_cast<size_t>(act.send_order[r]) * hidden,
+                recv_.data() + r * hidden, hidden * sizeof(float));
+  }
+  for (int t = 0; t < model_.tokens; ++t) {
+    float* d = d_x_.data() + static_cast<size_t>(t) * hidden;
+    const float* dx = gathered_.data() + static_cast<size_t>(t) * top_k * hidden;
+    for (int i = 0; i < hidden; ++i) {
+      float sum = d[i];
+      for (int k = 0; k < top_k; ++k) sum += dx[static_cast<size_t>(k) * hidden + i];
+      d[i] = sum;
+    }
+  }
+  return Status::Ok();
+}
+
+Result<StepMeasurement> RankTrainer::Step(int64_t step) {
+  const int layers = model_.layers;
+  const int hidden = model_.ffn.hidden;
+  StepTimes times;
+  times.expert.assign(layers, 0.0);
+  times.communication.assign(layers, 0.0);
+  std::vector<int64_t> rows(static_cast<size_t>(ranks_) * layers, 0);  // [rank, layer]
+
+  DrawTokenInputs(model_.seed, rank_, step, x_[0]);
+  TeacherTargets(hidden, teacher_, x_[0], targets_);
+  std::fill(gradients_.begin(), gradients_.end(), 0);
+  for (int l = 0; l < layers; ++l) KEEL_RETURN_IF_ERROR(Forward(step, l, times, rows));
+
+  double loss = 0;
+  for (int t = 0; t < model_.tokens; ++t) {
+    const size_t row = static_cast<size_t>(t) * hidden;
+    loss += RowLoss(hidden, x_[layers].data() + row, targets_.data() + row, d_x_.data() + row);
+  }
+  for (int l = layers - 1; l >= 0; --l) KEEL_RETURN_IF_ERROR(Backward(l, times));
+
+  KEEL_RETURN_IF_ERROR(SyncForTiming());
+  {
+    CpuTimer timer(&times.control);
+    KEEL_RETURN_IF_ERROR(engine_->ReduceGradients().WithContext("ReduceGradients"));
+  }
+  {
+    CpuTimer timer(&times.optimizer);
+    const double global_tokens = static_cast<double>(model_.tokens) * ranks_;
+    for (int l = 0; l < layers; ++l) {
+      for (const HomeSlot& home : engine_->HomeSlots(l)) {
+        AdamUpdate(model_.adam, step + 1, global_tokens,
+                   {Gradients(l, home.local_slot), weight_floats_},
+                   {Weights(l, home.local_slot), weight_floats_},
+                   {Optimizer(l, home.local_slot), 2 * weight_floats_});
+      }
+    }
+  }
+  KEEL_RETURN_IF_ERROR(SyncForTiming());
+  {
+    CpuTimer timer(&times.control);
+    KEEL_RETURN_IF_ERROR(engine_->StepEnd().WithContext("StepEnd"));
+  }
+  const EngineStats stats = engine_->stats();
+
+  // Reduce over ranks: the maxima of the times, the sums of rows and loss.
+  std::vector<double> maxima;
+  maxima.insert(maxima.end(), times.expert.begin(), times.expert.end());
+  maxima.insert(maxima.end(), times.communication.begin(), times.communication.end());
+  maxima.push_back(times.control + times.optimizer);
+  maxima.push_back(times.route + times.control);
+  maxima.push_back(stats.exposed_migration_seconds - exposed_before_);
+  exposed_before_ = stats.exposed_migration_seconds;
+  KEEL_RETURN_IF_ERROR(communicator_.AllReduce(maxima, ReduceOp::kMax));
+  std::vector<double> loss_sum = {loss};
+  KEEL_RETURN_IF_ERROR(communicator_.AllReduce(loss_sum, ReduceOp::kSum));
+  KEEL_RETURN_IF_ERROR(communicator_.AllReduce(rows, ReduceOp::kSum));
+
+  StepMeasurement m;
+  m.step = step;
+  m.loss = loss_sum[0] / (static_cast<double>(model_.tokens) * ranks_);
+  for (int l = 0; l < layers; ++l) {
+    m.expert_seconds += maxima[l];
+    m.communication_seconds += maxima[layers + l];
+  }
+  m.control_seconds = maxima[2 * layers];
+  m.engine_seconds = maxima[2 * layers + 1];
+  m.exposed_migration_seconds = maxima[2 * layers + 2];
+  m.parallel_step_seconds =
+      m.expert_seconds + m.communication_seconds + m.control_seconds + m.exposed_migration_seconds;
+  m.rank_rows.assign(ranks_, 0);
+  for (int l = 0; l < layers; ++l) {
+    int64_t total = 0;
+    int64_t most = 0;
+    for (int r = 0; r < ranks_; ++r) {
+      const int64_t count = rows[static_cast<size_t>(r) * layers + l];
+      m.rank_rows[r] += count;
+      total += count;
+      most = std::max(most, count);
+    }
+    m.imbalance +=
+        total > 0 ? static_cast<double>(most) * ranks_ / static_cast<double>(total) : 1.0;
+  }
+  m.imbalance /= layers;
+  m.epoch = stats.epoch;
+  m.epochs_committed = stats.epochs_committed;
+  m.epochs_aborted = stats.epochs_aborted;
+  m.migration_in_flight = stats.migration_in_flight;
+  m.bytes_moved = stats.bytes_moved;
+  return m;
+}
+
+// Every rank contributes (layer, expert, weights) of its homes; every rank assembles them all.
+Result<std::vector<float>> RankTrainer::GatherFinalWeights() {
+  std::string mine;
+  const size_t weight_bytes = weight_floats_ * sizeof(float);
+  for (int l = 0; l < model_.layers; ++l) {
+    for (const HomeSlot& home : engine_->HomeSlots(l)) {
+      const int32_t key[2] = {l, home.expert};
+      mine.append(reinterpret_cast<const char*>(key), sizeof(key));
+      mine.append(reinterpret_cast<const char*>(Weights(l, home.local_slot)), weight_bytes);
+    }
+  }
+  KEEL_ASSIGN_OR_RETURN(std::vector<std::string> all, communicator_.AllGather(mine));
+  std::vector<float> weights(static_cast<size_t>(model_.layers) * model_.experts * weight_floats_,
+                             0.0f);
+  std::vector<int> seen(static_cast<size_t>(model_.layers) * model_.experts, 0);
+  const size_t record = 2 * sizeof(int32_t) + weight_bytes;
+  for (const std::string& part : all) {
+    for (size_t at = 0; at + record <= part.size(); at += record) {
+      int32_t key[2];
+      std::memcpy(key, part.data() + at, sizeof(key));
+      const size_t index = static_cast<size_t>(key[0]) * model_.experts + key[1];
+      if (key[0] < 0 || key[0] >= model_.layers || key[1] < 0 || key[1] >= model_.experts) {
+        return Internal("final weights: bad (layer, expert) record");
+      }
+      ++seen[index];
+      std::memcpy(weights.data() + index * weight_floats_, part.data() + at + sizeof(key),
+                  weight_bytes);
+    }
+  }
+  for (size_t i = 0; i < seen.size(); ++i) {
+    if (seen[i] != 1) {
+      return Internal("final weights: expert " + std::to_string(i % model_.experts) + " of layer " +
+                      std::to_string(i / model_.experts) + " has " + std::to_string(seen[i]) +
+                      " homes");
+    }
+  }
+  return weights;
+}
+
+}  // namespace
+
+Result<TokenGate> TokenGate::Synthetic(const SyntheticTraceOptions& options) {
+  KEEL_ASSIGN_OR_RETURN(Trace trace, GenerateSyntheticTrace(options));
+  return TokenGate(std::move(trace), options.num_sources, options.tokens_per_source, options.top_k,
+                   options.seed);
+}
+
+Result<TokenGate> TokenGate::FromTrace(Trace trace, const DemoModelOptions& model, int ranks) {
+  KEEL_RETURN_IF_ERROR(trace.Validate());
+  if (trace.num_steps() == 0) return InvalidArgument("trace has no steps");
+  if (trace.num_layers != model.layers || trace.num_experts != model.experts) {
+    return InvalidArgument("trace has " + std::to_string(trace.num_layers) + " layers x " +
+                           std::to_string(trace.num_experts) + " experts, the model " +
+                           std::to_string(model.layers) + " x " + std::to_string(model.experts));
+  }
+  return TokenGate(std::move(trace), ranks, model.tokens, model.top_k, model.seed);
+}
+
+TokenGate::TokenGate(Trace trace, int ranks, int tokens, int top_k, uint64_t seed)
+    : trace_(std::move(trace)), ranks_(ranks), tokens_(tokens), top_k_(top_k), seed_(seed) {}
+
+std::vector<int64_t> TokenGate::Counts(int64_t step, int layer, int rank) const {
+  const int trace_step = static_cast<int>(step % trace_.num_steps());
+  const int64_t total = static_cast<int64_t>(tokens_) * top_k_;
+  std::vector<double> loads;
+  if (trace_.num_sources == ranks_) {
+    const std::span<const double> row = trace_.layer_row(trace_step, layer);
+    loads.assign(row.begin() + static_cast<size_t>(rank) * trace_.num_experts,
+                 row.begin() + static_cast<size_t>(rank + 1) * trace_.num_experts);
+  } else {
+    loads = trace_.ExpertCounts(trace_step, layer);
+  }
+  // A synthetic trace's row is already exact; keep it so.
+  double sum = 0;
+  bool integral = true;
+  for (double load : loads) {
+    sum += load;
+    integral = integral && load == static_cast<double>(static_cast<int64_t>(load));
+  }
+  if (integral && sum == static_cast<double>(total)) {
+    return std::vector<int64_t>(loads.begin(), loads.end());
+  }
+  return ScaleCounts(loads, total);
+}
+
+void TokenGate::Draw(int64_t step, int layer, int rank, std::span<int32_t> topk_ids) const {
+  const std::vector<int64_t> counts = Counts(step, layer, rank);
+  const uint64_t words[] = {seed_, 4, static_cast<uint64_t>(step), static_cast<uint64_t>(layer),
+                            static_cast<uint64_t>(rank)};
+  DrawTopkIds(counts, tokens_, top_k_, MixSeed(words), topk_ids);
+}
+
+Result<RankRunResult> RunRank(const RankRunOptions& options) {
+  if (options.communicator == nullptr || options.gate == nullptr) {
+    return InvalidArgument("RunRank needs a communicator and a gate");
+  }
+  RankTrainer trainer(options);
+  KEEL_RETURN_IF_ERROR(trainer.Init());
+  RankRunResult result;
+  for (int64_t step = 0; step < options.model.steps; ++step) {
+    KEEL_ASSIGN_OR_RETURN(StepMeasurement measurement, trainer.Step(step));
+    if (options.on_step) options.on_step(measurement);
+    result.steps.push_back(std::move(measurement));
+  }
+  result.stats = trainer.stats();
+  KEEL_ASSIGN_OR_RETURN(result.final_weights, trainer.GatherFinalWeights());
+  return result;
+}
+
+}  // namespace keel::tools

@@ -1,0 +1,108 @@
+// One rank of `keel demo`: trains the small MoE model of tools/demo_model.h through the Keel
+// engine (Route, all-to-all dispatch and combine, backward, ReduceGradients, Adam on the homes,
+// StepEnd) and measures each step the way separate GPUs would see it. The gate that draws each
+// rank's top-k expert ids from a synthetic or recorded routing trace lives here too.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/config.h"
+#include "common/status.h"
+#include "keel/engine.hpp"
+#include "monitor/trace.h"
+#include "tools/demo_model.h"
+
+namespace keel::tools {
+
+// The model and its training run, the same on every rank.
+struct DemoModelOptions {
+  int layers = 4;
+  int experts = 32;
+  int top_k = 2;
+  int tokens = 4096;  // per rank per step
+  FfnShape ffn;
+  int steps = 40;
+  uint64_t seed = 1;
+  AdamOptions adam;
+};
+
+// Where each rank's top-k expert ids come from: per (step, layer, rank) expert counts of a
+// routing trace, turned into ids by DrawTopkIds. A synthetic trace (monitor/trace.h's Zipf
+// generator with drifting popularity and bursts) has one source per rank with exactly tokens ·
+// top_k selections each; a recorded trace is replayed in a loop over its steps, its per-source
+// row when it has one source per rank, else its per-expert totals, scaled to tokens · top_k.
+class TokenGate {
+ public:
+  // `options` carries the seed, zipf exponent and the shape (steps, layers, experts, top-k,
+  // tokens per source); num_sources must be the number of ranks.
+  static Result<TokenGate> Synthetic(const SyntheticTraceOptions& options);
+  // Fails when the trace's layers or experts differ from the model's.
+  static Result<TokenGate> FromTrace(Trace trace, const DemoModelOptions& model, int ranks);
+
+  // topk_ids: [tokens, top_k] int32 of `rank` at (step, layer).
+  void Draw(int64_t step, int layer, int rank, std::span<int32_t> topk_ids) const;
+  // [experts] selection counts Draw uses.
+  std::vector<int64_t> Counts(int64_t step, int layer, int rank) const;
+  const std::string& description() const { return trace_.description; }
+
+ private:
+  TokenGate(Trace trace, int ranks, int tokens, int top_k, uint64_t seed);
+
+  Trace trace_;
+  int ranks_;
+  int tokens_;
+  int top_k_;
+  uint64_t seed_;
+};
+
+// One training step, reduced over the ranks (identical on every rank). Times are thread CPU
+// seconds (CLOCK_THREAD_CPUTIME_ID), so ranks that share cores measure what separate GPUs would,
+// except exposed migration, which is the engine's wall-clock wait.
+struct StepMeasurement {
+  int64_t step = 0;
+  double loss = 0;  // mean over every token of every rank
+  // Σ_layers (max_ranks expert + max_ranks communication) + max_ranks control + exposed migration.
+  double parallel_step_seconds = 0;
+  double expert_seconds = 0;         // Σ_layers max over ranks, forward + backward
+  double communication_seconds = 0;  // Σ_layers max over ranks: Route and the all-to-alls
+  double control_seconds = 0;  // max over ranks: ReduceGradients + Adam + StepEnd, not waiting
+  double engine_seconds = 0;   // max over ranks: Route + ReduceGradients + StepEnd (overhead)
+  double exposed_migration_seconds = 0;  // max over ranks, this step
+  double imbalance = 0;                  // max rank rows / mean rank rows, mean over layers
+  std::vector<int64_t> rank_rows;        // [ranks] rows each rank's experts computed, all layers
+  int64_t epoch = 0;
+  int64_t epochs_committed = 0;
+  int64_t epochs_aborted = 0;
+  bool migration_in_flight = false;
+  uint64_t bytes_moved = 0;  // so far
+};
+
+struct RankRunOptions {
+  DemoModelOptions model;
+  KeelConfig config;  // policy, slots and migration transport of this run
+  const TokenGate* gate = nullptr;
+  Communicator* communicator = nullptr;
+  LocalFabric* fabric = nullptr;  // for the local transport
+  Metrics* metrics = nullptr;     // shared exporter (may be null)
+  // Barrier (untimed) before each timed collective, so the time measured inside it is the
+  // exchange and not the wait for the slowest rank: needed where waiting burns CPU (MPI polls).
+  bool barrier_before_timing = false;
+  // Called on every rank after every step.
+  std::function<void(const StepMeasurement&)> on_step;
+};
+
+struct RankRunResult {
+  std::vector<StepMeasurement> steps;
+  EngineStats stats;
+  // [layers, experts, weight_floats] every expert's final home weights, gathered from every rank.
+  std::vector<float> final_weights;
+};
+
+// Collective: every rank of `communicator` runs it with the same options.
+Result<RankRunResult> RunRank(const RankRunOptions& options);
+
+}  // namespace keel::tools
