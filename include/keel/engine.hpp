@@ -128,8 +128,9 @@ class Engine {
 
   // Registers this rank's buffers of `layer`'s local slot `local_slot` (persistent slots
   // [0, slots_per_rank), then transient ones). Every slot of every layer must be registered
-  // before the first Route; the trainer fills the initial weights and optimizer state of the
-  // home slots (see HomeSlots) and StepEnd-style pushes keep replicas equal to their home.
+  // before the first Route. The trainer fills every persistent slot with its expert's initial
+  // weights (placement(layer) says which expert) and the home slots (HomeSlots) with their
+  // optimizer state; from then on StepEnd keeps every replica equal to its home.
   Status RegisterSlot(int layer, int local_slot, const SlotBuffers& buffers);
 
   // Collective per layer, in layer order. topk_ids: [num_tokens, top_k] int32 logical expert ids
