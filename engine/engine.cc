@@ -137,6 +137,14 @@ class Engine::Impl {
   Status StepEnd();
   std::vector<HomeSlotEntry> HomeSlots(int layer) const;
   bool migrating() const { return migrating_; }
+  int RankOfPhysical(int slot) const {
+    return slot < num_slots() ? slot / slots_per_rank_
+                              : (slot - num_slots()) / std::max(1, transient_per_rank_);
+  }
+  int LocalOfPhysical(int slot) const {
+    return slot < num_slots() ? slot % slots_per_rank_
+                              : slots_per_rank_ + (slot - num_slots()) % transient_per_rank_;
+  }
 
   const EngineOptions options_;
   Communicator& communicator_;
@@ -162,14 +170,6 @@ class Engine::Impl {
     return copy < num_slots() ? copy : transient_slot[copy - num_slots()];
   }
   std::vector<int> TransientSlots(const StepRouting& routing) const;
-  int RankOfPhysical(int slot) const {
-    return slot < num_slots() ? slot / slots_per_rank_
-                              : (slot - num_slots()) / std::max(1, transient_per_rank_);
-  }
-  int LocalOfPhysical(int slot) const {
-    return slot < num_slots() ? slot % slots_per_rank_
-                              : slots_per_rank_ + (slot - num_slots()) % transient_per_rank_;
-  }
   Status FillTransients(int layer, const Placement& placement, const StepRouting& routing,
                         const std::vector<int>& transient_slot);
   Status ResolveMigration(bool& commit);
@@ -531,13 +531,13 @@ Status Engine::Impl::ResolveMigration(bool& commit) {
   stats_.exposed_migration_seconds += SecondsSince(start);
   migrating_ = false;
   const MigrationReport report = migrator_->last_report();
-  std::vector<int64_t> verdict = {status.ok() ? 1 : 0};
-  KEEL_RETURN_IF_ERROR(communicator_.AllReduce(verdict, ReduceOp::kMin));
-  std::vector<int64_t> moved = {
-      static_cast<int64_t>(report.bytes_sent + report.bytes_copied_locally)};
-  KEEL_RETURN_IF_ERROR(communicator_.AllReduce(moved, ReduceOp::kSum));
-  stats_.bytes_moved += static_cast<uint64_t>(moved[0]);
-  if (verdict[0] == 1) {
+  // One sum agrees on both: how many ranks failed their transfers, and the bytes moved.
+  std::vector<int64_t> outcome = {
+      status.ok() ? 0 : 1, static_cast<int64_t>(report.bytes_sent + report.bytes_copied_locally)};
+  KEEL_RETURN_IF_ERROR(communicator_.AllReduce(outcome, ReduceOp::kSum));
+  const int64_t moved = outcome[1];
+  stats_.bytes_moved += static_cast<uint64_t>(moved);
+  if (outcome[0] == 0) {
     commit = true;
   } else {
     if (status.ok()) {
@@ -551,7 +551,7 @@ Status Engine::Impl::ResolveMigration(bool& commit) {
   }
   if (metrics_ != nullptr) {
     metrics_->RecordMigration(commit ? MigrationOutcome::kOk : MigrationOutcome::kAborted,
-                              transport_->name(), static_cast<double>(moved[0]), report.seconds,
+                              transport_->name(), static_cast<double>(moved), report.seconds,
                               SecondsSince(start));
     metrics_->SetMigrationsInFlight(0);
   }
@@ -866,6 +866,9 @@ Result<LayerRoute> Engine::Route(int layer, std::span<const int32_t> topk_ids) {
 Status Engine::ReduceGradients() { return impl_->ReduceGradients(); }
 Status Engine::StepEnd() { return impl_->StepEnd(); }
 std::vector<HomeSlotEntry> Engine::HomeSlots(int layer) const { return impl_->HomeSlots(layer); }
+Engine::SlotLocation Engine::LocateSlot(int slot) const {
+  return {impl_->RankOfPhysical(slot), impl_->LocalOfPhysical(slot)};
+}
 const Placement& Engine::placement(int layer) const { return impl_->placements_.at(layer); }
 int64_t Engine::epoch() const { return impl_->stats_.epoch; }
 EngineStats Engine::stats() const {

@@ -85,13 +85,6 @@ class RankTrainer {
     return optimizer_.data() +
            (static_cast<size_t>(layer) * slots_per_rank_ + persistent_slot) * 2 * weight_floats_;
   }
-  // The rank and local slot of a physical slot (LayerRoute::slot's numbering).
-  std::pair<int, int> Locate(int32_t slot) const {
-    const int persistent = ranks_ * slots_per_rank_;
-    if (slot < persistent) return {slot / slots_per_rank_, slot % slots_per_rank_};
-    const int transient = slot - persistent;
-    return {transient / transient_per_rank_, slots_per_rank_ + transient % transient_per_rank_};
-  }
   Status SyncForTiming() {
     return options_.barrier_before_timing ? communicator_.Barrier() : Status::Ok();
   }
@@ -111,7 +104,6 @@ class RankTrainer {
   const size_t weight_floats_;
   std::unique_ptr<Engine> engine_;
   int slots_per_rank_ = 0;
-  int transient_per_rank_ = 0;
   int local_slots_ = 0;
 
   std::vector<float> weights_;      // [layers, local slots, weight_floats]
@@ -147,7 +139,6 @@ Status RankTrainer::Init() {
   engine_options.metrics = options_.metrics;
   KEEL_ASSIGN_OR_RETURN(engine_, Engine::Create(engine_options));
   slots_per_rank_ = engine_->slots_per_rank();
-  transient_per_rank_ = engine_->transient_per_rank();
   local_slots_ = engine_->local_slots();
 
   const size_t slots = static_cast<size_t>(model_.layers) * local_slots_;
@@ -233,7 +224,7 @@ Status RankTrainer::Forward(int64_t step, int layer, StepTimes& times, std::vect
       bucket[i] = static_cast<uint32_t>(bucket_rows.size() - 1);  // dropped: not sent
       continue;
     }
-    const auto [owner, local] = Locate(slot);
+    const auto [owner, local] = engine_->LocateSlot(slot);
     bucket[i] = static_cast<uint32_t>(owner * local_slots_ + local);
     ++bucket_rows[bucket[i]];
     ++act.send_rows[owner];

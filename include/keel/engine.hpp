@@ -152,6 +152,14 @@ class Engine {
   // until ReduceGradients of a later step.
   Status StepEnd();
 
+  // Where physical slot `slot` (LayerRoute::slot's numbering) lives: its rank and its local slot
+  // there (persistent slots first, then transient ones).
+  struct SlotLocation {
+    int rank = 0;
+    int local_slot = 0;
+  };
+  SlotLocation LocateSlot(int slot) const;
+
   // This rank's home slots of `layer` under the placement in force.
   std::vector<HomeSlot> HomeSlots(int layer) const;
   // The placement in force for `layer` (same on every rank).
