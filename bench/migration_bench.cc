@@ -16,7 +16,7 @@
 
 #include <benchmark/benchmark.h>
 
-#include "migration/checksum.h"
+#include "kernels/checksum.h"
 #include "migration/exchange.h"
 #include "migration/migrator.h"
 #include "migration/transport_factory.h"
@@ -51,7 +51,7 @@ BENCHMARK(BM_Memcpy64MiB)->Unit(benchmark::kMillisecond);
 
 void BM_Checksum64MiB(benchmark::State& state) {
   std::vector<std::byte> a(kExpertBytes, std::byte{1});
-  for (auto _ : state) benchmark::DoNotOptimize(Checksum64(a));
+  for (auto _ : state) benchmark::DoNotOptimize(kernels::cpu::Checksum64(a));
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kExpertBytes));
 }
 BENCHMARK(BM_Checksum64MiB)->Unit(benchmark::kMillisecond);

@@ -15,6 +15,8 @@
 #include <utility>
 
 #include "common/log.h"
+#include "kernels/histogram.h"
+#include "kernels/remap.h"
 #include "migration/expert_store.h"
 #include "migration/migrator.h"
 #include "migration/transfer_plan.h"
@@ -34,6 +36,19 @@ namespace {
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The message for the first id in `topk_ids` that is neither an expert nor -1.
+Status InvalidExpertId(std::span<const int32_t> topk_ids, int num_experts) {
+  for (size_t i = 0; i < topk_ids.size(); ++i) {
+    const int32_t id = topk_ids[i];
+    if (id != -1 && (id < 0 || id >= num_experts)) {
+      return InvalidArgument("topk_ids[" + std::to_string(i) + "] = " + std::to_string(id) +
+                             " is not an expert id in [0, " + std::to_string(num_experts) +
+                             ") or -1");
+    }
+  }
+  return Internal("an invalid expert id was counted but not found");
 }
 
 size_t GradientElementBytes(GradientType type) {
@@ -133,6 +148,7 @@ class Engine::Impl {
   Status Init();
   Status RegisterSlot(int layer, int local_slot, const SlotBuffers& buffers);
   Result<LayerRoute> Route(int layer, std::span<const int32_t> topk_ids);
+  Result<LayerRoute> RouteCounts(int layer, std::span<const int32_t> expert_counts);
   Status ReduceGradients();
   Status StepEnd();
   std::vector<HomeSlotEntry> HomeSlots(int layer) const;
@@ -170,6 +186,10 @@ class Engine::Impl {
     return copy < num_slots() ? copy : transient_slot[copy - num_slots()];
   }
   std::vector<int> TransientSlots(const StepRouting& routing) const;
+  Status CheckRoutable(int layer) const;
+  // Route's collective part: all-reduces the counts (`mine`: [num_experts] this rank's), plans
+  // the quotas and transients, fills transient slots; returns all but `slot` and `send_counts`.
+  Result<LayerRoute> PlanLayer(int layer, std::span<const int32_t> mine);
   Status FillTransients(int layer, const Placement& placement, const StepRouting& routing,
                         const std::vector<int>& transient_slot);
   Status ResolveMigration(bool& commit);
@@ -366,17 +386,10 @@ std::vector<int> Engine::Impl::TransientSlots(const StepRouting& routing) const 
   return slot;
 }
 
-Result<LayerRoute> Engine::Impl::Route(int layer, std::span<const int32_t> topk_ids) {
-  const auto start = std::chrono::steady_clock::now();
-  const int num_experts = options_.num_experts;
-  const int top_k = options_.top_k;
+Status Engine::Impl::CheckRoutable(int layer) const {
   if (layer < 0 || layer >= options_.num_layers) {
     return InvalidArgument("layer = " + std::to_string(layer) + " is not in [0, " +
                            std::to_string(options_.num_layers) + ")");
-  }
-  if (topk_ids.size() % top_k != 0) {
-    return InvalidArgument("topk_ids has " + std::to_string(topk_ids.size()) +
-                           " entries, not a multiple of top_k = " + std::to_string(top_k));
   }
   if (registered_ != static_cast<int>(buffers_.size())) {
     return FailedPrecondition("only " + std::to_string(registered_) + " of " +
@@ -387,19 +400,75 @@ Result<LayerRoute> Engine::Impl::Route(int layer, std::span<const int32_t> topk_
     return FailedPrecondition("layer " + std::to_string(layer) +
                               " was already routed this step; call StepEnd first");
   }
-  // Count this rank's row of the traffic matrix; every rank's row arrives with one all-reduce.
-  std::vector<int64_t> counts(static_cast<size_t>(num_ranks_) * num_experts, 0);
-  int64_t* mine = counts.data() + static_cast<size_t>(rank_) * num_experts;
-  for (size_t i = 0; i < topk_ids.size(); ++i) {
-    const int32_t id = topk_ids[i];
-    if (id == -1) continue;
-    if (id < 0 || id >= num_experts) {
-      return InvalidArgument("topk_ids[" + std::to_string(i) + "] = " + std::to_string(id) +
-                             " is not an expert id in [0, " + std::to_string(num_experts) +
-                             ") or -1");
-    }
-    ++mine[id];
+  return Status::Ok();
+}
+
+Result<LayerRoute> Engine::Impl::Route(int layer, std::span<const int32_t> topk_ids) {
+  const auto start = std::chrono::steady_clock::now();
+  const int num_experts = options_.num_experts;
+  KEEL_RETURN_IF_ERROR(CheckRoutable(layer));
+  if (topk_ids.size() % options_.top_k != 0) {
+    return InvalidArgument("topk_ids has " + std::to_string(topk_ids.size()) +
+                           " entries, not a multiple of top_k = " + std::to_string(options_.top_k));
   }
+  std::vector<int32_t> mine(num_experts);
+  int32_t invalid = 0;
+  KEEL_RETURN_IF_ERROR(kernels::cpu::ExpertHistogram(
+      topk_ids.data(), static_cast<int64_t>(topk_ids.size()), num_experts, mine.data(), &invalid));
+  if (invalid > 0) return InvalidExpertId(topk_ids, num_experts);
+  KEEL_ASSIGN_OR_RETURN(LayerRoute route, PlanLayer(layer, mine));
+  const kernels::QuotaTable quotas = kernels::MakeQuotaTable(
+      route.copy_begin, route.copy_slot, route.copy_quota, route.slot_rank, num_ranks_);
+  route.slot.resize(topk_ids.size());
+  std::vector<int32_t> send_counts(num_ranks_);
+  KEEL_RETURN_IF_ERROR(
+      kernels::cpu::RemapWithQuotas(topk_ids.data(), static_cast<int64_t>(topk_ids.size()), quotas,
+                                    route.slot.data(), send_counts.data(), &invalid));
+  if (invalid > 0) {
+    return Internal("the quota plan of layer " + std::to_string(layer) + " gave rank " +
+                    std::to_string(rank_) + " no copy for " + std::to_string(invalid) +
+                    " of its entries");
+  }
+  route.send_counts.assign(send_counts.begin(), send_counts.end());
+  stats_.route_seconds += SecondsSince(start);
+  return route;
+}
+
+Result<LayerRoute> Engine::Impl::RouteCounts(int layer, std::span<const int32_t> expert_counts) {
+  const auto start = std::chrono::steady_clock::now();
+  KEEL_RETURN_IF_ERROR(CheckRoutable(layer));
+  if (expert_counts.size() != static_cast<size_t>(options_.num_experts)) {
+    return InvalidArgument("expert_counts has " + std::to_string(expert_counts.size()) +
+                           " entries, not num_experts = " + std::to_string(options_.num_experts));
+  }
+  for (size_t e = 0; e < expert_counts.size(); ++e) {
+    if (expert_counts[e] < 0) {
+      return InvalidArgument("expert_counts[" + std::to_string(e) +
+                             "] = " + std::to_string(expert_counts[e]) + " is negative");
+    }
+  }
+  KEEL_ASSIGN_OR_RETURN(LayerRoute route, PlanLayer(layer, expert_counts));
+  // What the remap will send: the entries of e fill its copies' quotas in order, the last copy
+  // takes the rest.
+  route.send_counts.assign(num_ranks_, 0);
+  for (int e = 0; e < options_.num_experts; ++e) {
+    int64_t left = expert_counts[e];
+    for (int c = route.copy_begin[e]; c < route.copy_begin[e + 1] && left > 0; ++c) {
+      const bool last = c + 1 == route.copy_begin[e + 1];
+      const int64_t taken = last ? left : std::min<int64_t>(left, route.copy_quota[c]);
+      route.send_counts[route.slot_rank[route.copy_slot[c]]] += taken;
+      left -= taken;
+    }
+  }
+  stats_.route_seconds += SecondsSince(start);
+  return route;
+}
+
+Result<LayerRoute> Engine::Impl::PlanLayer(int layer, std::span<const int32_t> mine) {
+  const int num_experts = options_.num_experts;
+  // Every rank's row of the traffic matrix arrives with one all-reduce.
+  std::vector<int64_t> counts(static_cast<size_t>(num_ranks_) * num_experts, 0);
+  std::copy(mine.begin(), mine.end(), counts.begin() + static_cast<size_t>(rank_) * num_experts);
   KEEL_RETURN_IF_ERROR(communicator_.AllReduce(counts, ReduceOp::kSum));
   std::vector<double> traffic(counts.begin(), counts.end());
 
@@ -412,28 +481,46 @@ Result<LayerRoute> Engine::Impl::Route(int layer, std::span<const int32_t> topk_
                                                             context_->cost, quota_options));
   std::vector<int> transient_slot = TransientSlots(routing);
 
-  // This rank's shares per expert, in the planner's order: its tokens fill them front to back.
-  struct Share {
-    int slot;
-    int64_t tokens;
+  // This rank's quotas by expert, in the planner's order: its entries fill them front to back.
+  struct Quota {
+    int expert;
+    int32_t slot;
+    int32_t tokens;
   };
-  std::vector<std::vector<Share>> shares(num_experts);
+  std::vector<Quota> mine_quotas;
   LayerRoute route;
   route.epoch = stats_.epoch;
-  route.send_counts.assign(num_ranks_, 0);
+  route.copy_begin.assign(num_experts + 1, 0);
   route.recv_counts.assign(static_cast<size_t>(num_ranks_) * local_slots(), 0);
   route.recv_totals.assign(num_ranks_, 0);
   for (const CopyShare& share : routing.shares) {
     const int slot = PhysicalSlot(share.copy, transient_slot);
     const int64_t tokens = std::llround(share.tokens);
     if (tokens <= 0) continue;
-    if (share.source == rank_) shares[share.expert].push_back({slot, tokens});
+    if (share.source == rank_) {
+      mine_quotas.push_back({share.expert, slot, static_cast<int32_t>(tokens)});
+      ++route.copy_begin[share.expert + 1];
+    }
     if (RankOfPhysical(slot) == rank_) {
       route
           .recv_counts[static_cast<size_t>(share.source) * local_slots() + LocalOfPhysical(slot)] +=
           tokens;
       route.recv_totals[share.source] += tokens;
     }
+  }
+  for (int e = 0; e < num_experts; ++e) route.copy_begin[e + 1] += route.copy_begin[e];
+  // Stable by expert: each expert's copies keep the planner's order.
+  route.copy_slot.resize(mine_quotas.size());
+  route.copy_quota.resize(mine_quotas.size());
+  std::vector<int32_t> next(route.copy_begin.begin(), route.copy_begin.end() - 1);
+  for (const Quota& quota : mine_quotas) {
+    const int32_t at = next[quota.expert]++;
+    route.copy_slot[at] = quota.slot;
+    route.copy_quota[at] = quota.tokens;
+  }
+  route.slot_rank.resize(num_slots() + num_ranks_ * transient_per_rank_);
+  for (size_t slot = 0; slot < route.slot_rank.size(); ++slot) {
+    route.slot_rank[slot] = RankOfPhysical(static_cast<int>(slot));
   }
   route.local_experts.assign(local_slots(), -1);
   for (int i = 0; i < slots_per_rank_; ++i) {
@@ -443,26 +530,6 @@ Result<LayerRoute> Engine::Impl::Route(int layer, std::span<const int32_t> topk_
     if (routing.transients[i].rank == rank_) {
       route.local_experts[LocalOfPhysical(transient_slot[i])] = routing.transients[i].expert;
     }
-  }
-  std::vector<size_t> next(num_experts, 0);
-  route.slot.resize(topk_ids.size());
-  for (size_t i = 0; i < topk_ids.size(); ++i) {
-    const int32_t id = topk_ids[i];
-    if (id == -1) {
-      route.slot[i] = -1;
-      continue;
-    }
-    std::vector<Share>& list = shares[id];
-    size_t& at = next[id];
-    while (at + 1 < list.size() && list[at].tokens == 0) ++at;
-    if (list.empty()) {
-      return Internal("the quota plan of layer " + std::to_string(layer) + " gave rank " +
-                      std::to_string(rank_) + " no copy for expert " + std::to_string(id));
-    }
-    Share& share = list[at];
-    --share.tokens;  // the last share absorbs rounding dust (goes negative, harmlessly)
-    route.slot[i] = share.slot;
-    ++route.send_counts[RankOfPhysical(share.slot)];
   }
 
   KEEL_RETURN_IF_ERROR(FillTransients(layer, placement, routing, transient_slot));
@@ -483,7 +550,6 @@ Result<LayerRoute> Engine::Impl::Route(int layer, std::span<const int32_t> topk_
   }
   routing_[layer] = std::move(routing);
   transient_slot_[layer] = std::move(transient_slot);
-  stats_.route_seconds += SecondsSince(start);
   return route;
 }
 
@@ -862,6 +928,10 @@ Status Engine::RegisterSlot(int layer, int local_slot, const SlotBuffers& buffer
 }
 Result<LayerRoute> Engine::Route(int layer, std::span<const int32_t> topk_ids) {
   return impl_->Route(layer, topk_ids);
+}
+
+Result<LayerRoute> Engine::RouteCounts(int layer, std::span<const int32_t> expert_counts) {
+  return impl_->RouteCounts(layer, expert_counts);
 }
 Status Engine::ReduceGradients() { return impl_->ReduceGradients(); }
 Status Engine::StepEnd() { return impl_->StepEnd(); }

@@ -10,7 +10,7 @@
 #include <optional>
 #include <thread>
 
-#include "migration/checksum.h"
+#include "kernels/checksum.h"
 
 namespace keel {
 namespace {
@@ -216,7 +216,7 @@ class ExchangeLoop {
     if (state.checksum_computed) return;
     const ExchangeItem& item = *state.item;
     for (int r = 0; r < item.num_regions; ++r) {
-      state.checksum[r] = Checksum64({item.source[r], item.region_bytes[r]});
+      state.checksum[r] = kernels::cpu::Checksum64({item.source[r], item.region_bytes[r]});
     }
     state.checksum_computed = true;
   }
@@ -331,7 +331,7 @@ class ExchangeLoop {
   void Verify(ItemState& state) {
     const ExchangeItem& item = *state.item;
     for (int r = 0; r < item.num_regions; ++r) {
-      const uint64_t got = Checksum64({item.destination[r], item.region_bytes[r]});
+      const uint64_t got = kernels::cpu::Checksum64({item.destination[r], item.region_bytes[r]});
       if (got != state.trailer[r]) {
         char buffer[96];
         std::snprintf(buffer, sizeof(buffer),

@@ -84,7 +84,15 @@ struct LayerRoute {
   // [local_slots] int32: the expert each of this rank's slots holds for this step (persistent
   // slots from the placement in force, transient slots as filled now), -1 where none.
   std::vector<int32_t> local_experts;
-  int64_t epoch = 0;  // the placement epoch this routing used
+  // This rank's quota table (kernels/remap.h), which `slot` was assigned from: the copies of
+  // expert e are c in [copy_begin[e], copy_begin[e + 1]); copy c is physical slot copy_slot[c]
+  // and takes copy_quota[c] of this rank's entries of e, in entry order; entries past the quotas
+  // go to e's last copy. kernels::gpu::RemapWithQuotas takes these four arrays as they are.
+  std::vector<int32_t> copy_begin;  // [num_experts + 1]
+  std::vector<int32_t> copy_slot;   // [num_copies]
+  std::vector<int32_t> copy_quota;  // [num_copies]
+  std::vector<int32_t> slot_rank;   // [num_slots + num_ranks * transient_per_rank]
+  int64_t epoch = 0;                // the placement epoch this routing used
 };
 
 // A slot of this rank that holds an expert's home: the trainer runs the optimizer there.
@@ -138,6 +146,13 @@ class Engine {
   // among its copies (quotas, transient replicas; the same plan on every rank), fills this
   // step's transient slots with their expert's weights and returns the physical routing.
   Result<LayerRoute> Route(int layer, std::span<const int32_t> topk_ids);
+
+  // Route for a trainer that counts and assigns its entries on the GPU (kernels/): it passes
+  // this rank's count per expert (kernels::gpu::ExpertHistogram), gets everything Route returns
+  // except `slot` (empty), and assigns slots with kernels::gpu::RemapWithQuotas from the
+  // returned quota table, which gives the same slots Route would. expert_counts: [num_experts]
+  // int32, each >= 0. Collective like Route; a layer takes one of the two per step.
+  Result<LayerRoute> RouteCounts(int layer, std::span<const int32_t> expert_counts);
 
   // Collective, after the backward of every layer and before the optimizer. If an epoch's
   // transfers are running, waits for them (exposed migration time) and, when every rank verified

@@ -10,6 +10,7 @@
 #include <functional>
 #include <thread>
 
+#include "kernels/remap.h"
 #include "monitor/metrics.h"
 #include "monitor/trace.h"
 #include "tests/common/test_util.h"
@@ -60,6 +61,22 @@ void ExpectRoutingAgrees(const TrainingRun& run, int /*steps*/) {
       EXPECT_TRUE(status.ok()) << status.ToString();
     }
   }
+}
+
+// One rank's options for the small tests below: the toy sizes, 8-byte slot regions.
+EngineOptions SmallOptions(const std::string& policy, int num_layers, Communicator* communicator,
+                           LocalFabric* fabric) {
+  EngineOptions options;
+  options.config = TestConfig(policy);
+  options.num_layers = num_layers;
+  options.num_experts = kExperts;
+  options.top_k = kTopK;
+  options.shape.weight_bytes = 8;
+  options.shape.gradient_bytes = 8;
+  options.shape.optimizer_bytes = 8;
+  options.communicator = communicator;
+  options.fabric = fabric;
+  return options;
 }
 
 TEST(EngineTest, StaticPolicyTrainsExactlyAndNeverMigrates) {
@@ -168,17 +185,11 @@ TEST(EngineTest, FloatGradientReductionIsDeterministic) {
       threads.emplace_back([&, r] {
         status[r] = [&]() -> Status {
           auto communicator = group.Join(r);
-          EngineOptions options;
-          options.config = TestConfig("keel");
-          options.num_layers = 1;
-          options.num_experts = kExperts;
-          options.top_k = kTopK;
+          EngineOptions options = SmallOptions("keel", 1, communicator.get(), &fabric);
           options.shape.weight_bytes = 16;
           options.shape.gradient_bytes = kWeightWords * sizeof(float);
           options.shape.optimizer_bytes = 16;
           options.shape.gradient_type = GradientType::kFloat32;
-          options.communicator = communicator.get();
-          options.fabric = &fabric;
           KEEL_ASSIGN_OR_RETURN(auto engine, Engine::Create(options));
           const int slots = engine->local_slots();
           std::vector<std::vector<std::byte>> w(slots, std::vector<std::byte>(16));
@@ -225,6 +236,103 @@ TEST(EngineTest, FloatGradientReductionIsDeterministic) {
     ASSERT_EQ(again.size(), first.size());
     EXPECT_EQ(std::memcmp(again.data(), first.data(), first.size() * sizeof(float)), 0);
   }
+}
+
+// A trainer that counts and remaps on its GPU calls RouteCounts and the remap kernel; it must
+// get exactly what Route gives. Layers 0 and 1 start with the same placement, so routing the same
+// ids through each path must agree field by field.
+TEST(EngineTest, RouteCountsPlusTheRemapKernelEqualsRoute) {
+  LocalCommunicatorGroup group(kRanks);
+  LocalFabric fabric(kRanks);
+  std::vector<Status> status(kRanks);
+  std::atomic<int> split_experts{0};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      status[r] = [&]() -> Status {
+        auto communicator = group.Join(r);
+        KEEL_ASSIGN_OR_RETURN(auto engine,
+                              Engine::Create(SmallOptions("keel", 2, communicator.get(), &fabric)));
+        std::vector<std::byte> buffer(8);
+        for (int l = 0; l < 2; ++l) {
+          for (int i = 0; i < engine->local_slots(); ++i) {
+            KEEL_RETURN_IF_ERROR(
+                engine->RegisterSlot(l, i, {buffer.data(), buffer.data(), buffer.data()}));
+          }
+        }
+        // Skewed towards expert 0 so that its tokens are split among several copies.
+        std::vector<int32_t> ids(kTokens * kTopK);
+        for (int t = 0; t < kTokens; ++t) {
+          ids[t * kTopK] = t % 3 == 0 ? (t + r) % kExperts : 0;
+          ids[t * kTopK + 1] = t % 5 == 0 ? -1 : 1 + (t * 7 + r) % (kExperts - 1);
+        }
+        std::vector<int32_t> counts(kExperts, 0);
+        for (int32_t id : ids) {
+          if (id >= 0) ++counts[id];
+        }
+        KEEL_ASSIGN_OR_RETURN(LayerRoute full, engine->Route(0, ids));
+        KEEL_ASSIGN_OR_RETURN(LayerRoute by_counts, engine->RouteCounts(1, counts));
+        if (!by_counts.slot.empty()) return Internal("RouteCounts filled slot");
+        if (by_counts.copy_begin != full.copy_begin || by_counts.copy_slot != full.copy_slot ||
+            by_counts.copy_quota != full.copy_quota || by_counts.slot_rank != full.slot_rank ||
+            by_counts.send_counts != full.send_counts ||
+            by_counts.recv_counts != full.recv_counts ||
+            by_counts.local_experts != full.local_experts) {
+          return Internal("rank " + std::to_string(r) + ": RouteCounts differs from Route");
+        }
+        for (int e = 0; e < kExperts; ++e) {
+          if (full.copy_begin[e + 1] - full.copy_begin[e] > 1) ++split_experts;
+        }
+        const kernels::QuotaTable table =
+            kernels::MakeQuotaTable(by_counts.copy_begin, by_counts.copy_slot, by_counts.copy_quota,
+                                    by_counts.slot_rank, kRanks);
+        std::vector<int32_t> slot(ids.size()), send(kRanks);
+        int32_t invalid = 0;
+        KEEL_RETURN_IF_ERROR(kernels::cpu::RemapWithQuotas(ids.data(),
+                                                           static_cast<int64_t>(ids.size()), table,
+                                                           slot.data(), send.data(), &invalid));
+        if (slot != full.slot || invalid != 0) {
+          return Internal("rank " + std::to_string(r) + ": remapped slots differ from Route's");
+        }
+        if (engine->RouteCounts(1, counts).status().message().find("already routed") ==
+            std::string::npos) {
+          return Internal("a second RouteCounts of one layer was not refused");
+        }
+        return Status::Ok();
+      }();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const Status& s : status) EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_GT(split_experts.load(), 0) << "no expert was split: the test would prove little";
+}
+
+TEST(EngineTest, RouteCountsRejectsBadCountsNamingThem) {
+  LocalCommunicatorGroup group(1);
+  auto communicator = group.Join(0);
+  LocalFabric fabric(1);
+  EngineOptions options = SmallOptions("static", 1, communicator.get(), &fabric);
+  options.config.topology.gpus_per_node = 1;
+  options.config.slots.persistent_per_rank = kExperts;
+  options.config.slots.transient_per_rank = 0;
+  auto engine = testing::ValueOrDie(Engine::Create(options));
+  std::vector<std::byte> buffer(8);
+  for (int i = 0; i < engine->local_slots(); ++i) {
+    ASSERT_TRUE(engine->RegisterSlot(0, i, {buffer.data(), buffer.data(), buffer.data()}).ok());
+  }
+  std::vector<int32_t> counts(kExperts - 1, 1);
+  EXPECT_NE(engine->RouteCounts(0, counts).status().message().find("expert_counts has 7 entries"),
+            std::string::npos);
+  counts.assign(kExperts, 2);
+  counts[3] = -4;
+  EXPECT_NE(engine->RouteCounts(0, counts).status().message().find("expert_counts[3] = -4"),
+            std::string::npos);
+  counts[3] = 4;
+  auto route = engine->RouteCounts(0, counts);
+  ASSERT_TRUE(route.ok()) << route.status().ToString();
+  int64_t sent = 0;
+  for (int64_t n : route->send_counts) sent += n;
+  EXPECT_EQ(sent, 2 * (kExperts - 1) + 4);
 }
 
 TEST(EngineTest, CreateRejectsBadOptionsNamingTheField) {

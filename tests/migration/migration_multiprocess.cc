@@ -19,7 +19,6 @@
 #include <thread>
 #include <vector>
 
-#include "migration/checksum.h"
 #include "migration/migrator.h"
 #include "migration/transport_ucx.h"
 #include "tests/migration/directory_communicator.h"

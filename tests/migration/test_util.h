@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "migration/checksum.h"
+#include "kernels/checksum.h"
 #include "migration/expert_store.h"
 #include "migration/transfer_plan.h"
 #include "placement/placement.h"
@@ -108,8 +108,8 @@ inline uint64_t LiveChecksum(const ExpertStore& store) {
   for (int l = 0; l < store.num_layers(); ++l) {
     for (int i = 0; i < store.slots_per_rank(); ++i) {
       const int slot = store.rank() * store.slots_per_rank() + i;
-      h = Checksum64(store.Live(l, slot, SlotRegion::kWeights), h);
-      h = Checksum64(store.Live(l, slot, SlotRegion::kOptimizer), h);
+      h = kernels::cpu::Checksum64(store.Live(l, slot, SlotRegion::kWeights), h);
+      h = kernels::cpu::Checksum64(store.Live(l, slot, SlotRegion::kOptimizer), h);
     }
   }
   return h;

@@ -1,0 +1,105 @@
+// CPU reference of token condensation: norms first, then the leader pass and the representative
+// pass of the rule in condense.h, each looking back `window` rows within the bucket.
+#include "kernels/condense.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/arguments.h"
+#include "kernels/host_device.h"
+
+namespace keel::kernels::cpu {
+namespace {
+
+float Element(const void* rows, DType dtype, int64_t at) {
+  if (dtype == DType::kFloat32) return static_cast<const float*>(rows)[at];
+  return Bf16ToFloat(static_cast<const uint16_t*>(rows)[at]);
+}
+
+float Dot(const void* rows, DType dtype, int64_t hidden, int64_t a, int64_t b) {
+  float dot = 0.0f;
+  for (int64_t h = 0; h < hidden; ++h) {
+    const float product =
+        Element(rows, dtype, a * hidden + h) * Element(rows, dtype, b * hidden + h);
+    dot = dot + product;
+  }
+  return dot;
+}
+
+// cosine(a, b) >= threshold, with norm[] the rows' Euclidean norms. Zero rows match only zero rows.
+bool Similar(const void* rows, DType dtype, int64_t hidden, const std::vector<float>& norm,
+             int64_t a, int64_t b, float threshold) {
+  if (norm[a] == 0.0f || norm[b] == 0.0f) return norm[a] == 0.0f && norm[b] == 0.0f;
+  return Dot(rows, dtype, hidden, a, b) / (norm[a] * norm[b]) >= threshold;
+}
+
+}  // namespace
+
+Status CondenseRows(const void* rows, int64_t num_rows, int64_t hidden, DType dtype,
+                    const int32_t* bucket_begin, int num_buckets, float threshold, int window,
+                    int32_t* representative, int32_t* kept) {
+  KEEL_RETURN_IF_ERROR(CheckCondenseArguments(rows, num_rows, hidden, dtype, bucket_begin,
+                                              num_buckets, threshold, window, representative,
+                                              kept));
+  for (int b = 0; b < num_buckets; ++b) {
+    if (bucket_begin[b] < 0 || bucket_begin[b + 1] < bucket_begin[b] ||
+        bucket_begin[b + 1] > num_rows) {
+      return InvalidArgument("bucket " + std::to_string(b) + " = rows [" +
+                             std::to_string(bucket_begin[b]) + ", " +
+                             std::to_string(bucket_begin[b + 1]) + ") is not inside [0, " +
+                             std::to_string(num_rows) + ")");
+    }
+  }
+  std::vector<float> norm(num_rows);
+  for (int64_t i = 0; i < num_rows; ++i) norm[i] = std::sqrt(Dot(rows, dtype, hidden, i, i));
+  // Rows outside every bucket are left alone: each is its own representative.
+  for (int64_t i = 0; i < num_rows; ++i) representative[i] = static_cast<int32_t>(i);
+  std::vector<char> leader(num_rows, 1);
+  for (int b = 0; b < num_buckets; ++b) {
+    const int64_t begin = bucket_begin[b];
+    const int64_t end = bucket_begin[b + 1];
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t j = std::max(begin, i - window); j < i && leader[i]; ++j) {
+        if (Similar(rows, dtype, hidden, norm, i, j, threshold)) leader[i] = 0;
+      }
+    }
+    int32_t bucket_kept = 0;
+    for (int64_t i = begin; i < end; ++i) {
+      if (!leader[i]) {
+        for (int64_t j = std::max(begin, i - window); j < i; ++j) {
+          if (leader[j] && Similar(rows, dtype, hidden, norm, i, j, threshold)) {
+            representative[i] = static_cast<int32_t>(j);
+            break;
+          }
+        }
+      }
+      if (representative[i] == i) ++bucket_kept;
+    }
+    kept[b] = bucket_kept;
+  }
+  return Status::Ok();
+}
+
+Status ExpandCondensed(void* rows, int64_t num_rows, int64_t hidden, DType dtype,
+                       const int32_t* representative) {
+  KEEL_RETURN_IF_ERROR(CheckExpandArguments(rows, num_rows, hidden, dtype, representative));
+  for (int64_t i = 0; i < num_rows; ++i) {
+    const int32_t from = representative[i];
+    if (from < 0 || from >= num_rows || representative[from] != from) {
+      return InvalidArgument("representative[" + std::to_string(i) + "] = " + std::to_string(from) +
+                             " is not a row that represents itself");
+    }
+  }
+  const int64_t bytes = hidden * DTypeBytes(dtype);
+  auto* base = static_cast<char*>(rows);
+  for (int64_t i = 0; i < num_rows; ++i) {
+    if (representative[i] != i)
+      std::memcpy(base + i * bytes, base + representative[i] * bytes, bytes);
+  }
+  return Status::Ok();
+}
+
+}  // namespace keel::kernels::cpu

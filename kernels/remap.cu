@@ -1,0 +1,352 @@
+// CUDA versions of RemapWithQuotas (kernels/remap.h) and PermutationIndex (kernels/permute.h).
+// Both are stable counting sorts of entries by a key (the expert; the send bucket), so they share
+// one ranking in three passes over chunks of entries, each chunk walked by one warp in entry order:
+//   1. CountKeys:   chunk_counts[key][chunk] = entries of `key` in the chunk;
+//   2. ScanChunks:  per key, an exclusive scan over the chunks turns the counts into the entries
+//                   of the key in earlier chunks, and hands the key's total to the caller;
+//   3. RankEntries: rank of an entry = its chunk's offset + the entries of its key before it in
+//                   the chunk (a warp match per 32 entries, a running counter per key).
+// The rank of an entry is then its 0-based occurrence among the entries of its key, exactly the
+// CPU reference's running count, whatever the scheduling.
+#include <cuda_runtime.h>
+#include <cub/block/block_scan.cuh>
+
+#include "kernels/arguments.h"
+#include "kernels/cuda_check.h"
+#include "kernels/permute.h"
+#include "kernels/remap.h"
+
+namespace keel::kernels::gpu {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kTilesPerChunk = 8;
+constexpr int kChunk = kWarp * kTilesPerChunk;  // entries per chunk (one warp-sized block)
+constexpr int kScanThreads = 256;
+// 32 KiB of counters, well inside the 48 KiB of shared memory a block may use without opting in;
+// with more keys the counters stay in the workspace (slower, same result).
+constexpr int kMaxSharedKeys = 8192;
+
+// Keys below 0: the entry takes no rank. kInvalidKey entries are also counted in `invalid`.
+constexpr int kNoKey = -1;
+constexpr int kInvalidKey = -2;
+
+int64_t NumChunks(int64_t num_entries) { return (num_entries + kChunk - 1) / kChunk; }
+
+int64_t RankingWorkspaceBytes(int64_t num_entries, int num_keys) {
+  if (num_entries <= 0 || num_keys <= 0) return 0;
+  return NumChunks(num_entries) * num_keys * static_cast<int64_t>(sizeof(int32_t));
+}
+
+// One counter per key for the chunk of this block: in shared memory when the keys fit, else the
+// chunk's column of chunk_counts ([num_keys][num_chunks]).
+struct KeyCounters {
+  int32_t* base;
+  int64_t stride;
+  __device__ int32_t& operator[](int key) const { return base[key * stride]; }
+};
+
+__device__ KeyCounters ChunkCounters(int32_t* shared, int32_t* chunk_counts, int64_t num_chunks,
+                                     bool use_shared) {
+  if (use_shared) return {shared, 1};
+  return {chunk_counts + blockIdx.x, num_chunks};
+}
+
+// The keys of this warp's chunk, one per lane and tile; entries past the end have no key.
+template <typename KeyOf>
+__device__ void LoadChunkKeys(const KeyOf& key_of, int64_t num_entries,
+                              int (&keys)[kTilesPerChunk]) {
+  const int64_t chunk_begin = int64_t{blockIdx.x} * kChunk;
+#pragma unroll
+  for (int tile = 0; tile < kTilesPerChunk; ++tile) {
+    const int64_t entry = chunk_begin + tile * kWarp + threadIdx.x;
+    keys[tile] = entry < num_entries ? key_of(entry) : kNoKey;
+  }
+}
+
+// The lane that speaks for a group of lanes with equal keys.
+__device__ bool IsGroupLeader(unsigned peers) {
+  return static_cast<int>(threadIdx.x) == __ffs(static_cast<int>(peers)) - 1;
+}
+
+template <typename KeyOf>
+__global__ void CountKeys(KeyOf key_of, int64_t num_entries, int num_keys, bool use_shared,
+                          int32_t* chunk_counts, int64_t num_chunks) {
+  extern __shared__ int32_t shared[];
+  const KeyCounters counters = ChunkCounters(shared, chunk_counts, num_chunks, use_shared);
+  for (int key = threadIdx.x; key < num_keys; key += kWarp) counters[key] = 0;
+  int keys[kTilesPerChunk];
+  LoadChunkKeys(key_of, num_entries, keys);
+  __syncwarp();
+#pragma unroll
+  for (int tile = 0; tile < kTilesPerChunk; ++tile) {
+    const unsigned peers = __match_any_sync(kFullMask, keys[tile]);
+    if (keys[tile] >= 0 && IsGroupLeader(peers)) counters[keys[tile]] += __popc(peers);
+    __syncwarp();
+  }
+  if (use_shared) {
+    for (int key = threadIdx.x; key < num_keys; key += kWarp) {
+      chunk_counts[key * num_chunks + blockIdx.x] = shared[key];
+    }
+  }
+}
+
+// Exclusive prefix sums of values[0, count) in place, by the whole block; returns the total.
+__device__ int32_t ExclusiveScanInPlace(int32_t* values, int64_t count) {
+  using BlockScan = cub::BlockScan<int32_t, kScanThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  int32_t before = 0;
+  for (int64_t tile = 0; tile < count; tile += kScanThreads) {
+    const int64_t i = tile + threadIdx.x;
+    const int32_t value = i < count ? values[i] : 0;
+    int32_t offset = 0;
+    int32_t tile_total = 0;
+    BlockScan(scan_storage).ExclusiveSum(value, offset, tile_total);
+    if (i < count) values[i] = before + offset;
+    before += tile_total;
+    __syncthreads();  // scan_storage is reused by the next tile
+  }
+  return before;
+}
+
+// One block per key. OnTotal: __device__ void(int key, int32_t total), called once per key.
+template <typename OnTotal>
+__global__ void ScanChunks(int32_t* chunk_counts, int64_t num_chunks, OnTotal on_total) {
+  const int key = blockIdx.x;
+  const int32_t total = ExclusiveScanInPlace(chunk_counts + key * num_chunks, num_chunks);
+  if (threadIdx.x == 0) on_total(key, total);
+}
+
+// Assign: __device__ void(int64_t entry, int key, int32_t rank); rank is meaningful for key >= 0.
+template <typename KeyOf, typename Assign>
+__global__ void RankEntries(KeyOf key_of, int64_t num_entries, int num_keys, bool use_shared,
+                            int32_t* chunk_counts, int64_t num_chunks, Assign assign,
+                            int32_t* invalid) {
+  extern __shared__ int32_t shared[];
+  const KeyCounters counters = ChunkCounters(shared, chunk_counts, num_chunks, use_shared);
+  if (use_shared) {
+    for (int key = threadIdx.x; key < num_keys; key += kWarp) {
+      shared[key] = chunk_counts[key * num_chunks + blockIdx.x];
+    }
+  }
+  int keys[kTilesPerChunk];
+  LoadChunkKeys(key_of, num_entries, keys);
+  __syncwarp();
+  const unsigned lanes_before = (1u << threadIdx.x) - 1;
+  int invalid_entries = 0;
+#pragma unroll
+  for (int tile = 0; tile < kTilesPerChunk; ++tile) {
+    const int key = keys[tile];
+    const unsigned peers = __match_any_sync(kFullMask, key);
+    const int32_t rank = key >= 0 ? counters[key] + __popc(peers & lanes_before) : 0;
+    __syncwarp();  // every peer has read the counter before its leader advances it
+    if (key >= 0 && IsGroupLeader(peers)) counters[key] += __popc(peers);
+    __syncwarp();
+    const int64_t entry = int64_t{blockIdx.x} * kChunk + tile * kWarp + threadIdx.x;
+    if (entry < num_entries) assign(entry, key, rank);
+    invalid_entries += __popc(__ballot_sync(kFullMask, key == kInvalidKey));
+  }
+  if (threadIdx.x == 0 && invalid_entries > 0) atomicAdd(invalid, invalid_entries);
+}
+
+// Passes 1 and 2 of the ranking; chunk_counts is the caller's workspace.
+template <typename KeyOf, typename OnTotal>
+Status CountAndScan(const KeyOf& key_of, int64_t num_entries, int num_keys, int32_t* chunk_counts,
+                    const OnTotal& on_total, Stream stream) {
+  const int64_t num_chunks = NumChunks(num_entries);
+  const bool use_shared = num_keys <= kMaxSharedKeys;
+  const size_t shared_bytes = use_shared ? sizeof(int32_t) * num_keys : 0;
+  CountKeys<<<static_cast<unsigned>(num_chunks), kWarp, shared_bytes, stream>>>(
+      key_of, num_entries, num_keys, use_shared, chunk_counts, num_chunks);
+  KEEL_CUDA_RETURN_IF_LAUNCH_FAILED(CountKeys);
+  if (num_keys == 0) return Status::Ok();
+  ScanChunks<<<static_cast<unsigned>(num_keys), kScanThreads, 0, stream>>>(chunk_counts, num_chunks,
+                                                                           on_total);
+  KEEL_CUDA_RETURN_IF_LAUNCH_FAILED(ScanChunks);
+  return Status::Ok();
+}
+
+// Pass 3 of the ranking.
+template <typename KeyOf, typename Assign>
+Status RankAndAssign(const KeyOf& key_of, int64_t num_entries, int num_keys, int32_t* chunk_counts,
+                     const Assign& assign, int32_t* invalid, Stream stream) {
+  const int64_t num_chunks = NumChunks(num_entries);
+  const bool use_shared = num_keys <= kMaxSharedKeys;
+  const size_t shared_bytes = use_shared ? sizeof(int32_t) * num_keys : 0;
+  RankEntries<<<static_cast<unsigned>(num_chunks), kWarp, shared_bytes, stream>>>(
+      key_of, num_entries, num_keys, use_shared, chunk_counts, num_chunks, assign, invalid);
+  KEEL_CUDA_RETURN_IF_LAUNCH_FAILED(RankEntries);
+  return Status::Ok();
+}
+
+// ---- RemapWithQuotas: key = expert. The quota table's contents are trusted (the CPU reference
+// checks them); only slot_rank lookups are bounds-checked, since they pick a write address.
+
+template <typename Id>
+struct ExpertKey {
+  const Id* ids;
+  const int32_t* copy_begin;
+  int num_experts;
+
+  __device__ int operator()(int64_t entry) const {
+    const Id id = ids[entry];
+    if (id == -1) return kNoKey;
+    if (id < 0 || id >= num_experts || copy_begin[id] == copy_begin[id + 1]) return kInvalidKey;
+    return static_cast<int>(id);
+  }
+};
+
+// Entry `rank` of `expert` goes to the first copy whose cumulative quota exceeds rank, else to
+// the last copy.
+__device__ int CopyOfEntry(const QuotaTable& quotas, int expert, int32_t rank) {
+  const int last = quotas.copy_begin[expert + 1] - 1;
+  int64_t filled = 0;
+  for (int copy = quotas.copy_begin[expert]; copy < last; ++copy) {
+    filled += quotas.copy_quota[copy];
+    if (rank < filled) return copy;
+  }
+  return last;
+}
+
+struct AssignCopy {
+  QuotaTable quotas;
+  int32_t* slot;
+
+  __device__ void operator()(int64_t entry, int expert, int32_t rank) const {
+    slot[entry] = expert < 0 ? -1 : quotas.copy_slot[CopyOfEntry(quotas, expert, rank)];
+  }
+};
+
+// The same rule applied to an expert's total: copy c takes clamp(total - earlier quotas, 0,
+// quota[c]) entries, the last copy everything left.
+struct CountSends {
+  QuotaTable quotas;
+  int32_t* send_counts;
+
+  __device__ void operator()(int expert, int32_t total) const {
+    const int first = quotas.copy_begin[expert];
+    const int last = quotas.copy_begin[expert + 1] - 1;
+    int64_t earlier_quotas = 0;
+    for (int copy = first; copy <= last; ++copy) {
+      const int64_t left = max(int64_t{total} - earlier_quotas, int64_t{0});
+      const int64_t taken = copy == last ? left : min(left, int64_t{quotas.copy_quota[copy]});
+      earlier_quotas += quotas.copy_quota[copy];
+      const int slot = quotas.copy_slot[copy];
+      if (taken == 0 || slot < 0 || slot >= quotas.num_slots) continue;
+      const int rank = quotas.slot_rank[slot];
+      if (rank >= 0 && rank < quotas.num_ranks) {
+        atomicAdd(&send_counts[rank], static_cast<int32_t>(taken));
+      }
+    }
+  }
+};
+
+template <typename Id>
+Status Remap(const Id* ids, int64_t num_entries, const QuotaTable& quotas, int32_t* slot,
+             int32_t* send_counts, int32_t* invalid, void* workspace, Stream stream) {
+  KEEL_RETURN_IF_ERROR(CheckRemapArguments(ids, num_entries, quotas, slot, send_counts, invalid));
+  KEEL_RETURN_IF_ERROR(
+      CheckPointer("workspace", workspace, RemapWorkspaceBytes(num_entries, quotas.num_experts)));
+  if (quotas.num_ranks > 0) {
+    KEEL_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(send_counts, 0, sizeof(int32_t) * quotas.num_ranks, stream));
+  }
+  KEEL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(invalid, 0, sizeof(int32_t), stream));
+  if (num_entries == 0) return Status::Ok();
+
+  const ExpertKey<Id> key_of{ids, quotas.copy_begin, quotas.num_experts};
+  auto* chunk_counts = static_cast<int32_t*>(workspace);
+  KEEL_RETURN_IF_ERROR(CountAndScan(key_of, num_entries, quotas.num_experts, chunk_counts,
+                                    CountSends{quotas, send_counts}, stream));
+  return RankAndAssign(key_of, num_entries, quotas.num_experts, chunk_counts,
+                       AssignCopy{quotas, slot}, invalid, stream);
+}
+
+// ---- PermutationIndex: key = bucket of the entry's slot. bucket_of_slot is trusted (the CPU
+// reference checks it); a bucket outside [0, num_buckets) counts as invalid rather than writing
+// out of bounds.
+
+struct BucketKey {
+  const int32_t* slot;
+  const int32_t* bucket_of_slot;
+  int num_slots;
+  int num_buckets;
+
+  __device__ int operator()(int64_t entry) const {
+    const int32_t s = slot[entry];
+    if (s == -1) return kNoKey;
+    if (s < 0 || s >= num_slots) return kInvalidKey;
+    const int32_t bucket = bucket_of_slot[s];
+    return bucket >= 0 && bucket < num_buckets ? bucket : kInvalidKey;
+  }
+};
+
+// Parks each bucket's total in bucket_begin until ScanBucketTotals turns them into offsets.
+struct StoreBucketTotal {
+  int32_t* bucket_begin;
+
+  __device__ void operator()(int bucket, int32_t total) const { bucket_begin[bucket] = total; }
+};
+
+__global__ void ScanBucketTotals(int32_t* bucket_begin, int num_buckets) {
+  const int32_t total = ExclusiveScanInPlace(bucket_begin, num_buckets);
+  if (threadIdx.x == 0) bucket_begin[num_buckets] = total;
+}
+
+struct AssignPosition {
+  const int32_t* bucket_begin;
+  int32_t* position;
+
+  __device__ void operator()(int64_t entry, int bucket, int32_t rank) const {
+    position[entry] = bucket < 0 ? -1 : bucket_begin[bucket] + rank;
+  }
+};
+
+}  // namespace
+
+int64_t RemapWorkspaceBytes(int64_t num_entries, int num_experts) {
+  return RankingWorkspaceBytes(num_entries, num_experts);
+}
+
+Status RemapWithQuotas(const int32_t* ids, int64_t num_entries, const QuotaTable& quotas,
+                       int32_t* slot, int32_t* send_counts, int32_t* invalid, void* workspace,
+                       Stream stream) {
+  return Remap(ids, num_entries, quotas, slot, send_counts, invalid, workspace, stream);
+}
+
+Status RemapWithQuotas(const int64_t* ids, int64_t num_entries, const QuotaTable& quotas,
+                       int32_t* slot, int32_t* send_counts, int32_t* invalid, void* workspace,
+                       Stream stream) {
+  return Remap(ids, num_entries, quotas, slot, send_counts, invalid, workspace, stream);
+}
+
+int64_t PermutationWorkspaceBytes(int64_t num_entries, int num_buckets) {
+  return RankingWorkspaceBytes(num_entries, num_buckets);
+}
+
+Status PermutationIndex(const int32_t* slot, int64_t num_entries, const int32_t* bucket_of_slot,
+                        int num_slots, int num_buckets, int32_t* position, int32_t* bucket_begin,
+                        int32_t* invalid, void* workspace, Stream stream) {
+  KEEL_RETURN_IF_ERROR(CheckPermutationIndexArguments(
+      slot, num_entries, bucket_of_slot, num_slots, num_buckets, position, bucket_begin, invalid));
+  KEEL_RETURN_IF_ERROR(
+      CheckPointer("workspace", workspace, PermutationWorkspaceBytes(num_entries, num_buckets)));
+  KEEL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(invalid, 0, sizeof(int32_t), stream));
+  if (num_entries == 0) {
+    KEEL_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(bucket_begin, 0, sizeof(int32_t) * (int64_t{num_buckets} + 1), stream));
+    return Status::Ok();
+  }
+
+  const BucketKey key_of{slot, bucket_of_slot, num_slots, num_buckets};
+  auto* chunk_counts = static_cast<int32_t*>(workspace);
+  KEEL_RETURN_IF_ERROR(CountAndScan(key_of, num_entries, num_buckets, chunk_counts,
+                                    StoreBucketTotal{bucket_begin}, stream));
+  ScanBucketTotals<<<1, kScanThreads, 0, stream>>>(bucket_begin, num_buckets);
+  KEEL_CUDA_RETURN_IF_LAUNCH_FAILED(ScanBucketTotals);
+  return RankAndAssign(key_of, num_entries, num_buckets, chunk_counts,
+                       AssignPosition{bucket_begin, position}, invalid, stream);
+}
+
+}  // namespace keel::kernels::gpu
