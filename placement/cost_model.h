@@ -6,6 +6,7 @@
 #pragma once
 
 #include <span>
+#include <vector>
 
 #include "common/config.h"
 #include "placement/placement.h"
@@ -70,6 +71,7 @@ class CostModel {
  private:
   Topology topology_;
   CostModelConfig config_;
+  std::vector<int> rank_node_;  // [num_ranks] node of each rank, so hot loops need not divide
 };
 
 }  // namespace keel

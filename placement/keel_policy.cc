@@ -12,11 +12,11 @@
 namespace keel {
 namespace {
 
-// A candidate placement, its exact quota split on the estimated load, and its predicted time.
-// Replans judge candidates by the terms a copy move changes: the slowest rank's compute under
-// exact quotas, the replica sync ring and the exposed migration from the placement in force.
-// The all-to-all volume hardly depends on which rank holds a copy once quotas balance the
-// receivers, and pricing it would cost a full routing per candidate.
+// A placement, its exact quota split on the estimated load, and its predicted time. Replans
+// judge candidates by the terms a copy move changes: the slowest rank's compute under exact
+// quotas, the replica sync ring and the exposed migration from the placement in force. The
+// all-to-all volume hardly depends on which rank holds a copy once quotas balance the receivers,
+// and pricing it would cost a full routing per candidate.
 struct Scored {
   Placement placement;
   QuotaSplit split;
@@ -25,7 +25,10 @@ struct Scored {
 };
 
 // Starts from the static placement (homes contiguous, spare slots empty); replans fill the spare
-// slots with replicas of the experts that turn out hot.
+// slots with replicas of the experts that turn out hot. A candidate's time needs only its max
+// rank load, which the splitter resumes from the last solution; the full split, which picks the
+// next move, is solved afresh only for the candidates taken, so that every move is chosen from
+// the same split a fresh solve gives.
 class KeelPolicy final : public Policy {
  public:
   explicit KeelPolicy(const PolicyContext& context) : Policy(context) {}
@@ -42,40 +45,53 @@ class KeelPolicy final : public Policy {
   }
 
  private:
-  Scored Score(const LayerView& view, Placement placement,
-               const std::vector<long long>& tokens) const;
+  // Predicted time of `placement` with the given max rank load.
+  double Seconds(const LayerView& view, const Placement& placement,
+                 long long max_rank_tokens) const;
+  // `placement` with its exact split; `seconds` comes from Seconds, or is negative to be computed.
+  Scored Solve(const LayerView& view, Placement placement, const std::vector<long long>& tokens,
+               double seconds = -1);
 
   // Adds a copy of the expert with the largest quota on the slowest rank to one of the coolest
   // ranks without it; true when that lowered the predicted time. When no such rank has a slot
   // to give (every slot holds a home or a sole copy), falls back to SwapWithCoolest.
   Result<bool> SpreadHottest(const LayerView& view, const std::vector<long long>& tokens,
-                             Scored& best) const;
+                             Scored& best);
 
   // Swaps the hot expert's copy on the slowest rank with the least-used copy on `cool_rank`:
   // homes relocate with their copies (weights + optimizer state), so the swap is kept only when
   // its gain per step pays the full transfer back within home_payback_horizon_steps.
   Result<bool> SwapWithCoolest(const LayerView& view, const std::vector<long long>& tokens,
-                               int hot_rank, int hot_expert, int cool_rank, Scored& best) const;
+                               int hot_rank, int hot_expert, int cool_rank, Scored& best);
+
+  QuotaSplitter splitter_;  // only Replan uses it, one layer at a time
 };
 
-Scored KeelPolicy::Score(const LayerView& view, Placement placement,
-                         const std::vector<long long>& tokens) const {
+double KeelPolicy::Seconds(const LayerView& view, const Placement& placement,
+                           long long max_rank_tokens) const {
   const CostModel& cost = context().cost;
-  Scored scored{std::move(placement), {}, {}, 0};
+  const double compute = cost.ComputeSeconds(static_cast<double>(max_rank_tokens));
+  // The placement in force moves nothing; pricing it as a migration would give zero too.
+  const double migration = placement == *view.current ? 0.0 : MigrationSeconds(view, placement);
+  return compute + cost.ReplicaSyncSeconds(placement) + std::max(0.0, migration - compute);
+}
+
+Scored KeelPolicy::Solve(const LayerView& view, Placement placement,
+                         const std::vector<long long>& tokens, double seconds) {
+  Scored scored{std::move(placement), {}, {}, seconds};
   const Placement& p = scored.placement;
-  scored.split = SplitQuotas(p, tokens, {});
+  splitter_.Split(p, tokens, scored.split);
   scored.rank_tokens.assign(p.num_ranks(), 0);
-  for (int s = 0; s < p.num_slots(); ++s) {
-    scored.rank_tokens[p.rank_of_slot(s)] += scored.split.slot_quota[s];
+  for (int rank = 0, s = 0; rank < p.num_ranks(); ++rank) {
+    for (int i = 0; i < p.slots_per_rank(); ++i)
+      scored.rank_tokens[rank] += scored.split.slot_quota[s++];
   }
-  const double compute = cost.ComputeSeconds(static_cast<double>(scored.split.max_rank_tokens));
-  const double migration = MigrationSeconds(view, p);
-  scored.seconds = compute + cost.ReplicaSyncSeconds(p) + std::max(0.0, migration - compute);
+  if (seconds < 0) scored.seconds = Seconds(view, p, scored.split.max_rank_tokens);
   return scored;
 }
 
 Result<bool> KeelPolicy::SpreadHottest(const LayerView& view, const std::vector<long long>& tokens,
-                                       Scored& best) const {
+                                       Scored& best) {
   const Placement& p = best.placement;
   const int num_ranks = p.num_ranks();
   const std::vector<long long>& rank_tokens = best.rank_tokens;
@@ -106,7 +122,7 @@ Result<bool> KeelPolicy::SpreadHottest(const LayerView& view, const std::vector<
     return a_near != b_near ? a_near : a < b;
   };
   std::vector<char> holds(num_ranks, 0);
-  for (int s : p.copies(hot_expert)) holds[p.rank_of_slot(s)] = 1;
+  for (int rank : p.copy_ranks(hot_expert)) holds[rank] = 1;
   std::vector<int> receivers;
   for (int g = 0; g < num_ranks; ++g) {
     if (!holds[g]) receivers.push_back(g);
@@ -141,9 +157,9 @@ Result<bool> KeelPolicy::SpreadHottest(const LayerView& view, const std::vector<
     KEEL_ASSIGN_OR_RETURN(
         Placement candidate,
         Placement::Create(p.num_experts(), num_ranks, std::move(phy2log), best.placement.home()));
-    Scored scored = Score(view, std::move(candidate), tokens);
-    if (scored.seconds < best.seconds) {
-      best = std::move(scored);
+    const double seconds = Seconds(view, candidate, splitter_.MaxRankTokens(candidate));
+    if (seconds < best.seconds) {
+      best = Solve(view, std::move(candidate), tokens, seconds);
       improved = true;
       break;  // the coolest receiver that helps is taken; the next move looks again
     }
@@ -154,7 +170,7 @@ Result<bool> KeelPolicy::SpreadHottest(const LayerView& view, const std::vector<
 
 Result<bool> KeelPolicy::SwapWithCoolest(const LayerView& view,
                                          const std::vector<long long>& tokens, int hot_rank,
-                                         int hot_expert, int cool_rank, Scored& best) const {
+                                         int hot_expert, int cool_rank, Scored& best) {
   const Placement& p = best.placement;
   int hot_slot = -1, cool_slot = -1;
   long long cool_quota = 0;
@@ -175,11 +191,11 @@ Result<bool> KeelPolicy::SwapWithCoolest(const LayerView& view,
   KEEL_ASSIGN_OR_RETURN(Placement candidate, Placement::CreateKeepingHomes(p, std::move(phy2log)));
   const double move_seconds =
       view.fresh_start ? 0.0 : context().cost.Migration(p, candidate).seconds;
-  Scored scored = Score(view, std::move(candidate), tokens);
-  const double gain_per_step = best.seconds - scored.seconds;
+  const double seconds = Seconds(view, candidate, splitter_.MaxRankTokens(candidate));
+  const double gain_per_step = best.seconds - seconds;
   const double horizon = context().config.keel.home_payback_horizon_steps;
   if (gain_per_step <= 0 || gain_per_step * horizon <= move_seconds) return false;
-  best = std::move(scored);
+  best = Solve(view, std::move(candidate), tokens, seconds);
   return true;
 }
 
@@ -201,7 +217,7 @@ Result<Placement> KeelPolicy::Replan(const LayerView& view) {
   if (total <= 0) return current;
 
   const KeelPolicyConfig& config = context().config.keel;
-  Scored best = Score(view, current, tokens);
+  Scored best = Solve(view, current, tokens);
   const double start_seconds = best.seconds;
   // Already within the gain threshold of a perfect split: nothing can pay for a change.
   const double perfect = static_cast<double>(total) / num_ranks;

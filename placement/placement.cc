@@ -94,17 +94,22 @@ void Placement::BuildIndex() {
   }
   copy_begin_.assign(num_experts_ + 1, 0);
   for (int e = 0; e < num_experts_; ++e) copy_begin_[e + 1] = copy_begin_[e] + logcnt_[e];
-  copy_slots_.assign(copy_begin_[num_experts_], 0);
+  copy_slots_.resize(copy_begin_[num_experts_]);
+  copy_ranks_.resize(copy_begin_[num_experts_]);
   std::vector<int> fill(copy_begin_.begin(), copy_begin_.end() - 1);
-  for (int s = 0; s < num_slots(); ++s) {
-    const int e = phy2log_[s];
-    if (e != kEmptySlot) copy_slots_[fill[e]++] = s;
+  for (int rank = 0, s = 0; rank < num_ranks_; ++rank) {
+    for (int i = 0; i < slots_per_rank_; ++i, ++s) {
+      const int e = phy2log_[s];
+      if (e == kEmptySlot) continue;
+      copy_ranks_[fill[e]] = rank;
+      copy_slots_[fill[e]++] = s;
+    }
   }
 }
 
 bool Placement::holds(int rank, int expert) const {
-  for (int s : copies(expert)) {
-    if (rank_of_slot(s) == rank) return true;
+  for (int r : copy_ranks(expert)) {
+    if (r == rank) return true;
   }
   return false;
 }

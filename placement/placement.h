@@ -50,6 +50,11 @@ class Placement {
     return {copy_slots_.data() + copy_begin_[expert],
             static_cast<size_t>(copy_begin_[expert + 1] - copy_begin_[expert])};
   }
+  // Ranks of copies(expert), in the same order.
+  std::span<const int> copy_ranks(int expert) const {
+    return {copy_ranks_.data() + copy_begin_[expert],
+            static_cast<size_t>(copy_begin_[expert + 1] - copy_begin_[expert])};
+  }
   // True when some slot of `rank` holds `expert`.
   bool holds(int rank, int expert) const;
   // Largest logcnt over experts.
@@ -75,6 +80,7 @@ class Placement {
   std::vector<int> logcnt_;
   std::vector<int> copy_begin_;  // [num_experts + 1] offsets into copy_slots_
   std::vector<int> copy_slots_;
+  std::vector<int> copy_ranks_;  // rank of each entry of copy_slots_, so callers need not divide
 };
 
 // What turning `from` into `to` costs in persistent state (same shape required).

@@ -6,6 +6,7 @@
 #include <cassert>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <utility>
@@ -21,6 +22,8 @@ namespace {
 constexpr double kMaxTokens = 1e15;
 
 long long CeilDiv(long long a, long long b) { return (a + b - 1) / b; }
+
+}  // namespace
 
 // Minimizes the max rank load over integer splits of every expert's tokens among its copies.
 //
@@ -43,7 +46,9 @@ long long CeilDiv(long long a, long long b) { return (a + b - 1) / b; }
 // split is a lower bound away from optimal, so it starts at the bound of the previous min cut
 // widened by the new copy's rank, takes back only the flow above that bound, and resumes the
 // augmenting paths. Its split is optimal too, but among optimal splits not necessarily the one a
-// fresh Solve returns. Buffers persist between calls, so re-solving allocates nothing.
+// fresh Solve returns. Resolve does the same for any change of the placement's copies, each rank
+// that gained a copy widening the cut, and returns the optimal max rank load alone. Buffers
+// persist between calls, so re-solving allocates nothing.
 class QuotaSolver {
  public:
   void Solve(const Placement& placement, std::span<const long long> tokens,
@@ -51,6 +56,9 @@ class QuotaSolver {
   // Re-solves for `extras`: the previous call's extras plus one more at the back, same tokens.
   void AddCopy(const Placement& placement, std::span<const TransientReplica> extras,
                QuotaSplit& split);
+  // The minimal max rank load of `placement` (same shape, no extras) for the previous call's
+  // tokens. No split is written; rank_load() and bottleneck_experts() keep the previous call's.
+  long long Resolve(const Placement& placement);
 
   // Copies of `expert` after Solve: id < num_slots is a persistent slot, otherwise the extra copy
   // id - num_slots. Persistent slots first (ascending), then extras in their given order.
@@ -72,8 +80,15 @@ class QuotaSolver {
   // Fixed loads, flexible experts and the arcs into each rank, for the current copies; no excess.
   void Prepare();
   void Pour(long long bound);
-  // Raises `bound` at each min cut until every token is routed, then writes the quotas.
+  // Once the previous flow sits on the current arcs (excess for what found no arc): the bound of
+  // the cold start or of the previous cut, in_cut_ (which the caller widened by every rank that
+  // gained a copy), whichever is higher. The flow above that bound goes back to its experts and
+  // is poured again. Returns the bound; `cut_found` says whether it came from the cut.
+  long long WarmStart(bool& cut_found);
+  // Raises `bound` at each min cut until every token is routed; returns the final bound.
   // `cut_found`: the bound already comes from the cut in in_cut_ / cut_experts_.
+  long long RouteAtLowestBound(long long bound, bool cut_found);
+  // RouteAtLowestBound, then writes the quotas.
   void Finish(const Placement& placement, long long bound, bool cut_found, QuotaSplit& split);
   // Routes remaining excess with augmenting paths; false when some is stuck (the last search's
   // marks then describe the min cut).
@@ -88,7 +103,6 @@ class QuotaSolver {
   long long total_ = 0;
   int num_extras_ = 0;
 
-  std::vector<int> slot_rank_;   // [num_slots] rank of each persistent slot
   std::vector<int> copy_begin_;  // [num_experts + 1]
   std::vector<int> copy_id_;     // [copies]
   std::vector<int> copy_rank_;   // [copies]
@@ -100,7 +114,9 @@ class QuotaSolver {
   std::vector<int> arc_expert_;
   std::vector<int> arc_copies_;  // copies of the expert on the arc's rank
   std::vector<long long> arc_flow_;
-  std::vector<long long> previous_flow_;  // scratch for AddCopy
+  std::vector<long long> previous_flow_;  // scratch for AddCopy and Resolve
+  std::vector<int> previous_arc_begin_;   // scratch for Resolve
+  std::vector<int> previous_arc_rank_;    // scratch for Resolve
   std::vector<int> arc_given_;            // scratch for splitting an arc among its copies
 
   std::vector<int> flexible_;        // experts with tokens on >= 2 ranks, ascending
@@ -142,19 +158,14 @@ void QuotaSolver::BuildCopies(const Placement& placement,
   copy_rank_.resize(num_copies);
   copy_arc_.resize(num_copies);
   rank_fill_.resize(std::max(num_experts_, num_ranks_));
-  // rank_of_slot divides; the slots' ranks are cached once per placement.
-  if (slot_rank_.size() != static_cast<size_t>(num_slots)) {
-    slot_rank_.resize(num_slots);
-    const int per_rank = num_slots / num_ranks_;
-    for (int r = 0, slot = 0; r < num_ranks_; ++r) {
-      for (int i = 0; i < per_rank; ++i) slot_rank_[slot++] = r;
-    }
-  }
   for (int e = 0; e < num_experts_; ++e) {
+    const auto slots = placement.copies(e);
+    const auto ranks = placement.copy_ranks(e);
     int pos = copy_begin_[e];
-    for (int slot : placement.copies(e)) {
-      copy_id_[pos] = slot;
-      copy_rank_[pos++] = slot_rank_[slot];
+    // Mostly one or two copies: a plain loop beats a call to memmove.
+    for (size_t i = 0; i < slots.size(); ++i, ++pos) {
+      copy_id_[pos] = slots[i];
+      copy_rank_[pos] = ranks[i];
     }
     rank_fill_[e] = pos;
   }
@@ -164,26 +175,32 @@ void QuotaSolver::BuildCopies(const Placement& placement,
     copy_rank_[pos] = extras[i].rank;
   }
 
-  arc_begin_.assign(num_experts_ + 1, 0);
-  arc_rank_.clear();
-  arc_expert_.clear();
-  arc_copies_.clear();
+  // At most one arc per copy: sized for that, trimmed after.
+  arc_begin_.resize(num_experts_ + 1);
+  arc_rank_.resize(num_copies);
+  arc_expert_.resize(num_copies);
+  arc_copies_.resize(num_copies);
+  int num_arcs = 0;
   for (int e = 0; e < num_experts_; ++e) {
+    arc_begin_[e] = num_arcs;
     for (int c = copy_begin_[e]; c < copy_begin_[e + 1]; ++c) {
       int arc = arc_begin_[e];
-      const int end = static_cast<int>(arc_rank_.size());
-      while (arc < end && arc_rank_[arc] != copy_rank_[c]) ++arc;
-      if (arc == end) {
-        arc_rank_.push_back(copy_rank_[c]);
-        arc_expert_.push_back(e);
-        arc_copies_.push_back(0);
+      while (arc < num_arcs && arc_rank_[arc] != copy_rank_[c]) ++arc;
+      if (arc == num_arcs) {
+        arc_rank_[arc] = copy_rank_[c];
+        arc_expert_[arc] = e;
+        arc_copies_[arc] = 0;
+        ++num_arcs;
       }
       copy_arc_[c] = arc;
       ++arc_copies_[arc];
     }
-    arc_begin_[e + 1] = static_cast<int>(arc_rank_.size());
   }
-  arc_flow_.assign(arc_rank_.size(), 0);
+  arc_begin_[num_experts_] = num_arcs;
+  arc_rank_.resize(num_arcs);
+  arc_expert_.resize(num_arcs);
+  arc_copies_.resize(num_arcs);
+  arc_flow_.assign(num_arcs, 0);
 }
 
 // Water-fills each flexible expert, heaviest first, onto its least-loaded ranks up to `bound`.
@@ -355,7 +372,6 @@ void QuotaSolver::Solve(const Placement& placement, std::span<const long long> t
   num_experts_ = placement.num_experts();
   num_ranks_ = placement.num_ranks();
   tokens_ = tokens;
-  slot_rank_.clear();
   BuildCopies(placement, extras);
   Prepare();
   for (int e : flexible_) excess_[e] = tokens[e];
@@ -395,11 +411,17 @@ void QuotaSolver::AddCopy(const Placement& placement, std::span<const TransientR
   if (was_single && shift == 1) arc_flow_[arc_begin_[expert]] = tokens_[expert];
   Prepare();
 
-  // Lower bounds: the cold start's, and the previous cut (S, X) with the new copy's rank joined
-  // to S: the experts with every copy in that S' load it with at least their tokens.
+  // The previous cut (S, X) with the new copy's rank joined to S: the experts with every copy in
+  // that S' load it with at least their tokens.
+  in_cut_[extras.back().rank] = 1;
+  bool cut_found = false;
+  const long long bound = WarmStart(cut_found);
+  Finish(placement, bound, cut_found, split);
+}
+
+long long QuotaSolver::WarmStart(bool& cut_found) {
   const long long max_fixed = *std::max_element(fixed_.begin(), fixed_.end());
   long long bound = std::max(CeilDiv(total_, num_ranks_), max_fixed);
-  in_cut_[extras.back().rank] = 1;
   long long need = 0;
   long long cut_ranks = 0;
   for (int r = 0; r < num_ranks_; ++r) {
@@ -416,7 +438,7 @@ void QuotaSolver::AddCopy(const Placement& placement, std::span<const TransientR
     need += tokens_[e];
     cut_experts_.push_back(e);
   }
-  const bool cut_found = CeilDiv(need, cut_ranks) > bound;
+  cut_found = cut_ranks > 0 && CeilDiv(need, cut_ranks) > bound;
   if (cut_found) {
     bound = CeilDiv(need, cut_ranks);
   } else {
@@ -447,11 +469,40 @@ void QuotaSolver::AddCopy(const Placement& placement, std::span<const TransientR
     return tokens_[a] != tokens_[b] ? tokens_[a] > tokens_[b] : a < b;
   });
   Pour(bound);
-  Finish(placement, bound, cut_found, split);
+  return bound;
 }
 
-void QuotaSolver::Finish(const Placement& placement, long long bound, bool cut_found,
-                         QuotaSplit& split) {
+long long QuotaSolver::Resolve(const Placement& placement) {
+  previous_arc_begin_.assign(arc_begin_.begin(), arc_begin_.end());
+  previous_arc_rank_.assign(arc_rank_.begin(), arc_rank_.end());
+  previous_flow_.assign(arc_flow_.begin(), arc_flow_.end());
+  BuildCopies(placement, {});
+  Prepare();
+  // Each expert keeps its flow on the ranks that still hold it; what sat on a rank that lost
+  // its copy becomes excess. A single-rank expert's tokens were implicit on its one rank.
+  for (int e : flexible_) {
+    const int old_begin = previous_arc_begin_[e];
+    const int old_end = previous_arc_begin_[e + 1];
+    for (int old = old_begin; old < old_end; ++old) {
+      const long long flow = old_end - old_begin == 1 ? tokens_[e] : previous_flow_[old];
+      int a = arc_begin_[e];
+      while (a < arc_begin_[e + 1] && arc_rank_[a] != previous_arc_rank_[old]) ++a;
+      (a < arc_begin_[e + 1] ? arc_flow_[a] : excess_[e]) += flow;
+    }
+    for (int a = arc_begin_[e]; a < arc_begin_[e + 1]; ++a) {
+      bool gained = true;
+      for (int old = old_begin; old < old_end && gained; ++old) {
+        gained = previous_arc_rank_[old] != arc_rank_[a];
+      }
+      if (gained) in_cut_[arc_rank_[a]] = 1;
+    }
+  }
+  bool cut_found = false;
+  const long long bound = RouteAtLowestBound(WarmStart(cut_found), cut_found);
+  return bound - *std::min_element(spare_.begin(), spare_.end());
+}
+
+long long QuotaSolver::RouteAtLowestBound(long long bound, bool cut_found) {
   const std::span<const long long> tokens = tokens_;
   while (!RouteExcess()) {
     // The last search reached only full ranks: its marks are the min cut (X experts, S ranks).
@@ -480,6 +531,13 @@ void QuotaSolver::Finish(const Placement& placement, long long bound, bool cut_f
     // The bound is ceil(total / G), which no copy can lower, or the fixed load of some ranks.
     for (int r = 0; r < num_ranks_; ++r) in_cut_[r] = bound > 0 && fixed_[r] == bound;
   }
+  return bound;
+}
+
+void QuotaSolver::Finish(const Placement& placement, long long bound, bool cut_found,
+                         QuotaSplit& split) {
+  const std::span<const long long> tokens = tokens_;
+  RouteAtLowestBound(bound, cut_found);
   RecordBottleneck();
 
   // Flows to per-copy quotas.
@@ -507,6 +565,8 @@ void QuotaSolver::Finish(const Placement& placement, long long bound, bool cut_f
   split.max_rank_tokens = *std::max_element(rank_load_.begin(), rank_load_.end());
 }
 
+namespace {
+
 // Turns per-copy quotas into a routing: which source sends how many tokens to which copy.
 class SourceAssigner {
  public:
@@ -529,7 +589,6 @@ class SourceAssigner {
   // node, then the rest, each pass in copy order and ascending source order.
   void AssignSpread(const QuotaSolver& solver, int expert, const QuotaSplit& split,
                     StepRouting& routing);
-  void Give(int source, int expert, int copy_id, int rank, double tokens, StepRouting& routing);
   // Shares of an expert whose copies sit on one rank: sources in ascending order fill the copies
   // in copy order up to the quotas in room_.
   void ShareInSourceOrder(const QuotaSolver& solver, int expert, StepRouting& routing);
@@ -540,9 +599,9 @@ class SourceAssigner {
   std::vector<int> source_rank_;  // [num_sources]
   std::vector<double> totals_;
   std::vector<long long> rounded_;
-  std::vector<double> remaining_;  // [num_sources] tokens of the current expert still unsent
-  std::vector<double> room_;       // [copies of the current expert] quota still open
-  std::vector<int> single_rank_;   // [num_experts] the one rank holding the expert, else -1
+  std::vector<double> remaining_;      // [num_sources] tokens of the current expert still unsent
+  std::vector<double> room_;           // [copies of the current expert] quota still open
+  std::vector<int> ranks_by_singles_;  // ranks holding single-rank experts, fewest first
   // Experts on one rank in the placement, grouped by that rank.
   std::vector<int> rank_single_begin_;  // [num_ranks + 1]
   std::vector<int> rank_single_;
@@ -554,21 +613,20 @@ SourceAssigner::SourceAssigner(const Placement& placement, const StepLoad& load,
     : placement_(placement), load_(load), topology_(topology) {
   const int num_ranks = placement.num_ranks();
   const int num_experts = load.num_experts;
-  single_rank_.resize(num_experts);
+  std::vector<int> single_rank(num_experts);  // the one rank holding the expert, else -1
   rank_single_begin_.assign(num_ranks + 1, 0);
   for (int e = 0; e < num_experts; ++e) {
-    single_rank_[e] = -1;
-    for (int slot : placement.copies(e)) {
-      const int rank = placement.rank_of_slot(slot);
-      if (single_rank_[e] == -1) {
-        single_rank_[e] = rank;
-      } else if (single_rank_[e] != rank) {
-        single_rank_[e] = -2;
+    single_rank[e] = -1;
+    for (int rank : placement.copy_ranks(e)) {
+      if (single_rank[e] == -1) {
+        single_rank[e] = rank;
+      } else if (single_rank[e] != rank) {
+        single_rank[e] = -2;
         break;
       }
     }
-    if (single_rank_[e] < 0) single_rank_[e] = -1;
-    if (single_rank_[e] >= 0) ++rank_single_begin_[single_rank_[e] + 1];
+    if (single_rank[e] < 0) single_rank[e] = -1;
+    if (single_rank[e] >= 0) ++rank_single_begin_[single_rank[e] + 1];
   }
   for (int r = 0; r < num_ranks; ++r) rank_single_begin_[r + 1] += rank_single_begin_[r];
   rank_single_.resize(rank_single_begin_[num_ranks]);
@@ -577,8 +635,14 @@ SourceAssigner::SourceAssigner(const Placement& placement, const StepLoad& load,
   for (int s = 0; s < load.num_sources; ++s) source_rank_[s] = s % num_ranks;
   std::vector<int> fill(rank_single_begin_.begin(), rank_single_begin_.end() - 1);
   for (int e = 0; e < num_experts; ++e) {
-    if (single_rank_[e] >= 0) rank_single_[fill[single_rank_[e]]++] = e;
+    if (single_rank[e] >= 0) rank_single_[fill[single_rank[e]]++] = e;
   }
+  auto singles = [&](int r) { return rank_single_begin_[r + 1] - rank_single_begin_[r]; };
+  for (int r = 0; r < num_ranks; ++r) {
+    if (singles(r) > 0) ranks_by_singles_.push_back(r);
+  }
+  std::stable_sort(ranks_by_singles_.begin(), ranks_by_singles_.end(),
+                   [&](int a, int b) { return singles(a) < singles(b); });
 }
 
 bool SourceAssigner::Scan(StepRouting& routing) {
@@ -593,15 +657,71 @@ bool SourceAssigner::Scan(StepRouting& routing) {
   // an infinity or an entry beyond kMaxTokens makes its expert's total NaN or beyond kMaxTokens,
   // as all other entries are then non-negative. Either sends the caller to the exact check.
   std::uint64_t sign = 0;
-  for (int s = 0; s < load_.num_sources; ++s) {
-    const double* row = load_.traffic.data() + static_cast<size_t>(s) * num_experts;
-    double* sent = routing.sent_tokens.data() + static_cast<size_t>(source_rank_[s]) * num_ranks;
-    for (int e = 0; e < num_experts; ++e) {
-      const double tokens = row[e];
-      sign |= std::bit_cast<std::uint64_t>(tokens);
-      totals_[e] += tokens;
-      if (single_rank_[e] >= 0) sent[single_rank_[e]] += tokens;
+  double* totals = totals_.data();
+  const double* traffic = load_.traffic.data();
+  double* sent = routing.sent_tokens.data();
+  auto row_of = [&](int source) { return traffic + static_cast<size_t>(source) * num_experts; };
+  auto sent_row = [&](int source) {
+    return sent + static_cast<size_t>(source_rank_[source]) * num_ranks;
+  };
+  // Single-rank experts go straight to their rank, in ascending expert order, each sum in a
+  // register. Ranks come by how many such experts they hold, so that the inner loop's length
+  // changes rarely and its branch is predicted.
+  auto send_singles = [&](int source) {
+    const double* row = row_of(source);
+    double* out = sent_row(source);
+    for (int rank : ranks_by_singles_) {
+      double sum = out[rank];
+      for (int i = rank_single_begin_[rank]; i < rank_single_begin_[rank + 1]; ++i) {
+        sum += row[rank_single_[i]];
+      }
+      out[rank] = sum;
     }
+  };
+  // Four sources at a time, their rows read twice while they are in the first-level cache: the
+  // totals still add their sources in ascending order, with a quarter of the stores, and the
+  // four sources' single-rank sums (four distinct rows of sent tokens when there are at least
+  // four ranks) share the index loads and overlap their additions.
+  int s = 0;
+  for (; s + 4 <= load_.num_sources; s += 4) {
+    const double* row0 = row_of(s);
+    const double* row1 = row0 + num_experts;
+    const double* row2 = row1 + num_experts;
+    const double* row3 = row2 + num_experts;
+    for (int e = 0; e < num_experts; ++e) {
+      const double a = row0[e], b = row1[e], c = row2[e], d = row3[e];
+      sign |= std::bit_cast<std::uint64_t>(a) | std::bit_cast<std::uint64_t>(b) |
+              std::bit_cast<std::uint64_t>(c) | std::bit_cast<std::uint64_t>(d);
+      totals[e] = (((totals[e] + a) + b) + c) + d;
+    }
+    if (num_ranks < 4) {
+      for (int k = 0; k < 4; ++k) send_singles(s + k);
+      continue;
+    }
+    double *sent0 = sent_row(s), *sent1 = sent_row(s + 1), *sent2 = sent_row(s + 2),
+           *sent3 = sent_row(s + 3);
+    for (int rank : ranks_by_singles_) {
+      double sum0 = sent0[rank], sum1 = sent1[rank], sum2 = sent2[rank], sum3 = sent3[rank];
+      for (int i = rank_single_begin_[rank]; i < rank_single_begin_[rank + 1]; ++i) {
+        const int e = rank_single_[i];
+        sum0 += row0[e];
+        sum1 += row1[e];
+        sum2 += row2[e];
+        sum3 += row3[e];
+      }
+      sent0[rank] = sum0;
+      sent1[rank] = sum1;
+      sent2[rank] = sum2;
+      sent3[rank] = sum3;
+    }
+  }
+  for (; s < load_.num_sources; ++s) {
+    const double* row = row_of(s);
+    for (int e = 0; e < num_experts; ++e) {
+      sign |= std::bit_cast<std::uint64_t>(row[e]);
+      totals[e] += row[e];
+    }
+    send_singles(s);
   }
   bool in_range = (sign >> 63) == 0;
   rounded_.resize(num_experts);
@@ -610,18 +730,6 @@ bool SourceAssigner::Scan(StepRouting& routing) {
     rounded_[e] = std::isfinite(totals_[e]) ? std::llround(totals_[e]) : 0;
   }
   return in_range;
-}
-
-void SourceAssigner::Give(int source, int expert, int copy_id, int rank, double tokens,
-                          StepRouting& routing) {
-  remaining_[source] -= tokens;
-  if (record_shares_) routing.shares.push_back({source_rank_[source], expert, copy_id, tokens});
-  const int num_slots = placement_.num_slots();
-  (copy_id < num_slots ? routing.slot_tokens[copy_id]
-                       : routing.transient_tokens[copy_id - num_slots]) += tokens;
-  routing.rank_tokens[rank] += tokens;
-  routing.sent_tokens[static_cast<size_t>(source_rank_[source]) * routing.num_ranks + rank] +=
-      tokens;
 }
 
 void SourceAssigner::AssignSpread(const QuotaSolver& solver, int expert, const QuotaSplit& split,
@@ -644,37 +752,78 @@ void SourceAssigner::AssignSpread(const QuotaSolver& solver, int expert, const Q
   for (int s = 0; s < num_sources; ++s) {
     remaining_[s] = load_.traffic[static_cast<size_t>(s) * load_.num_experts + expert];
   }
-  auto take = [&](int s, int i) {
-    const double tokens = std::min(remaining_[s], room_[i]);
+
+  // The copy being filled keeps its open quota and its slot's and rank's running sums in
+  // registers until another copy is filled: the additions happen in the same order as one store
+  // per share would make them (so the same bits), without each waiting for the previous store.
+  int open_copy = -1;
+  int id = 0;
+  int rank = 0;
+  double room = 0;
+  double slot_sum = 0;
+  double rank_sum = 0;
+  auto slot_cell = [&]() -> double& {
+    return id < num_slots ? routing.slot_tokens[id] : routing.transient_tokens[id - num_slots];
+  };
+  auto close = [&]() {
+    if (open_copy < 0) return;
+    room_[open_copy] = room;
+    slot_cell() = slot_sum;
+    routing.rank_tokens[rank] = rank_sum;
+  };
+  auto switch_to = [&](int i) {
+    close();
+    open_copy = i;
+    id = solver.copy_id(begin + i);
+    rank = solver.copy_rank(begin + i);
+    room = room_[i];
+    slot_sum = slot_cell();
+    rank_sum = routing.rank_tokens[rank];
+  };
+  auto open = [&](int i) {
+    if (i != open_copy) switch_to(i);
+  };
+  auto give = [&](int s, double tokens) {
+    remaining_[s] -= tokens;
+    if (record_shares_) routing.shares.push_back({source_rank_[s], expert, id, tokens});
+    slot_sum += tokens;
+    rank_sum += tokens;
+    routing.sent_tokens[static_cast<size_t>(source_rank_[s]) * num_ranks + rank] += tokens;
+  };
+  auto take = [&](int s) {
+    const double tokens = std::min(remaining_[s], room);
     if (tokens <= 0) return;
-    room_[i] -= tokens;
-    Give(s, expert, solver.copy_id(begin + i), solver.copy_rank(begin + i), tokens, routing);
+    room -= tokens;
+    give(s, tokens);
   };
   // Local: sources on the copy's own rank.
   for (int i = 0; i < count; ++i) {
-    for (int s = solver.copy_rank(begin + i); s < num_sources; s += num_ranks) take(s, i);
+    open(i);
+    for (int s = rank; s < num_sources; s += num_ranks) take(s);
   }
   // Same node.
   const int per_node = topology_.gpus_per_node();
   for (int i = 0; i < count; ++i) {
-    const int first = topology_.node_of(solver.copy_rank(begin + i)) * per_node;
+    open(i);
+    const int first = topology_.node_of(rank) * per_node;
     for (int r = first; r < first + per_node; ++r) {
-      for (int s = r; s < num_sources; s += num_ranks) take(s, i);
+      for (int s = r; s < num_sources; s += num_ranks) take(s);
     }
   }
   // The rest, in source order; rounding dust goes to the copy last used.
-  int open = 0;
+  int next = 0;
   for (int s = 0; s < num_sources; ++s) {
-    while (remaining_[s] > 0 && open < count) {
-      take(s, open);
-      if (room_[open] <= 0) ++open;
+    while (remaining_[s] > 0 && next < count) {
+      open(next);
+      take(s);
+      if (room <= 0) ++next;
     }
     if (remaining_[s] > 0) {
-      const int last = std::min(open, count - 1);
-      Give(s, expert, solver.copy_id(begin + last), solver.copy_rank(begin + last), remaining_[s],
-           routing);
+      open(std::min(next, count - 1));
+      give(s, remaining_[s]);
     }
   }
+  close();
 }
 
 void SourceAssigner::Assign(const QuotaSolver& solver, const std::vector<TransientReplica>& extras,
@@ -868,6 +1017,20 @@ QuotaSplit SplitQuotas(const Placement& placement, const std::vector<long long>&
   return split;
 }
 
+QuotaSplitter::QuotaSplitter() : solver_(std::make_unique<QuotaSolver>()) {}
+
+QuotaSplitter::~QuotaSplitter() = default;
+
+void QuotaSplitter::Split(const Placement& placement, std::span<const long long> tokens,
+                          QuotaSplit& split) {
+  assert(tokens.size() == static_cast<size_t>(placement.num_experts()));
+  solver_->Solve(placement, tokens, {}, split);
+}
+
+long long QuotaSplitter::MaxRankTokens(const Placement& placement) {
+  return solver_->Resolve(placement);
+}
+
 Result<StepRouting> PlanStepQuotas(const Placement& placement, const StepLoad& load,
                                    const Topology& topology, const CostModel& cost,
                                    const QuotaPlanOptions& options) {
@@ -882,9 +1045,12 @@ Result<StepRouting> PlanStepQuotas(const Placement& placement, const StepLoad& l
   QuotaSplit split;
   std::vector<TransientReplica> transients;
   solver.Solve(placement, tokens, transients, split);
+  if (options.transient_per_rank == 0) {
+    assigner.Assign(solver, transients, split, scanned);
+    return scanned;
+  }
   StepRouting best = scanned;
   assigner.Assign(solver, transients, split, best);
-  if (options.transient_per_rank == 0) return best;
 
   // Greedy transients: each must lower the max rank load and the cost model's predicted layer
   // time; the first candidate that does not ends the search. The baseline is priced only once a

@@ -32,10 +32,12 @@ StepRouting EmptyRouting(const Placement& placement) {
 // Sends `tokens` of `expert` from `source` evenly to every copy of the expert.
 void SpreadEvenly(const Placement& placement, int source, int expert, double tokens,
                   StepRouting& routing) {
-  auto slots = placement.copies(expert);
+  const auto slots = placement.copies(expert);
+  const auto ranks = placement.copy_ranks(expert);
   const double share = tokens / static_cast<double>(slots.size());
-  for (int slot : slots) {
-    const int rank = placement.rank_of_slot(slot);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const int slot = slots[i];
+    const int rank = ranks[i];
     routing.slot_tokens[slot] += share;
     routing.rank_tokens[rank] += share;
     routing.sent_tokens[static_cast<size_t>(source) * routing.num_ranks + rank] += share;

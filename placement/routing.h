@@ -3,6 +3,8 @@
 // traffic that follow. These functions work with any placement, from any policy.
 #pragma once
 
+#include <memory>
+#include <span>
 #include <vector>
 
 #include "common/config.h"
@@ -14,6 +16,7 @@
 namespace keel {
 
 class CostModel;
+class QuotaSolver;
 
 // A copy of `expert` filled on `rank` for this step only, its weights sent from `source_rank`.
 struct TransientReplica {
@@ -81,5 +84,27 @@ struct QuotaSplit {
 };
 QuotaSplit SplitQuotas(const Placement& placement, const std::vector<long long>& expert_tokens,
                        const std::vector<TransientReplica>& extra_copies);
+
+// SplitQuotas (no extra copies) for a planner that prices several placements of one layer in a
+// row, as a replan does with its candidates: buffers persist between calls, and a candidate's
+// max rank load resumes from the previous solution instead of starting over.
+class QuotaSplitter {
+ public:
+  QuotaSplitter();
+  ~QuotaSplitter();
+  QuotaSplitter(const QuotaSplitter&) = delete;
+  QuotaSplitter& operator=(const QuotaSplitter&) = delete;
+
+  // The same split as SplitQuotas(placement, tokens, {}). `tokens` [num_experts] must stay alive
+  // and unchanged until the next Split.
+  void Split(const Placement& placement, std::span<const long long> tokens, QuotaSplit& split);
+  // The max_rank_tokens that Split would give for `placement` (same experts and ranks as the
+  // last Split) and the last Split's tokens; cheap when `placement` differs from the one solved
+  // before in a few slots. Needs a Split first.
+  long long MaxRankTokens(const Placement& placement);
+
+ private:
+  std::unique_ptr<QuotaSolver> solver_;
+};
 
 }  // namespace keel

@@ -29,6 +29,19 @@ TEST(PlacementTest, Log2PhyIsPaddedWithMinusOne) {
   EXPECT_FALSE(p->holds(1, 1));
 }
 
+TEST(PlacementTest, CopyRanksFollowCopies) {
+  auto p = Placement::Create(3, 3, {0, 1, kEmptySlot, 0, 2, 0});
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  for (int e = 0; e < 3; ++e) {
+    const auto slots = p->copies(e);
+    const auto ranks = p->copy_ranks(e);
+    ASSERT_EQ(ranks.size(), slots.size());
+    for (size_t i = 0; i < slots.size(); ++i) EXPECT_EQ(ranks[i], p->rank_of_slot(slots[i]));
+  }
+  EXPECT_EQ(std::vector<int>(p->copy_ranks(0).begin(), p->copy_ranks(0).end()),
+            (std::vector<int>{0, 1, 2}));
+}
+
 TEST(PlacementTest, RejectsMissingExpertAndBadHome) {
   auto missing = Placement::Create(3, 2, {0, 1, 1, 0});
   ASSERT_FALSE(missing.ok());

@@ -184,6 +184,44 @@ TEST(SplitQuotasTest, ZeroTokens) {
   EXPECT_EQ(split.slot_quota, (std::vector<long long>(4, 0)));
 }
 
+// A replan prices candidates one slot apart with QuotaSplitter::MaxRankTokens, which resumes from
+// the previous solution: it must give the optimum a fresh SplitQuotas gives, whatever the previous
+// placement was, and Split the same split.
+TEST(QuotaSplitterTest, MatchesSplitQuotasAlongRandomSlotChanges) {
+  std::mt19937 rng(17);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int num_ranks = 2 + static_cast<int>(rng() % 7);
+    const int slots_per_rank = 1 + static_cast<int>(rng() % 4);
+    const int num_slots = num_ranks * slots_per_rank;
+    const int num_experts = 1 + static_cast<int>(rng() % num_slots);
+    std::vector<int> phy2log(num_slots, kEmptySlot);
+    for (int s = 0; s < num_slots; ++s) {
+      phy2log[s] = s < num_experts ? s : static_cast<int>(rng() % (num_experts + 1)) - 1;
+    }
+    std::shuffle(phy2log.begin(), phy2log.end(), rng);
+    std::vector<long long> tokens(num_experts);
+    for (auto& t : tokens) t = rng() % 4 == 0 ? 0 : static_cast<long long>(rng() % 5000);
+    QuotaSplitter splitter;
+    QuotaSplit split;
+    splitter.Split(MakePlacement(num_experts, num_ranks, phy2log), tokens, split);
+    const QuotaSplit fresh =
+        SplitQuotas(MakePlacement(num_experts, num_ranks, phy2log), tokens, {});
+    EXPECT_EQ(split.slot_quota, fresh.slot_quota);
+    EXPECT_EQ(split.max_rank_tokens, fresh.max_rank_tokens);
+    for (int change = 0; change < 20; ++change) {
+      // Give a random slot to a random expert, keeping every expert on at least one slot.
+      std::vector<int> next = phy2log;
+      next[rng() % num_slots] = static_cast<int>(rng() % num_experts);
+      auto candidate = Placement::Create(num_experts, num_ranks, next);
+      if (!candidate.ok()) continue;
+      EXPECT_EQ(splitter.MaxRankTokens(*candidate),
+                SplitQuotas(*candidate, tokens, {}).max_rank_tokens)
+          << "trial " << trial << " change " << change;
+      phy2log = std::move(next);
+    }
+  }
+}
+
 // --- PlanStepQuotas ---------------------------------------------------------------------------
 
 CostModelConfig SmallExperts() {
