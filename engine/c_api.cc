@@ -144,6 +144,29 @@ Status CheckLayer(const keel_engine& engine, int layer) {
   return Status::Ok();
 }
 
+// Hands a route's splits to the caller (recv_counts and recv_totals may be NULL) and keeps its
+// local experts for keel_engine_local_experts.
+Status DeliverRoute(keel_engine& engine, int layer, LayerRoute& route, int64_t* send_counts,
+                    int64_t* recv_counts, int64_t* recv_totals) {
+  const size_t num_ranks = static_cast<size_t>(engine.engine->num_ranks());
+  const size_t local_slots = static_cast<size_t>(engine.engine->local_slots());
+  if (route.send_counts.size() != num_ranks ||
+      route.recv_counts.size() != num_ranks * local_slots ||
+      route.recv_totals.size() != num_ranks || route.local_experts.size() != local_slots) {
+    return Internal("the engine's route of layer " + std::to_string(layer) +
+                    " does not have the shapes keel.h documents");
+  }
+  engine.local_experts[static_cast<size_t>(layer)] = std::move(route.local_experts);
+  std::copy(route.send_counts.begin(), route.send_counts.end(), send_counts);
+  if (recv_counts != nullptr) {
+    std::copy(route.recv_counts.begin(), route.recv_counts.end(), recv_counts);
+  }
+  if (recv_totals != nullptr) {
+    std::copy(route.recv_totals.begin(), route.recv_totals.end(), recv_totals);
+  }
+  return Status::Ok();
+}
+
 // Rejects a capacity below `needed` entries; `what` says what the array holds.
 Status CheckCapacity(int32_t capacity, long long needed, std::string_view what) {
   if (capacity < 0) return InvalidArgument("capacity = " + std::to_string(capacity) + " < 0");
@@ -539,24 +562,63 @@ keel_status_t keel_engine_route(keel_engine_t* engine, int layer, const int32_t*
     // The engine checks the ids (naming the bad one by its index) while it counts them.
     std::span<const int32_t> ids(topk_ids, topk_ids == nullptr ? 0 : pairs);
     KEEL_ASSIGN_OR_RETURN(keel::LayerRoute route, engine->engine->Route(layer, ids));
-    const size_t num_ranks = static_cast<size_t>(engine->engine->num_ranks());
-    const size_t local_slots = static_cast<size_t>(engine->engine->local_slots());
-    if (route.slot.size() != pairs || route.send_counts.size() != num_ranks ||
-        route.recv_counts.size() != num_ranks * local_slots ||
-        route.recv_totals.size() != num_ranks || route.local_experts.size() != local_slots) {
-      return keel::Internal("the engine's route of layer " + std::to_string(layer) +
+    if (route.slot.size() != pairs) {
+      return keel::Internal("the engine's route of layer " + std::to_string(layer) + " has " +
+                            std::to_string(route.slot.size()) + " slots for " +
+                            std::to_string(pairs) + " entries");
+    }
+    std::copy(route.slot.begin(), route.slot.end(), slot_out);
+    return keel::DeliverRoute(*engine, layer, route, send_counts, recv_counts, recv_totals);
+  });
+}
+
+keel_status_t keel_engine_route_counts(keel_engine_t* engine, int layer,
+                                       const int32_t* expert_counts, int64_t* send_counts,
+                                       int64_t* recv_counts, int64_t* recv_totals,
+                                       int32_t* copy_begin_out, int32_t* copy_slot_out,
+                                       int32_t* copy_quota_out, int32_t copy_capacity,
+                                       int32_t* num_copies_out, int32_t* slot_rank_out) {
+  return Guard("keel_engine_route_counts", [&]() -> Status {
+    if (engine == nullptr) return Null("engine");
+    KEEL_RETURN_IF_ERROR(keel::CheckLayer(*engine, layer));
+    if (expert_counts == nullptr) return Null("expert_counts");
+    if (send_counts == nullptr) return Null("send_counts");
+    if (copy_begin_out == nullptr) return Null("copy_begin_out");
+    if (copy_slot_out == nullptr) return Null("copy_slot_out");
+    if (copy_quota_out == nullptr) return Null("copy_quota_out");
+    if (num_copies_out == nullptr) return Null("num_copies_out");
+    if (slot_rank_out == nullptr) return Null("slot_rank_out");
+    // Checked before the collective, which cannot be repeated: a rank's table lists each
+    // physical slot at most once per expert it sends to, so every physical slot suffices.
+    const int num_ranks = engine->engine->num_ranks();
+    const int local_slots = engine->engine->local_slots();
+    const size_t num_physical = static_cast<size_t>(num_ranks) * static_cast<size_t>(local_slots);
+    if (copy_capacity < 0 || static_cast<size_t>(copy_capacity) < num_physical) {
+      return InvalidArgument("copy_capacity = " + std::to_string(copy_capacity) +
+                             " is smaller than num_ranks * (slots_per_rank + "
+                             "transient_per_rank) = " +
+                             std::to_string(num_ranks) + " * " + std::to_string(local_slots));
+    }
+    // The engine names a negative count by its index.
+    std::span<const int32_t> counts(expert_counts, static_cast<size_t>(engine->num_experts));
+    KEEL_ASSIGN_OR_RETURN(keel::LayerRoute route, engine->engine->RouteCounts(layer, counts));
+    const size_t num_copies = route.copy_slot.size();
+    if (route.copy_begin.size() != static_cast<size_t>(engine->num_experts) + 1 ||
+        route.copy_quota.size() != num_copies || route.slot_rank.size() != num_physical) {
+      return keel::Internal("the engine's quota table of layer " + std::to_string(layer) +
                             " does not have the shapes keel.h documents");
     }
-    engine->local_experts[static_cast<size_t>(layer)] = std::move(route.local_experts);
-    std::copy(route.slot.begin(), route.slot.end(), slot_out);
-    std::copy(route.send_counts.begin(), route.send_counts.end(), send_counts);
-    if (recv_counts != nullptr) {
-      std::copy(route.recv_counts.begin(), route.recv_counts.end(), recv_counts);
+    if (num_copies > num_physical) {
+      return keel::Internal("the engine's quota table of layer " + std::to_string(layer) + " has " +
+                            std::to_string(num_copies) + " copies, more than the " +
+                            std::to_string(num_physical) + " physical slots");
     }
-    if (recv_totals != nullptr) {
-      std::copy(route.recv_totals.begin(), route.recv_totals.end(), recv_totals);
-    }
-    return Status::Ok();
+    *num_copies_out = static_cast<int32_t>(num_copies);
+    std::copy(route.copy_begin.begin(), route.copy_begin.end(), copy_begin_out);
+    std::copy(route.copy_slot.begin(), route.copy_slot.end(), copy_slot_out);
+    std::copy(route.copy_quota.begin(), route.copy_quota.end(), copy_quota_out);
+    std::copy(route.slot_rank.begin(), route.slot_rank.end(), slot_rank_out);
+    return keel::DeliverRoute(*engine, layer, route, send_counts, recv_counts, recv_totals);
   });
 }
 

@@ -101,6 +101,9 @@ Status CheckPermutationIndexArguments(const int32_t* slot, int64_t num_entries,
   return CheckPointer("invalid", invalid, 1);
 }
 
+namespace {
+
+// The shapes shared by the permute family, and `position`.
 Status CheckTokenRowArguments(int64_t num_tokens, int top_k, int64_t hidden, DType dtype,
                               const int32_t* position, int64_t num_rows) {
   KEEL_RETURN_IF_ERROR(CheckNonNegative("num_tokens", num_tokens));
@@ -109,6 +112,50 @@ Status CheckTokenRowArguments(int64_t num_tokens, int top_k, int64_t hidden, DTy
   KEEL_RETURN_IF_ERROR(CheckIndexable("num_rows", num_rows));
   KEEL_RETURN_IF_ERROR(CheckRows(hidden, dtype));
   return CheckPointer("position", position, num_tokens * top_k);
+}
+
+}  // namespace
+
+Status CheckPermuteArguments(const void* in, int64_t num_tokens, int top_k, int64_t hidden,
+                             DType dtype, const int32_t* position, const void* out,
+                             int64_t num_rows) {
+  KEEL_RETURN_IF_ERROR(
+      CheckTokenRowArguments(num_tokens, top_k, hidden, dtype, position, num_rows));
+  KEEL_RETURN_IF_ERROR(CheckPointer("in", in, num_tokens * hidden));
+  return CheckPointer("out", out, num_rows * hidden);
+}
+
+Status CheckPermuteBackwardArguments(const void* grad_out, int64_t num_rows,
+                                     const int32_t* position, int64_t num_tokens, int top_k,
+                                     int64_t hidden, DType dtype, const void* grad_in) {
+  KEEL_RETURN_IF_ERROR(
+      CheckTokenRowArguments(num_tokens, top_k, hidden, dtype, position, num_rows));
+  KEEL_RETURN_IF_ERROR(CheckPointer("grad_out", grad_out, num_rows * hidden));
+  return CheckPointer("grad_in", grad_in, num_tokens * hidden);
+}
+
+Status CheckUnpermuteCombineArguments(const void* rows, int64_t num_rows, const int32_t* position,
+                                      const float* weights, int64_t num_tokens, int top_k,
+                                      int64_t hidden, DType dtype, const void* out) {
+  KEEL_RETURN_IF_ERROR(
+      CheckTokenRowArguments(num_tokens, top_k, hidden, dtype, position, num_rows));
+  KEEL_RETURN_IF_ERROR(CheckPointer("rows", rows, num_rows * hidden));
+  KEEL_RETURN_IF_ERROR(CheckPointer("weights", weights, num_tokens * top_k));
+  return CheckPointer("out", out, num_tokens * hidden);
+}
+
+Status CheckUnpermuteCombineBackwardArguments(const void* grad_out, const void* rows,
+                                              int64_t num_rows, const int32_t* position,
+                                              const float* weights, int64_t num_tokens, int top_k,
+                                              int64_t hidden, DType dtype, const void* grad_rows,
+                                              const float* grad_weights) {
+  KEEL_RETURN_IF_ERROR(
+      CheckTokenRowArguments(num_tokens, top_k, hidden, dtype, position, num_rows));
+  KEEL_RETURN_IF_ERROR(CheckPointer("grad_out", grad_out, num_tokens * hidden));
+  KEEL_RETURN_IF_ERROR(CheckPointer("rows", rows, num_rows * hidden));
+  KEEL_RETURN_IF_ERROR(CheckPointer("weights", weights, num_tokens * top_k));
+  KEEL_RETURN_IF_ERROR(CheckPointer("grad_rows", grad_rows, num_rows * hidden));
+  return CheckPointer("grad_weights", grad_weights, num_tokens * top_k);
 }
 
 Status CheckSlotChecksumArguments(const void* base, int64_t num_slots, int64_t slot_bytes,

@@ -39,9 +39,20 @@ Status CheckPermutationIndexArguments(const int32_t* slot, int64_t num_entries,
                                       const int32_t* bucket_of_slot, int num_slots, int num_buckets,
                                       const int32_t* position, const int32_t* bucket_begin,
                                       const int32_t* invalid);
-// Permute and friends: the shapes shared by all four, and `position`.
-Status CheckTokenRowArguments(int64_t num_tokens, int top_k, int64_t hidden, DType dtype,
-                              const int32_t* position, int64_t num_rows);
+Status CheckPermuteArguments(const void* in, int64_t num_tokens, int top_k, int64_t hidden,
+                             DType dtype, const int32_t* position, const void* out,
+                             int64_t num_rows);
+Status CheckPermuteBackwardArguments(const void* grad_out, int64_t num_rows,
+                                     const int32_t* position, int64_t num_tokens, int top_k,
+                                     int64_t hidden, DType dtype, const void* grad_in);
+Status CheckUnpermuteCombineArguments(const void* rows, int64_t num_rows, const int32_t* position,
+                                      const float* weights, int64_t num_tokens, int top_k,
+                                      int64_t hidden, DType dtype, const void* out);
+Status CheckUnpermuteCombineBackwardArguments(const void* grad_out, const void* rows,
+                                              int64_t num_rows, const int32_t* position,
+                                              const float* weights, int64_t num_tokens, int top_k,
+                                              int64_t hidden, DType dtype, const void* grad_rows,
+                                              const float* grad_weights);
 Status CheckSlotChecksumArguments(const void* base, int64_t num_slots, int64_t slot_bytes,
                                   int64_t stride_bytes, const uint64_t* checksums);
 Status CheckCondenseArguments(const void* rows, int64_t num_rows, int64_t hidden, DType dtype,

@@ -21,14 +21,18 @@ uint64_t LoadWord(const std::byte* p) {
 }  // namespace
 
 uint64_t Checksum64(std::span<const std::byte> bytes, uint64_t seed) {
-  const std::byte* p = bytes.data();
-  const uint64_t whole_words = bytes.size() / 8;
+  return ChecksumFromTerms(ChecksumTerms(bytes, 0, seed), bytes.size(), seed);
+}
+
+uint64_t ChecksumTerms(std::span<const std::byte> piece, uint64_t first_word, uint64_t seed) {
+  const std::byte* p = piece.data();
+  const uint64_t whole_words = piece.size() / 8;
   uint64_t sum = 0;
-  uint64_t key = ChecksumKey(0, seed);
+  uint64_t key = ChecksumKey(first_word, seed);
   for (uint64_t i = 0; i < whole_words; ++i, key += kChecksumMulA) {
     sum += ChecksumTermWithKey(LoadWord(p + 8 * i), key);
   }
-  const size_t tail = bytes.size() % 8;
+  const size_t tail = piece.size() % 8;
   if (tail > 0) {
     uint64_t word = 0;
     for (size_t b = 0; b < tail; ++b) {
@@ -36,7 +40,11 @@ uint64_t Checksum64(std::span<const std::byte> bytes, uint64_t seed) {
     }
     sum += ChecksumTermWithKey(word, key);
   }
-  return ChecksumFinish(sum, bytes.size(), seed);
+  return sum;
+}
+
+uint64_t ChecksumFromTerms(uint64_t term_sum, uint64_t total_bytes, uint64_t seed) {
+  return ChecksumFinish(term_sum, total_bytes, seed);
 }
 
 Status SlotChecksums(const void* base, int64_t num_slots, int64_t slot_bytes, int64_t stride_bytes,

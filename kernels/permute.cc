@@ -50,13 +50,6 @@ Status CheckPositions(const int32_t* position, int64_t num_entries, int64_t num_
   return Status::Ok();
 }
 
-Status CheckTokenRows(int64_t num_tokens, int top_k, int64_t hidden, DType dtype,
-                      const int32_t* position, int64_t num_rows) {
-  KEEL_RETURN_IF_ERROR(
-      CheckTokenRowArguments(num_tokens, top_k, hidden, dtype, position, num_rows));
-  return CheckPositions(position, num_tokens * top_k, num_rows);
-}
-
 }  // namespace
 
 Status PermutationIndex(const int32_t* slot, int64_t num_entries, const int32_t* bucket_of_slot,
@@ -92,9 +85,9 @@ Status PermutationIndex(const int32_t* slot, int64_t num_entries, const int32_t*
 
 Status Permute(const void* in, int64_t num_tokens, int top_k, int64_t hidden, DType dtype,
                const int32_t* position, void* out, int64_t num_rows) {
-  KEEL_RETURN_IF_ERROR(CheckTokenRows(num_tokens, top_k, hidden, dtype, position, num_rows));
-  KEEL_RETURN_IF_ERROR(CheckPointer("in", in, num_tokens * hidden));
-  KEEL_RETURN_IF_ERROR(CheckPointer("out", out, num_rows * hidden));
+  KEEL_RETURN_IF_ERROR(
+      CheckPermuteArguments(in, num_tokens, top_k, hidden, dtype, position, out, num_rows));
+  KEEL_RETURN_IF_ERROR(CheckPositions(position, num_tokens * top_k, num_rows));
   const RowAccess rows{dtype, hidden};
   for (int64_t i = 0; i < num_tokens * top_k; ++i) {
     if (position[i] >= 0) rows.CopyRow(in, i / top_k, out, position[i]);
@@ -104,9 +97,9 @@ Status Permute(const void* in, int64_t num_tokens, int top_k, int64_t hidden, DT
 
 Status PermuteBackward(const void* grad_out, int64_t num_rows, const int32_t* position,
                        int64_t num_tokens, int top_k, int64_t hidden, DType dtype, void* grad_in) {
-  KEEL_RETURN_IF_ERROR(CheckTokenRows(num_tokens, top_k, hidden, dtype, position, num_rows));
-  KEEL_RETURN_IF_ERROR(CheckPointer("grad_out", grad_out, num_rows * hidden));
-  KEEL_RETURN_IF_ERROR(CheckPointer("grad_in", grad_in, num_tokens * hidden));
+  KEEL_RETURN_IF_ERROR(CheckPermuteBackwardArguments(grad_out, num_rows, position, num_tokens,
+                                                     top_k, hidden, dtype, grad_in));
+  KEEL_RETURN_IF_ERROR(CheckPositions(position, num_tokens * top_k, num_rows));
   const RowAccess rows{dtype, hidden};
   std::vector<float> acc(hidden);
   for (int64_t t = 0; t < num_tokens; ++t) {
@@ -124,10 +117,9 @@ Status PermuteBackward(const void* grad_out, int64_t num_rows, const int32_t* po
 Status UnpermuteCombine(const void* rows, int64_t num_rows, const int32_t* position,
                         const float* weights, int64_t num_tokens, int top_k, int64_t hidden,
                         DType dtype, void* out) {
-  KEEL_RETURN_IF_ERROR(CheckTokenRows(num_tokens, top_k, hidden, dtype, position, num_rows));
-  KEEL_RETURN_IF_ERROR(CheckPointer("rows", rows, num_rows * hidden));
-  KEEL_RETURN_IF_ERROR(CheckPointer("weights", weights, num_tokens * top_k));
-  KEEL_RETURN_IF_ERROR(CheckPointer("out", out, num_tokens * hidden));
+  KEEL_RETURN_IF_ERROR(CheckUnpermuteCombineArguments(rows, num_rows, position, weights, num_tokens,
+                                                      top_k, hidden, dtype, out));
+  KEEL_RETURN_IF_ERROR(CheckPositions(position, num_tokens * top_k, num_rows));
   const RowAccess access{dtype, hidden};
   std::vector<float> acc(hidden);
   for (int64_t t = 0; t < num_tokens; ++t) {
@@ -150,12 +142,10 @@ Status UnpermuteCombineBackward(const void* grad_out, const void* rows, int64_t 
                                 const int32_t* position, const float* weights, int64_t num_tokens,
                                 int top_k, int64_t hidden, DType dtype, void* grad_rows,
                                 float* grad_weights) {
-  KEEL_RETURN_IF_ERROR(CheckTokenRows(num_tokens, top_k, hidden, dtype, position, num_rows));
-  KEEL_RETURN_IF_ERROR(CheckPointer("grad_out", grad_out, num_tokens * hidden));
-  KEEL_RETURN_IF_ERROR(CheckPointer("rows", rows, num_rows * hidden));
-  KEEL_RETURN_IF_ERROR(CheckPointer("weights", weights, num_tokens * top_k));
-  KEEL_RETURN_IF_ERROR(CheckPointer("grad_rows", grad_rows, num_rows * hidden));
-  KEEL_RETURN_IF_ERROR(CheckPointer("grad_weights", grad_weights, num_tokens * top_k));
+  KEEL_RETURN_IF_ERROR(CheckUnpermuteCombineBackwardArguments(grad_out, rows, num_rows, position,
+                                                              weights, num_tokens, top_k, hidden,
+                                                              dtype, grad_rows, grad_weights));
+  KEEL_RETURN_IF_ERROR(CheckPositions(position, num_tokens * top_k, num_rows));
   const RowAccess access{dtype, hidden};
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int k = 0; k < top_k; ++k) {

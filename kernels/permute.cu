@@ -149,9 +149,7 @@ __global__ void __launch_bounds__(kThreads)
 Status Permute(const void* in, int64_t num_tokens, int top_k, int64_t hidden, DType dtype,
                const int32_t* position, void* out, int64_t num_rows, Stream stream) {
   KEEL_RETURN_IF_ERROR(
-      CheckTokenRowArguments(num_tokens, top_k, hidden, dtype, position, num_rows));
-  KEEL_RETURN_IF_ERROR(CheckPointer("in", in, num_tokens * hidden));
-  KEEL_RETURN_IF_ERROR(CheckPointer("out", out, num_rows * hidden));
+      CheckPermuteArguments(in, num_tokens, top_k, hidden, dtype, position, out, num_rows));
   if (num_tokens == 0) return Status::Ok();
   return DispatchRows(dtype, hidden, {in, out}, [&](auto element, auto width) {
     using T = decltype(element);
@@ -167,10 +165,8 @@ Status Permute(const void* in, int64_t num_tokens, int top_k, int64_t hidden, DT
 Status PermuteBackward(const void* grad_out, int64_t num_rows, const int32_t* position,
                        int64_t num_tokens, int top_k, int64_t hidden, DType dtype, void* grad_in,
                        Stream stream) {
-  KEEL_RETURN_IF_ERROR(
-      CheckTokenRowArguments(num_tokens, top_k, hidden, dtype, position, num_rows));
-  KEEL_RETURN_IF_ERROR(CheckPointer("grad_out", grad_out, num_rows * hidden));
-  KEEL_RETURN_IF_ERROR(CheckPointer("grad_in", grad_in, num_tokens * hidden));
+  KEEL_RETURN_IF_ERROR(CheckPermuteBackwardArguments(grad_out, num_rows, position, num_tokens,
+                                                     top_k, hidden, dtype, grad_in));
   if (num_tokens == 0) return Status::Ok();
   return DispatchRows(dtype, hidden, {grad_out, grad_in}, [&](auto element, auto width) {
     using T = decltype(element);
@@ -186,11 +182,8 @@ Status PermuteBackward(const void* grad_out, int64_t num_rows, const int32_t* po
 Status UnpermuteCombine(const void* rows, int64_t num_rows, const int32_t* position,
                         const float* weights, int64_t num_tokens, int top_k, int64_t hidden,
                         DType dtype, void* out, Stream stream) {
-  KEEL_RETURN_IF_ERROR(
-      CheckTokenRowArguments(num_tokens, top_k, hidden, dtype, position, num_rows));
-  KEEL_RETURN_IF_ERROR(CheckPointer("rows", rows, num_rows * hidden));
-  KEEL_RETURN_IF_ERROR(CheckPointer("weights", weights, num_tokens * top_k));
-  KEEL_RETURN_IF_ERROR(CheckPointer("out", out, num_tokens * hidden));
+  KEEL_RETURN_IF_ERROR(CheckUnpermuteCombineArguments(rows, num_rows, position, weights, num_tokens,
+                                                      top_k, hidden, dtype, out));
   if (num_tokens == 0) return Status::Ok();
   return DispatchRows(dtype, hidden, {rows, out}, [&](auto element, auto width) {
     using T = decltype(element);
@@ -207,13 +200,9 @@ Status UnpermuteCombineBackward(const void* grad_out, const void* rows, int64_t 
                                 const int32_t* position, const float* weights, int64_t num_tokens,
                                 int top_k, int64_t hidden, DType dtype, void* grad_rows,
                                 float* grad_weights, Stream stream) {
-  KEEL_RETURN_IF_ERROR(
-      CheckTokenRowArguments(num_tokens, top_k, hidden, dtype, position, num_rows));
-  KEEL_RETURN_IF_ERROR(CheckPointer("grad_out", grad_out, num_tokens * hidden));
-  KEEL_RETURN_IF_ERROR(CheckPointer("rows", rows, num_rows * hidden));
-  KEEL_RETURN_IF_ERROR(CheckPointer("weights", weights, num_tokens * top_k));
-  KEEL_RETURN_IF_ERROR(CheckPointer("grad_rows", grad_rows, num_rows * hidden));
-  KEEL_RETURN_IF_ERROR(CheckPointer("grad_weights", grad_weights, num_tokens * top_k));
+  KEEL_RETURN_IF_ERROR(CheckUnpermuteCombineBackwardArguments(grad_out, rows, num_rows, position,
+                                                              weights, num_tokens, top_k, hidden,
+                                                              dtype, grad_rows, grad_weights));
   if (num_tokens == 0) return Status::Ok();
   return DispatchRows(dtype, hidden, {grad_out, rows, grad_rows}, [&](auto element, auto width) {
     using T = decltype(element);

@@ -54,7 +54,10 @@ struct ItemState {
   size_t next_post = 0;                // next chunk to post (send, receive or local copy)
   size_t done = 0;                     // chunks completed
   std::array<uint64_t, 2> checksum{};  // what the source computed (sender, local copy)
-  bool checksum_computed = false;
+  // With chunks on word boundaries, each chunk is hashed as it is sent, copied or lands, while it
+  // is still in cache: the sums of their word terms per region (kernels/checksum.h).
+  std::array<uint64_t, 2> source_terms{};
+  std::array<uint64_t, 2> destination_terms{};
   bool checksum_arrived = false;  // receiver: the sender's checksums landed in trailer
   bool trailer_posted = false;
   std::array<uint64_t, 2> trailer{};  // sender: payload of the trailer; receiver: landing buffer
@@ -68,6 +71,7 @@ struct Pending {
   bool send = false;
   int peer = 0;
   size_t bytes = 0;
+  size_t chunk = 0;  // index into the item's chunks
 };
 
 std::string Seconds(double s) {
@@ -87,6 +91,7 @@ class ExchangeLoop {
         run_(run),
         observer_(observer),
         report_(report),
+        hash_chunks_(options.chunk_bytes % 8 == 0),
         me_(transport.rank()),
         num_ranks_(transport.num_ranks()),
         send_queue_(num_ranks_),
@@ -212,13 +217,28 @@ class ExchangeLoop {
     return Status::Ok();
   }
 
+  // Adds the word terms of chunk `c` of a buffer whose regions start at `regions`.
+  void HashChunk(const Chunk& c, const std::byte* const* regions,
+                 std::array<uint64_t, 2>& terms) const {
+    if (!hash_chunks_) return;
+    terms[c.region] +=
+        kernels::cpu::ChecksumTerms({regions[c.region] + c.offset, c.bytes}, c.offset / 8);
+  }
+
+  // The checksum of region `r` of `regions`: from the terms of its chunks, or in one pass over
+  // the region when chunks do not start on word boundaries.
+  uint64_t RegionChecksum(const ItemState& state, int r, const std::byte* const* regions,
+                          const std::array<uint64_t, 2>& terms) const {
+    const size_t bytes = state.item->region_bytes[r];
+    if (hash_chunks_) return kernels::cpu::ChecksumFromTerms(terms[r], bytes);
+    return kernels::cpu::Checksum64({regions[r], bytes});
+  }
+
+  // Once every chunk is posted or copied.
   void ComputeSourceChecksums(ItemState& state) {
-    if (state.checksum_computed) return;
-    const ExchangeItem& item = *state.item;
-    for (int r = 0; r < item.num_regions; ++r) {
-      state.checksum[r] = kernels::cpu::Checksum64({item.source[r], item.region_bytes[r]});
+    for (int r = 0; r < state.item->num_regions; ++r) {
+      state.checksum[r] = RegionChecksum(state, r, state.item->source, state.source_terms);
     }
-    state.checksum_computed = true;
   }
 
   bool CapAllows(size_t bytes) const {
@@ -245,17 +265,18 @@ class ExchangeLoop {
     while (send_next_[peer] < queue.size() && send_in_flight_[peer] < options_.pipeline_depth) {
       ItemState& state = *queue[send_next_[peer]];
       const ExchangeItem& item = *state.item;
-      ComputeSourceChecksums(state);
       if (state.next_post < state.chunks.size()) {
         const Chunk& c = state.chunks[state.next_post];
         if (!CapAllows(c.bytes)) return busy;
+        HashChunk(c, item.source, state.source_terms);
         Track(transport_.PostSend(peer, Tag(Kind::kChunk, state.index, state.next_post),
                                   item.source[c.region] + c.offset, c.bytes),
               Pending{.item = &state,
                       .kind = Kind::kChunk,
                       .send = true,
                       .peer = peer,
-                      .bytes = c.bytes});
+                      .bytes = c.bytes,
+                      .chunk = state.next_post});
         if (failure_) return true;
         capped_bytes_ += c.bytes;
         ++state.next_post;
@@ -264,6 +285,7 @@ class ExchangeLoop {
         continue;
       }
       // Every chunk is posted: the checksums follow on the same peer.
+      ComputeSourceChecksums(state);
       state.trailer = state.checksum;
       Track(transport_.PostSend(peer, Tag(Kind::kChecksum, state.index, 0),
                                 reinterpret_cast<const std::byte*>(state.trailer.data()),
@@ -290,7 +312,11 @@ class ExchangeLoop {
       const Chunk& c = state.chunks[state.next_post];
       Track(transport_.PostRecv(peer, Tag(Kind::kChunk, state.index, state.next_post),
                                 item.destination[c.region] + c.offset, c.bytes),
-            Pending{.item = &state, .kind = Kind::kChunk, .peer = peer, .bytes = c.bytes});
+            Pending{.item = &state,
+                    .kind = Kind::kChunk,
+                    .peer = peer,
+                    .bytes = c.bytes,
+                    .chunk = state.next_post});
       if (failure_) return true;
       ++state.next_post;
       ++recv_in_flight_[peer];
@@ -304,12 +330,13 @@ class ExchangeLoop {
     while (local_next_ < local_.size()) {
       ItemState& state = *local_[local_next_];
       const ExchangeItem& item = *state.item;
-      ComputeSourceChecksums(state);
       if (state.next_post < state.chunks.size()) {
         const Chunk& c = state.chunks[state.next_post];
         if (!CapAllows(c.bytes)) return false;
+        HashChunk(c, item.source, state.source_terms);
         std::memcpy(item.destination[c.region] + c.offset, item.source[c.region] + c.offset,
                     c.bytes);
+        HashChunk(c, item.destination, state.destination_terms);
         capped_bytes_ += c.bytes;
         ++state.next_post;
         ++state.done;
@@ -319,6 +346,7 @@ class ExchangeLoop {
         }
         return true;
       }
+      ComputeSourceChecksums(state);
       state.trailer = state.checksum;
       state.checksum_arrived = true;
       Verify(state);
@@ -331,7 +359,7 @@ class ExchangeLoop {
   void Verify(ItemState& state) {
     const ExchangeItem& item = *state.item;
     for (int r = 0; r < item.num_regions; ++r) {
-      const uint64_t got = kernels::cpu::Checksum64({item.destination[r], item.region_bytes[r]});
+      const uint64_t got = RegionChecksum(state, r, item.destination, state.destination_terms);
       if (got != state.trailer[r]) {
         char buffer[96];
         std::snprintf(buffer, sizeof(buffer),
@@ -405,6 +433,7 @@ class ExchangeLoop {
           observer_->OnBytes(transport_.name(), ByteDirection::kSent, p.bytes);
       } else {
         --recv_in_flight_[p.peer];
+        HashChunk(state.chunks[p.chunk], state.item->destination, state.destination_terms);
         if (report_ != nullptr) report_->bytes_received += p.bytes;
         if (observer_ != nullptr) {
           observer_->OnBytes(transport_.name(), ByteDirection::kReceived, p.bytes);
@@ -526,6 +555,7 @@ class ExchangeLoop {
   const ExchangeRun& run_;
   MigrationObserver* observer_;
   MigrationReport* report_;
+  const bool hash_chunks_;  // chunks start on word boundaries: hash each as it passes
   const int me_;
   const int num_ranks_;
   Clock::time_point start_;

@@ -225,6 +225,35 @@ keel_status_t keel_engine_route(keel_engine_t* engine, int layer, const int32_t*
                                 int64_t num_tokens, int32_t* slot_out, int64_t* send_counts,
                                 int64_t* recv_counts, int64_t* recv_totals);
 
+/* keel_engine_route for a trainer that counts and assigns its (token, k) entries on the GPU
+ * (kernels/remap.h): it passes this rank's count per expert and gets the same splits plus this
+ * rank's quota table, which the remap kernel turns into the slots keel_engine_route would give.
+ * Collective like keel_engine_route; a layer takes one of the two per step.
+ *   expert_counts:   [num_experts] int32, each >= 0: this rank's entries per expert (the
+ *                    histogram of topk_ids without the -1 entries)
+ *   send_counts, recv_counts, recv_totals: as keel_engine_route
+ *   copy_begin_out:  [num_experts + 1] int32, written: expert e's copies are the entries
+ *                    [copy_begin_out[e], copy_begin_out[e + 1]) of the next two arrays
+ *   copy_slot_out:   [copy_capacity] int32, written: [*num_copies_out] physical slots
+ *                    (keel_engine_route's numbering)
+ *   copy_quota_out:  [copy_capacity] int32, written: [*num_copies_out] entries of this rank that
+ *                    each copy takes, in entry order; entries past an expert's quotas go to its
+ *                    last copy
+ *   copy_capacity:   entries copy_slot_out and copy_quota_out hold: at least num_ranks *
+ *                    (slots_per_rank + transient_per_rank), a bound the table never exceeds
+ *   num_copies_out:  int32, written: the number of copies
+ *   slot_rank_out:   [num_ranks * (slots_per_rank + transient_per_rank)] int32, written: the rank
+ *                    holding each physical slot
+ * Errors: KEEL_INVALID_ARGUMENT for a NULL engine or pointer, a layer out of range, a small
+ * copy_capacity (checked before any collective) or a negative count (named by its index);
+ * otherwise as keel_engine_route. */
+keel_status_t keel_engine_route_counts(keel_engine_t* engine, int layer,
+                                       const int32_t* expert_counts, int64_t* send_counts,
+                                       int64_t* recv_counts, int64_t* recv_totals,
+                                       int32_t* copy_begin_out, int32_t* copy_slot_out,
+                                       int32_t* copy_quota_out, int32_t copy_capacity,
+                                       int32_t* num_copies_out, int32_t* slot_rank_out);
+
 /* Collective, after the backward of every layer and before the optimizer: switches to a new
  * placement whose transfers every rank verified (or waits for them, or discards them), then adds
  * every copy's gradients into its expert's home slot in a fixed order. Afterwards

@@ -44,6 +44,9 @@ int main(void) {
              KEEL_INVALID_ARGUMENT,
          "keel_engine_route(NULL engine) is not KEEL_INVALID_ARGUMENT");
   expect(strstr(keel_last_error(), "engine = NULL") != NULL, "the message names the engine");
+  expect(keel_engine_route_counts(NULL, 0, NULL, send_counts, NULL, NULL, NULL, NULL, NULL, 0, NULL,
+                                  NULL) == KEEL_INVALID_ARGUMENT,
+         "keel_engine_route_counts(NULL engine) is not KEEL_INVALID_ARGUMENT");
   expect(keel_engine_stats(NULL, &stats) == KEEL_INVALID_ARGUMENT, "keel_engine_stats(NULL)");
 
   expect(keel_group_destroy(group) == KEEL_FAILED_PRECONDITION, "group destroyed under its comm");

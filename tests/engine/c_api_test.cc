@@ -1,6 +1,7 @@
 // Tests of the C API (include/keel/keel.h): every bad argument of every function returns its
 // status and a last-error message that names the parameter and its value; the last error is per
-// thread; and two ranks as threads route, reduce and end steps through the C API alone.
+// thread; and two ranks as threads route, reduce and end steps through the C API alone, half
+// of the steps counting and remapping their entries themselves as a GPU trainer would.
 #include "keel/keel.h"
 
 #include <gtest/gtest.h>
@@ -18,6 +19,8 @@
 #include <vector>
 
 #include "keel/version.hpp"
+#include "kernels/histogram.h"
+#include "kernels/remap.h"
 
 namespace keel {
 namespace {
@@ -503,6 +506,62 @@ TEST_F(CApiEngineTest, RouteRejectsBadArguments) {
       KEEL_INVALID_ARGUMENT, {"topk_ids[3] = -2"}));
 }
 
+TEST_F(CApiEngineTest, RouteCountsRejectsBadArguments) {
+  CreateAndRegister();
+  constexpr int kPhysical = 7;  // 1 rank x (6 persistent + 1 transient)
+  std::vector<int32_t> counts = {3, 0, 1, 0, 0, 2};
+  std::vector<int64_t> send(1);
+  std::vector<int32_t> begin(kExperts + 1), slot(kPhysical), quota(kPhysical), rank_of(kPhysical);
+  int32_t copies = 0;
+  auto call = [&](keel_engine_t* engine, int layer, const int32_t* c, int64_t* s, int32_t* b,
+                  int32_t* sl, int32_t* q, int32_t capacity, int32_t* n, int32_t* r) {
+    return keel_engine_route_counts(engine, layer, c, s, nullptr, nullptr, b, sl, q, capacity, n,
+                                    r);
+  };
+  int32_t* b = begin.data();
+  int32_t* sl = slot.data();
+  int32_t* q = quota.data();
+  int32_t* r = rank_of.data();
+  EXPECT_TRUE(Fails(call(nullptr, 0, counts.data(), send.data(), b, sl, q, kPhysical, &copies, r),
+                    KEEL_INVALID_ARGUMENT, {"keel_engine_route_counts: engine = NULL"}));
+  EXPECT_TRUE(Fails(call(engine_, 4, counts.data(), send.data(), b, sl, q, kPhysical, &copies, r),
+                    KEEL_INVALID_ARGUMENT, {"layer = 4 is not in [0, 4)"}));
+  EXPECT_TRUE(Fails(call(engine_, 0, nullptr, send.data(), b, sl, q, kPhysical, &copies, r),
+                    KEEL_INVALID_ARGUMENT, {"expert_counts = NULL"}));
+  EXPECT_TRUE(Fails(call(engine_, 0, counts.data(), nullptr, b, sl, q, kPhysical, &copies, r),
+                    KEEL_INVALID_ARGUMENT, {"send_counts = NULL"}));
+  EXPECT_TRUE(
+      Fails(call(engine_, 0, counts.data(), send.data(), nullptr, sl, q, kPhysical, &copies, r),
+            KEEL_INVALID_ARGUMENT, {"copy_begin_out = NULL"}));
+  EXPECT_TRUE(
+      Fails(call(engine_, 0, counts.data(), send.data(), b, nullptr, q, kPhysical, &copies, r),
+            KEEL_INVALID_ARGUMENT, {"copy_slot_out = NULL"}));
+  EXPECT_TRUE(
+      Fails(call(engine_, 0, counts.data(), send.data(), b, sl, nullptr, kPhysical, &copies, r),
+            KEEL_INVALID_ARGUMENT, {"copy_quota_out = NULL"}));
+  EXPECT_TRUE(Fails(call(engine_, 0, counts.data(), send.data(), b, sl, q, kPhysical, nullptr, r),
+                    KEEL_INVALID_ARGUMENT, {"num_copies_out = NULL"}));
+  EXPECT_TRUE(
+      Fails(call(engine_, 0, counts.data(), send.data(), b, sl, q, kPhysical, &copies, nullptr),
+            KEEL_INVALID_ARGUMENT, {"slot_rank_out = NULL"}));
+  EXPECT_TRUE(Fails(call(engine_, 0, counts.data(), send.data(), b, sl, q, 6, &copies, r),
+                    KEEL_INVALID_ARGUMENT,
+                    {"copy_capacity = 6 is smaller than num_ranks * (slots_per_rank + "
+                     "transient_per_rank) = 1 * 7"}));
+  EXPECT_TRUE(Fails(call(engine_, 0, counts.data(), send.data(), b, sl, q, -1, &copies, r),
+                    KEEL_INVALID_ARGUMENT, {"copy_capacity = -1"}));
+  counts[4] = -5;
+  EXPECT_TRUE(Fails(call(engine_, 0, counts.data(), send.data(), b, sl, q, kPhysical, &copies, r),
+                    KEEL_INVALID_ARGUMENT, {"expert_counts[4] = -5 is negative"}));
+  // The errors left the layer routable: the call goes through and describes one rank.
+  counts[4] = 0;
+  ASSERT_TRUE(
+      Succeeds(call(engine_, 0, counts.data(), send.data(), b, sl, q, kPhysical, &copies, r)));
+  EXPECT_EQ(send[0], 6);
+  EXPECT_EQ(begin[kExperts], copies);
+  for (int i = 0; i < kPhysical; ++i) EXPECT_EQ(rank_of[i], 0) << "slot " << i;
+}
+
 TEST_F(CApiEngineTest, RouteNeedsEverySlotRegistered) {
   ASSERT_TRUE(Succeeds(keel_engine_create(&options_, &engine_)));
   std::vector<int32_t> ids = {0, 1};
@@ -656,6 +715,41 @@ struct RankLog {
   bool finished = false;
 };
 
+// keel_engine_route's answer for `ids` the way a GPU trainer gets it: the kernels' histogram,
+// keel_engine_route_counts, then the remap kernel (their CPU references here) with the quota
+// table it returned.
+void RouteByCounts(keel_engine_t* engine, int layer, const std::vector<int32_t>& ids,
+                   int num_physical, std::vector<int32_t>& slot, std::vector<int64_t>& send,
+                   std::vector<int64_t>& recv, std::vector<int64_t>& recv_totals) {
+  std::vector<int32_t> counts(kExperts);
+  int32_t invalid = -1;
+  ASSERT_TRUE(kernels::cpu::ExpertHistogram(ids.data(), static_cast<int64_t>(ids.size()), kExperts,
+                                            counts.data(), &invalid)
+                  .ok());
+  ASSERT_EQ(invalid, 0);
+  std::vector<int32_t> copy_begin(kExperts + 1);
+  std::vector<int32_t> copy_slot(num_physical);
+  std::vector<int32_t> copy_quota(num_physical);
+  std::vector<int32_t> slot_rank(num_physical);
+  int32_t num_copies = -1;
+  ASSERT_TRUE(Succeeds(keel_engine_route_counts(
+      engine, layer, counts.data(), send.data(), recv.data(), recv_totals.data(), copy_begin.data(),
+      copy_slot.data(), copy_quota.data(), num_physical, &num_copies, slot_rank.data())));
+  ASSERT_EQ(copy_begin.back(), num_copies);
+  copy_slot.resize(num_copies);
+  copy_quota.resize(num_copies);
+  const int num_ranks = static_cast<int>(send.size());
+  const kernels::QuotaTable table =
+      kernels::MakeQuotaTable(copy_begin, copy_slot, copy_quota, slot_rank, num_ranks);
+  std::vector<int32_t> remap_send(num_ranks);
+  ASSERT_TRUE(kernels::cpu::RemapWithQuotas(ids.data(), static_cast<int64_t>(ids.size()), table,
+                                            slot.data(), remap_send.data(), &invalid)
+                  .ok());
+  ASSERT_EQ(invalid, 0);
+  // The splits keel_engine_route_counts returned are the ones the remap produced.
+  EXPECT_EQ(send, std::vector<int64_t>(remap_send.begin(), remap_send.end()));
+}
+
 // Rank `rank` of `num_ranks` routes `steps` steps of every layer through the C API, checking
 // each answer against the placement; `log` records what must agree across ranks.
 void RunRank(keel_group_t* group, int rank, int num_ranks, int steps, RankLog& log) {
@@ -725,8 +819,12 @@ void RunRank(keel_group_t* group, int rank, int num_ranks, int steps, RankLog& l
         ids[t * kTopK + 1] = t % 5 == 0 ? -1 : second;
         valid += ids[t * kTopK + 1] == -1 ? 1 : 2;
       }
-      ASSERT_TRUE(Succeeds(keel_engine_route(engine, l, ids.data(), num_tokens, slot.data(),
-                                             send.data(), recv.data(), recv_totals.data())));
+      if (step % 2 == 0) {
+        ASSERT_TRUE(Succeeds(keel_engine_route(engine, l, ids.data(), num_tokens, slot.data(),
+                                               send.data(), recv.data(), recv_totals.data())));
+      } else {
+        RouteByCounts(engine, l, ids, num_ranks * local_slots, slot, send, recv, recv_totals);
+      }
       ASSERT_TRUE(Succeeds(keel_engine_placement(engine, l, phy2log.data(), num_slots)));
       std::vector<int32_t> local_experts(local_slots);
       ASSERT_TRUE(

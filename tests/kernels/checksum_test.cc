@@ -69,6 +69,31 @@ TEST(ChecksumTest, EqualsItsDefinitionForEveryLength) {
   }
 }
 
+// Random splits at word boundaries (the last piece may end mid-word), summed in shuffled order.
+TEST(ChecksumTest, PiecesInAnyOrderGiveTheWholeChecksum) {
+  std::mt19937_64 rng(11);
+  for (size_t n : {size_t{0}, size_t{5}, size_t{8}, size_t{203}, size_t{4096}, size_t{5003}}) {
+    const std::vector<std::byte> bytes = Bytes(n, static_cast<int>(n));
+    for (int trial = 0; trial < 20; ++trial) {
+      const uint64_t seed = rng();
+      std::vector<std::pair<size_t, size_t>> pieces;  // (first byte, bytes)
+      for (size_t at = 0; at < n;) {
+        const size_t length = std::min(n - at, 8 * (rng() % 64));
+        if (length == 0) continue;
+        pieces.push_back({at, length});
+        at += length;
+      }
+      std::shuffle(pieces.begin(), pieces.end(), rng);
+      uint64_t terms = 0;
+      for (auto [at, length] : pieces) {
+        terms += cpu::ChecksumTerms(std::span(bytes).subspan(at, length), at / 8, seed);
+      }
+      ASSERT_EQ(cpu::ChecksumFromTerms(terms, n, seed), cpu::Checksum64(bytes, seed))
+          << n << " bytes in " << pieces.size() << " pieces";
+    }
+  }
+}
+
 TEST(ChecksumTest, SlotChecksumsEqualChecksumOfEachSlot) {
   const int64_t slots = 5, slot_bytes = 4099, stride = 4104;
   const std::vector<std::byte> bytes = Bytes(slots * stride, 2);
