@@ -2,9 +2,12 @@
 #include "placement/cost_model.h"
 
 #include <algorithm>
+#include <cstring>
 #include <span>
 #include <utility>
 #include <vector>
+
+#include "common/simd.h"
 
 namespace keel {
 namespace {
@@ -29,38 +32,14 @@ class LinkLoad {
     bytes_[static_cast<size_t>(dst) * 4 + 2 + link] += bytes;  // receive
   }
 
-  // Add(src, dst, rows[dst] * bytes_per_row) for dst = 0 .. num_rows - 1 in order, the hot loop of
-  // every estimate: ranks of a node are contiguous, so the row splits into the ranks before the
-  // node, the node and the ranks after it, with no per-pair lookup. The two send sums stay in
-  // registers (same order of additions, so the same bits): through memory, each addition would
-  // wait for the previous one's store.
-  void AddRow(int src, const double* rows, int num_rows, double bytes_per_row) {
-    const int per_node = topology_.gpus_per_node();
-    const int node_begin = std::min(rank_node_[src] * per_node, num_rows);
-    const int node_end = std::min(node_begin + per_node, num_rows);
-    double* send = bytes_.data() + static_cast<size_t>(src) * 4;
-    double* receive = bytes_.data() + 2;
-    auto add = [&](int dst, int link, double& sent) {
-      const double bytes = rows[dst] * bytes_per_row;
-      if (bytes <= 0) return;
-      sent += bytes;
-      receive[static_cast<size_t>(dst) * 4 + link] += bytes;
-    };
-    double sent_intra = send[0];
-    double sent_inter = send[1];
-    for (int dst = 0; dst < node_begin; ++dst) add(dst, 1, sent_inter);
-    for (int dst = node_begin; dst < std::min(src, node_end); ++dst) add(dst, 0, sent_intra);
-    for (int dst = src + 1; dst < node_end; ++dst) add(dst, 0, sent_intra);
-    for (int dst = node_end; dst < num_rows; ++dst) add(dst, 1, sent_inter);
-    send[0] = sent_intra;
-    send[1] = sent_inter;
-  }
-
   double SlowestRankSeconds() const {
     // Rounding is monotone, so dividing the largest byte count of each link class gives the
     // same seconds as dividing every count first, with two divisions instead of one per count.
     double most[2] = {0, 0};
-    for (size_t i = 0; i < bytes_.size(); ++i) most[i % 2] = std::max(most[i % 2], bytes_[i]);
+    for (size_t i = 0; i < bytes_.size(); i += 2) {
+      most[0] = std::max(most[0], bytes_[i]);
+      most[1] = std::max(most[1], bytes_[i + 1]);
+    }
     return std::max({0.0, most[0] / topology_.intra_node_bytes_per_second(),
                      most[1] / topology_.inter_node_bytes_per_second()});
   }
@@ -70,6 +49,130 @@ class LinkLoad {
   std::span<const int> rank_node_;
   std::vector<double> bytes_;  // [rank][send intra, send inter, recv intra, recv inter]
 };
+
+// For dst in [begin, end), ascending, the all-to-all pair (src, dst) of one link class carries
+// bytes = row[dst] * bytes_per_row: receive[dst] += bytes, and the sender's sum `sent` += bytes.
+// Returns `sent`. As in LinkLoad::Add, pairs with bytes <= 0 carry nothing; here they add +0.0,
+// which leaves every sum as it was (sums start at +0.0 and only grow by positive or NaN terms),
+// so four receivers take one vector addition and no branch depends on the data. The product
+// and the sums stay separate roundings: ISO C++ mode does not contract them into FMAs, and AVX2
+// alone has no FMA instruction.
+KEEL_AVX2_CLONES double AddToLink(const double* row, int begin, int end, double bytes_per_row,
+                                  double* receive, double sent) {
+  const DoubleQuad zero = {};
+  int dst = begin;
+  for (; dst + 4 <= end; dst += 4) {
+    DoubleQuad bytes, received;
+    std::memcpy(&bytes, row + dst, sizeof bytes);
+    bytes *= bytes_per_row;
+    bytes = bytes <= 0 ? zero : bytes;
+    std::memcpy(&received, receive + dst, sizeof received);
+    received += bytes;
+    std::memcpy(receive + dst, &received, sizeof received);
+    sent = (((sent + bytes[0]) + bytes[1]) + bytes[2]) + bytes[3];
+  }
+  for (; dst < end; ++dst) {
+    const double bytes = row[dst] * bytes_per_row;
+    if (bytes <= 0) continue;
+    receive[dst] += bytes;
+    sent += bytes;
+  }
+  return sent;
+}
+
+// AddToLink for up to four sources at once (`rows`, `sums` [count]) over the same range, in
+// lockstep: each sender's sum is a chain of additions in destination order, and one chain at a
+// time would wait on the adder's latency at every step. Receivers add the sources in the order
+// given, as one source after another would.
+KEEL_AVX2_CLONES void AddToLinkInLockstep(const double* const* rows, int count, int begin, int end,
+                                          double bytes_per_row, double* receive, double* sums) {
+  const DoubleQuad zero = {};
+  // Row `row`'s pairs with destinations dst .. dst + 3.
+  auto add_quad = [&](const double* row, int dst, DoubleQuad& received, double& sum) {
+    DoubleQuad bytes;
+    std::memcpy(&bytes, row + dst, sizeof bytes);
+    bytes *= bytes_per_row;
+    bytes = bytes <= 0 ? zero : bytes;
+    received += bytes;
+    sum = (((sum + bytes[0]) + bytes[1]) + bytes[2]) + bytes[3];
+  };
+  int dst = begin;
+  if (count == 4) {
+    // Four named sums stay in registers; an array indexed in a loop would go through memory.
+    double sum0 = sums[0], sum1 = sums[1], sum2 = sums[2], sum3 = sums[3];
+    for (; dst + 4 <= end; dst += 4) {
+      DoubleQuad received;
+      std::memcpy(&received, receive + dst, sizeof received);
+      add_quad(rows[0], dst, received, sum0);
+      add_quad(rows[1], dst, received, sum1);
+      add_quad(rows[2], dst, received, sum2);
+      add_quad(rows[3], dst, received, sum3);
+      std::memcpy(receive + dst, &received, sizeof received);
+    }
+    sums[0] = sum0;
+    sums[1] = sum1;
+    sums[2] = sum2;
+    sums[3] = sum3;
+  }
+  for (; dst + 4 <= end; dst += 4) {
+    DoubleQuad received;
+    std::memcpy(&received, receive + dst, sizeof received);
+    for (int k = 0; k < count; ++k) add_quad(rows[k], dst, received, sums[k]);
+    std::memcpy(receive + dst, &received, sizeof received);
+  }
+  for (; dst < end; ++dst) {
+    for (int k = 0; k < count; ++k) {
+      const double bytes = rows[k][dst] * bytes_per_row;
+      if (bytes <= 0) continue;
+      receive[dst] += bytes;
+      sums[k] += bytes;
+    }
+  }
+}
+
+// One pass of the all-to-all of `sent_tokens` [num_ranks * num_ranks]: the slowest rank's
+// seconds on its slowest link, the same as LinkLoad::Add for every pair, row by row, followed by
+// SlowestRankSeconds. The receive sums sit in two plain arrays, one per link class, so that four
+// receivers take one vector addition.
+double AllToAllPassSeconds(const Topology& topology, std::span<const int> rank_node,
+                           const double* sent_tokens, int num_ranks, double bytes_per_row) {
+  std::vector<double> receive(static_cast<size_t>(num_ranks) * 2, 0.0);
+  double* receive_intra = receive.data();
+  double* receive_inter = receive.data() + num_ranks;
+  // Maxima over the ranks' sums. std::max keeps its first argument against a NaN and sums are
+  // never -0.0, so the order in which the sums are visited does not change the result.
+  double most_intra = 0;
+  double most_inter = 0;
+  const int per_node = topology.gpus_per_node();
+  for (int src = 0; src < num_ranks;) {
+    // Ranks of a node are contiguous: a row splits into the ranks before the node, the node
+    // (less the source itself) and the ranks after it. Up to four sources of one node share the
+    // ranges outside it and go through them together.
+    const int node_begin = std::min(rank_node[src] * per_node, num_ranks);
+    const int node_end = std::min(node_begin + per_node, num_ranks);
+    const int count = std::min(4, node_end - src);
+    const double* rows[4];
+    double sent_inter[4] = {0, 0, 0, 0};
+    for (int k = 0; k < count; ++k)
+      rows[k] = sent_tokens + static_cast<size_t>(src + k) * num_ranks;
+    AddToLinkInLockstep(rows, count, 0, node_begin, bytes_per_row, receive_inter, sent_inter);
+    AddToLinkInLockstep(rows, count, node_end, num_ranks, bytes_per_row, receive_inter, sent_inter);
+    for (int k = 0; k < count; ++k, ++src) {
+      double sent_intra = AddToLink(rows[k], node_begin, src, bytes_per_row, receive_intra, 0.0);
+      sent_intra = AddToLink(rows[k], src + 1, node_end, bytes_per_row, receive_intra, sent_intra);
+      most_intra = std::max(most_intra, sent_intra);
+      most_inter = std::max(most_inter, sent_inter[k]);
+    }
+  }
+  for (int dst = 0; dst < num_ranks; ++dst) {
+    most_intra = std::max(most_intra, receive_intra[dst]);
+    most_inter = std::max(most_inter, receive_inter[dst]);
+  }
+  // Rounding is monotone, so dividing the largest byte count of each link class gives the same
+  // seconds as dividing every count first.
+  return std::max({0.0, most_intra / topology.intra_node_bytes_per_second(),
+                   most_inter / topology.inter_node_bytes_per_second()});
+}
 
 }  // namespace
 
@@ -100,17 +203,19 @@ double CostModel::ComputeSeconds(double tokens) const {
 
 LayerCost CostModel::Estimate(const Placement& placement, const StepRouting& routing,
                               double migration_seconds) const {
+  return EstimateWithSync(placement, routing, ReplicaSyncSeconds(placement), migration_seconds);
+}
+
+LayerCost CostModel::EstimateWithSync(const Placement& placement, const StepRouting& routing,
+                                      double replica_sync_seconds, double migration_seconds) const {
   LayerCost cost;
   cost.compute_seconds = ComputeSeconds(routing.max_rank_tokens());
 
-  LinkLoad a2a(topology_, rank_node_);
-  for (int src = 0; src < routing.num_ranks; ++src) {
-    a2a.AddRow(src, routing.sent_tokens.data() + static_cast<size_t>(src) * routing.num_ranks,
-               routing.num_ranks, token_row_bytes());
-  }
-  cost.all_to_all_seconds = a2a.SlowestRankSeconds() * config_.all_to_all_passes;
+  cost.all_to_all_seconds = AllToAllPassSeconds(topology_, rank_node_, routing.sent_tokens.data(),
+                                                routing.num_ranks, token_row_bytes()) *
+                            config_.all_to_all_passes;
 
-  cost.replica_sync_seconds = ReplicaSyncSeconds(placement);
+  cost.replica_sync_seconds = replica_sync_seconds;
   cost.transient_seconds = TransientSeconds(placement, routing.transients);
 
   const double overlap_window = cost.compute_seconds + cost.all_to_all_seconds;
@@ -123,25 +228,24 @@ double CostModel::ReplicaSyncSeconds(const Placement& placement) const {
   // neighbours): gradients reduce into the home and new weights return along it, each edge
   // carrying (m-1)/m of the weights per pass, as a ring reduce / broadcast does.
   LinkLoad sync(topology_, rank_node_);
-  // Distinct ranks of one expert's copies and their nodes.
-  std::vector<std::pair<int, int>> ring;
   for (int e = 0; e < placement.num_experts(); ++e) {
-    if (placement.copies(e).size() < 2) continue;
-    // Copies are in slot order, so equal ranks are adjacent.
-    ring.clear();
-    for (int rank : placement.copy_ranks(e)) {
-      if (ring.empty() || ring.back().first != rank) {
-        ring.push_back({rank, rank_node_[rank]});
-      }
-    }
-    const int m = static_cast<int>(ring.size());
+    // Copies are in slot order, so equal ranks are adjacent: the ring's members are the ranks
+    // that differ from the copy before.
+    const std::span<const int> ranks = placement.copy_ranks(e);
+    int m = ranks.empty() ? 0 : 1;
+    for (size_t i = 1; i < ranks.size(); ++i) m += ranks[i] != ranks[i - 1] ? 1 : 0;
     if (m < 2) continue;
     const double edge_bytes = expert_weight_bytes() * config_.replica_sync_passes * (m - 1) / m;
-    for (int i = 0; i < m; ++i) {
-      const auto& [from, from_node] = ring[i];
-      const auto& [to, to_node] = ring[i + 1 < m ? i + 1 : 0];  // the last edge closes the ring
-      sync.Add(from, to, from_node == to_node ? 0 : 1, edge_bytes);
+    auto add_edge = [&](int from, int to) {
+      sync.Add(from, to, rank_node_[from] == rank_node_[to] ? 0 : 1, edge_bytes);
+    };
+    int from = ranks[0];
+    for (size_t i = 1; i < ranks.size(); ++i) {
+      if (ranks[i] == from) continue;
+      add_edge(from, ranks[i]);
+      from = ranks[i];
     }
+    add_edge(from, ranks[0]);  // the last edge closes the ring
   }
   return sync.SlowestRankSeconds();
 }

@@ -58,6 +58,12 @@ class CostModel {
   LayerCost Estimate(const Placement& placement, const StepRouting& routing,
                      double migration_seconds = 0) const;
 
+  // Estimate for a planner that prices several routings on one placement: `replica_sync_seconds`
+  // must be ReplicaSyncSeconds(placement), which depends on the placement alone and so is
+  // computed once. The same LayerCost as Estimate.
+  LayerCost EstimateWithSync(const Placement& placement, const StepRouting& routing,
+                             double replica_sync_seconds, double migration_seconds = 0) const;
+
   MigrationCost Migration(const Placement& from, const Placement& to) const;
 
   // The replica_sync_seconds term of Estimate alone: it depends only on the placement.

@@ -88,30 +88,37 @@ Result<Placement> Placement::Contiguous(int num_experts, int num_ranks, int slot
 }
 
 void Placement::BuildIndex() {
-  logcnt_.assign(num_experts_, 0);
-  for (int e : phy2log_) {
-    if (e != kEmptySlot) ++logcnt_[e];
+  // Locals and raw pointers: through the members, every int store could change slots_per_rank_
+  // or num_experts_ as far as the compiler knows, and each loop would reload them.
+  const int num_experts = num_experts_;
+  const int num_slots = static_cast<int>(phy2log_.size());
+  const int slots_per_rank = slots_per_rank_;
+  const int* phy2log = phy2log_.data();
+  logcnt_.assign(num_experts, 0);
+  int* logcnt = logcnt_.data();
+  for (int s = 0; s < num_slots; ++s) {
+    if (phy2log[s] != kEmptySlot) ++logcnt[phy2log[s]];
   }
-  copy_begin_.assign(num_experts_ + 1, 0);
-  for (int e = 0; e < num_experts_; ++e) copy_begin_[e + 1] = copy_begin_[e] + logcnt_[e];
-  copy_slots_.resize(copy_begin_[num_experts_]);
-  copy_ranks_.resize(copy_begin_[num_experts_]);
-  std::vector<int> fill(copy_begin_.begin(), copy_begin_.end() - 1);
-  for (int rank = 0, s = 0; rank < num_ranks_; ++rank) {
-    for (int i = 0; i < slots_per_rank_; ++i, ++s) {
-      const int e = phy2log_[s];
-      if (e == kEmptySlot) continue;
-      copy_ranks_[fill[e]] = rank;
-      copy_slots_[fill[e]++] = s;
+  copy_begin_.resize(num_experts + 1);
+  int* copy_begin = copy_begin_.data();
+  copy_begin[0] = 0;
+  for (int e = 0; e < num_experts; ++e) copy_begin[e + 1] = copy_begin[e] + logcnt[e];
+  copy_slots_.resize(copy_begin[num_experts]);
+  copy_ranks_.resize(copy_begin[num_experts]);
+  int* copy_slots = copy_slots_.data();
+  int* copy_ranks = copy_ranks_.data();
+  std::vector<int> fill(copy_begin, copy_begin + num_experts);
+  for (int s = 0, rank = 0, on_rank = 0; s < num_slots; ++s) {
+    const int e = phy2log[s];
+    if (e != kEmptySlot) {
+      copy_ranks[fill[e]] = rank;
+      copy_slots[fill[e]++] = s;
+    }
+    if (++on_rank == slots_per_rank) {  // the next slot starts the next rank
+      on_rank = 0;
+      ++rank;
     }
   }
-}
-
-bool Placement::holds(int rank, int expert) const {
-  for (int r : copy_ranks(expert)) {
-    if (r == rank) return true;
-  }
-  return false;
 }
 
 int Placement::max_copies() const {

@@ -55,8 +55,20 @@ class Placement {
     return {copy_ranks_.data() + copy_begin_[expert],
             static_cast<size_t>(copy_begin_[expert + 1] - copy_begin_[expert])};
   }
-  // True when some slot of `rank` holds `expert`.
-  bool holds(int rank, int expert) const;
+  // Every expert's copies back to back, by expert: copies(e) and copy_ranks(e) are the entries
+  // [copy_begin()[e], copy_begin()[e + 1]) of all_copy_slots() and all_copy_ranks(), which lets a
+  // planner take over the whole index with two copies instead of one span per expert.
+  const std::vector<int>& copy_begin() const { return copy_begin_; }  // [num_experts + 1]
+  const std::vector<int>& all_copy_slots() const { return copy_slots_; }
+  const std::vector<int>& all_copy_ranks() const { return copy_ranks_; }
+  // True when some slot of `rank` holds `expert`. Inline: validation and the cost model ask it
+  // once per expert or slot.
+  bool holds(int rank, int expert) const {
+    for (int r : copy_ranks(expert)) {
+      if (r == rank) return true;
+    }
+    return false;
+  }
   // Largest logcnt over experts.
   int max_copies() const;
 

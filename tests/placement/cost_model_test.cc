@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <vector>
+
 namespace keel {
 namespace {
 
@@ -70,6 +73,67 @@ TEST(CostModelTest, AllToAllUsesTheLinkOfEachPair) {
   StepRouting inter = EmptyRouting(4, 4);
   inter.sent_tokens[0 * 4 + 2] = 1000;  // rank 0 -> 2, other node
   EXPECT_DOUBLE_EQ(cost.Estimate(p, inter).all_to_all_seconds, 1000 * 8 / 10e9 * 4);
+}
+
+// Estimate sums the all-to-all four destinations and up to four sources at a time; its bytes per
+// link must still be the sums of a plain pair-by-pair pass, bit for bit, for any routing: sources
+// in groups that do not fill four lanes, zero and negative rows (which carry nothing), and
+// fractional token counts whose sums depend on the order of the additions.
+TEST(CostModelTest, AllToAllIsThePairByPairSumBitForBit) {
+  TopologyConfig config;
+  config.num_nodes = 3;
+  config.gpus_per_node = 6;
+  config.intra_node_gb_per_s = 100;
+  config.inter_node_gb_per_s = 10;
+  const Topology topology = Topology::Create(config).value();
+  const int ranks = topology.num_ranks();
+  CostModel cost(topology, SmallModel());
+  auto p = Placement::Contiguous(ranks, ranks, 1).value();
+  StepRouting routing = EmptyRouting(ranks, ranks);
+  unsigned state = 12345;
+  for (double& rows : routing.sent_tokens) {
+    state = state * 1103515245u + 12345u;
+    const unsigned pick = (state >> 16) % 8;
+    rows = pick == 0 ? 0.0 : pick == 1 ? -3.0 : ((state >> 8) % 100000) / 7.0;
+  }
+
+  // send and receive bytes per rank and link class (0 within a node, 1 across), pair by pair.
+  std::vector<double> send(ranks * 2, 0.0), receive(ranks * 2, 0.0);
+  for (int src = 0; src < ranks; ++src) {
+    for (int dst = 0; dst < ranks; ++dst) {
+      const double bytes = routing.sent_tokens[src * ranks + dst] * cost.token_row_bytes();
+      if (src == dst || bytes <= 0) continue;
+      const int link = topology.same_node(src, dst) ? 0 : 1;
+      send[src * 2 + link] += bytes;
+      receive[dst * 2 + link] += bytes;
+    }
+  }
+  double most[2] = {0, 0};
+  for (int i = 0; i < ranks * 2; ++i) {
+    most[i % 2] = std::max({most[i % 2], send[i], receive[i]});
+  }
+  const double expected = std::max(most[0] / topology.intra_node_bytes_per_second(),
+                                   most[1] / topology.inter_node_bytes_per_second()) *
+                          SmallModel().all_to_all_passes;
+  EXPECT_EQ(cost.Estimate(p, routing).all_to_all_seconds, expected);
+}
+
+TEST(CostModelTest, EstimateWithSyncIsEstimate) {
+  CostModel cost(TwoNodesOfTwo(), SmallModel());
+  auto p = Placement::Create(2, 4, {0, 1, 0, 1}).value();
+  StepRouting routing = EmptyRouting(4, 4);
+  routing.rank_tokens = {10, 50, 20, 5};
+  routing.sent_tokens = {0, 3, 7, 1, 2, 0, 9, 4, 5, 5, 0, 8, 1, 6, 2, 0};
+  routing.transients = {{0, 1, 0}};
+  routing.transient_tokens = {4};
+  const LayerCost plain = cost.Estimate(p, routing, 1e-3);
+  const LayerCost with_sync = cost.EstimateWithSync(p, routing, cost.ReplicaSyncSeconds(p), 1e-3);
+  EXPECT_GT(plain.replica_sync_seconds, 0);
+  EXPECT_EQ(with_sync.compute_seconds, plain.compute_seconds);
+  EXPECT_EQ(with_sync.all_to_all_seconds, plain.all_to_all_seconds);
+  EXPECT_EQ(with_sync.replica_sync_seconds, plain.replica_sync_seconds);
+  EXPECT_EQ(with_sync.transient_seconds, plain.transient_seconds);
+  EXPECT_EQ(with_sync.exposed_migration_seconds, plain.exposed_migration_seconds);
 }
 
 TEST(CostModelTest, ReplicaSyncIsARingOverTheCopies) {
