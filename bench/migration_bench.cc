@@ -3,6 +3,7 @@
 // that meet in a temporary directory and measure UCX (set UCX_TLS, e.g. sm):
 //   pair  64 MiB transfers between 2 processes, raw and chunked+verified, vs memcpy in-process
 //   plan  a chunked, pipelined 16-expert plan across 4 processes: aggregate GB/s, time to ready
+// --ucx --no-progress-thread: the same with migration.ucx_progress_thread off.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -28,6 +29,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr size_t kExpertBytes = 64 << 20;
+bool progress_thread = true;  // migration.ucx_progress_thread of the --ucx runs
 
 double Seconds(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -137,6 +139,7 @@ int UcxPair(const std::string& dir, int rank) {
   testing::DirectoryCommunicator comm(dir, rank, 2);
   MigrationConfig config;
   config.transport = "ucx";
+  config.ucx_progress_thread = progress_thread;
   auto transport = CreateTransport(config, comm);
   if (!transport.ok()) {
     std::fprintf(stderr, "%s\n", transport.status().ToString().c_str());
@@ -197,8 +200,9 @@ int UcxPair(const std::string& dir, int rank) {
     std::printf(
         "{\"bench\": \"ucx_pair_64MiB\", \"memcpy_gb_per_s\": %.2f, \"ucx_raw_gb_per_s\": %.2f, "
         "\"ucx_raw_vs_memcpy\": %.2f, \"ucx_chunked_verified_gb_per_s\": %.2f, "
-        "\"chunked_verified_vs_memcpy\": %.2f}\n",
-        memcpy_gbs, raw_gbs, raw_gbs / memcpy_gbs, verified_gbs, verified_gbs / memcpy_gbs);
+        "\"chunked_verified_vs_memcpy\": %.2f, \"progress_thread\": %s}\n",
+        memcpy_gbs, raw_gbs, raw_gbs / memcpy_gbs, verified_gbs, verified_gbs / memcpy_gbs,
+        progress_thread ? "true" : "false");
   }
   return comm.Barrier().ok() ? 0 : 1;
 }
@@ -207,6 +211,7 @@ int UcxPlan(const std::string& dir, int rank) {
   testing::DirectoryCommunicator comm(dir, rank, 4);
   MigrationConfig config;
   config.transport = "ucx";
+  config.ucx_progress_thread = progress_thread;
   auto transport = CreateTransport(config, comm);
   if (!transport.ok()) return 1;
   const size_t expert_bytes = 32 << 20;
@@ -234,9 +239,9 @@ int UcxPlan(const std::string& dir, int rank) {
     std::printf(
         "{\"bench\": \"ucx_plan_16_experts_4_procs\", \"expert_mib\": %zu, \"chunk_bytes\": %d, "
         "\"pipeline_depth\": %d, \"bytes\": %zu, \"time_to_ready_s\": %.3f, "
-        "\"aggregate_gb_per_s\": %.2f}\n",
+        "\"aggregate_gb_per_s\": %.2f, \"progress_thread\": %s}\n",
         expert_bytes >> 20, config.chunk_bytes, config.pipeline_depth, rotation.plan->total_bytes(),
-        slowest, rotation.plan->total_bytes() / 1e9 / slowest);
+        slowest, rotation.plan->total_bytes() / 1e9 / slowest, progress_thread ? "true" : "false");
   }
   return 0;
 }
@@ -270,6 +275,7 @@ int RunProcesses(int n, int (*body)(const std::string&, int)) {
 
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "--ucx") == 0) {
+    keel::progress_thread = !(argc > 2 && std::strcmp(argv[2], "--no-progress-thread") == 0);
     const int pair = keel::RunProcesses(2, keel::UcxPair);
     const int plan = keel::RunProcesses(4, keel::UcxPlan);
     return pair | plan;

@@ -175,6 +175,10 @@ constexpr ConfigKey kConfigKeys[] = {
      .unit = "seconds",
      .doc = "An epoch's transfers must be done and verified within this time, or the epoch is "
             "aborted and the old placement stays."},
+    {KEEL_CONFIG_FIELD(migration.ucx_progress_thread),
+     .doc = "The ucx transport drives UCX from a thread of its own while transfers are "
+            "outstanding, so they advance while the migrator hashes or copies a chunk; false "
+            "leaves progress to the migrator's thread alone."},
     // engine
     {KEEL_CONFIG_FIELD(engine.collective_timeout_seconds), .min = 0, .min_exclusive = true,
      .unit = "seconds",

@@ -99,6 +99,7 @@ struct MigrationConfig {
   int pipeline_depth = 4;               // chunks in flight per peer
   double bandwidth_cap_gb_per_s = 0.0;  // 0 = uncapped
   double deadline_seconds = 30.0;       // an epoch's transfers must finish within this
+  bool ucx_progress_thread = true;      // the ucx transport drives UCX from a thread of its own
 };
 
 // The engine's control plane (engine/).

@@ -9,9 +9,12 @@ namespace keel {
 namespace {
 
 template <bool kUcx = kWithUcx>
-Result<std::unique_ptr<Transport>> CreateUcx(Communicator& communicator) {
+Result<std::unique_ptr<Transport>> CreateUcx(const MigrationConfig& config,
+                                             Communicator& communicator) {
   if constexpr (kUcx) {
-    return CreateUcxTransport(communicator);
+    UcxTransportOptions options;
+    options.progress_thread = config.ucx_progress_thread;
+    return CreateUcxTransport(communicator, options);
   } else {
     return Unimplemented("migration.transport \"ucx\": this build has no UCX (KEEL_WITH_UCX)");
   }
@@ -28,7 +31,7 @@ Result<std::unique_ptr<Transport>> CreateTransport(const MigrationConfig& config
     }
     return fabric->Connect(communicator.rank());
   }
-  if (config.transport == "ucx") return CreateUcx(communicator);
+  if (config.transport == "ucx") return CreateUcx(config, communicator);
   if (config.transport == "nccl") {
     return Unimplemented("migration.transport \"nccl\" is not implemented yet");
   }

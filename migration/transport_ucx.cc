@@ -1,14 +1,16 @@
 // UcxTransport: one UCP context and worker per process, one endpoint per peer (peer error
 // handling, so a dead peer fails its requests instead of hanging them), every handle owned by
 // an RAII wrapper. Calls are serialized by a mutex; the thread that runs an exchange drives
-// progress.
+// progress, and so does the transport's progress thread when there is one.
 #include "migration/transport_ucx.h"
 
 #include <ucp/api/ucp.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -108,9 +110,18 @@ class UcxTransport final : public Transport {
       peers_[r].transport = this;
       peers_[r].rank = r;
     }
+    if (options_.progress_thread) progress_thread_ = std::thread([this] { DriveProgress(); });
   }
 
   ~UcxTransport() override {
+    if (progress_thread_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        stop_ = true;
+      }
+      wake_.notify_one();
+      progress_thread_.join();
+    }
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto& [id, request] : requests_) ReleaseLocked(request, /*cancel=*/true);
     requests_.clear();
@@ -148,9 +159,14 @@ class UcxTransport final : public Transport {
   }
 
   void Progress() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (int i = 0; i < 64 && ucp_worker_progress(worker_.get()) != 0; ++i) {
+    // With a progress thread, a caller never waits for it: whoever holds the mutex progresses.
+    std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
+    if (progress_thread_.joinable()) {
+      if (!lock.try_lock()) return;
+    } else {
+      lock.lock();
     }
+    ProgressLocked();
   }
 
   std::optional<Status> Test(RequestId id) override {
@@ -252,6 +268,34 @@ class UcxTransport final : public Transport {
     return Status::Ok();
   }
 
+  // Up to 64 rounds of UCX progress, fewer when a round finds nothing to do; true when some did.
+  bool ProgressLocked() {
+    bool any = false;
+    for (int i = 0; i < 64 && ucp_worker_progress(worker_.get()) != 0; ++i) any = true;
+    return any;
+  }
+
+  // The progress thread: sleeps while no request is outstanding; otherwise progresses in bursts,
+  // letting go of the mutex in between so callers get their turn, and backs off while the peers
+  // have nothing for it.
+  void DriveProgress() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!stop_) {
+      if (requests_.empty()) {
+        wake_.wait(lock, [this] { return stop_ || !requests_.empty(); });
+        continue;
+      }
+      const bool any = ProgressLocked();
+      lock.unlock();
+      if (any) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+      lock.lock();
+    }
+  }
+
   Result<RequestId> Track(void* handle, int peer, bool send) {
     if (UCS_PTR_IS_ERR(handle)) {
       Request r;
@@ -265,6 +309,7 @@ class UcxTransport final : public Transport {
     r.peer = peer;
     r.send = send;
     requests_.emplace(id, std::move(r));
+    wake_.notify_one();
     return id;
   }
 
@@ -304,6 +349,9 @@ class UcxTransport final : public Transport {
   std::unordered_map<RequestId, Request> requests_;
   RequestId next_id_ = 1;
   bool peer_errors_supported_ = true;
+  std::condition_variable wake_;  // a request was posted, or stop_ was set
+  bool stop_ = false;
+  std::thread progress_thread_;  // started last, joined first
 };
 
 }  // namespace

@@ -1,7 +1,8 @@
 // The UCX transport: UCP tagged messages between processes over whatever UCX_TLS allows
 // (shared memory and TCP on one machine, RDMA on clusters). Worker addresses are exchanged over
 // a Communicator, so no extra socket service runs. Host memory; device buffers go to the NCCL
-// transport. Defined only in builds with KEEL_WITH_UCX (keel::kWithUcx): transport_ucx.cc.
+// transport. An optional progress thread of its own (UcxTransportOptions::progress_thread). Defined
+// only in builds with KEEL_WITH_UCX (keel::kWithUcx): transport_ucx.cc.
 #pragma once
 
 #include <memory>
@@ -15,6 +16,10 @@ namespace keel {
 struct UcxTransportOptions {
   // How long Cancel waits for UCX to let go of a request before it force-closes the endpoint.
   double cancel_grace_seconds = 0.2;
+  // A thread of the transport's own drives UCX while requests are outstanding, so transfers
+  // advance while the thread that runs the exchange hashes or copies a chunk. Without it only
+  // Progress() does, from the exchange's thread.
+  bool progress_thread = true;
 };
 
 // Collective over `communicator`: every rank creates its worker, all-gathers the addresses and

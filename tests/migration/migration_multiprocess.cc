@@ -5,6 +5,7 @@
 //            their old state, then migrate among themselves
 //   stalled  rank 1 stops answering past the deadline: same expectations
 // Exit status 0 when every expectation held; the launcher also checks how each child ended.
+// --progress-thread on|off: the UCX transport with or without its own progress thread (default on).
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -47,6 +48,7 @@ struct Args {
   int launch = 0;
   int plans = 100;
   double deadline = 2.0;
+  bool progress_thread = true;  // the UCX transport's own progress thread
   std::vector<std::string> raw;
 };
 
@@ -331,6 +333,8 @@ Args Parse(int argc, char** argv) {
       args.plans = std::stoi(value);
     } else if (flag == "--deadline") {
       args.deadline = std::stod(value);
+    } else if (flag == "--progress-thread" && (value == "on" || value == "off")) {
+      args.progress_thread = value == "on";
     } else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       std::exit(2);
@@ -358,7 +362,9 @@ int Main(int argc, char** argv) {
     return 2;
 #endif
   }
-  auto transport = CreateUcxTransport(*comm);
+  UcxTransportOptions options;
+  options.progress_thread = args.progress_thread;
+  auto transport = CreateUcxTransport(*comm, options);
   if (!transport.ok()) {
     std::fprintf(stderr, "rank %d: %s\n", comm->rank(), transport.status().ToString().c_str());
     return 1;
