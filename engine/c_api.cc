@@ -588,8 +588,8 @@ keel_status_t keel_engine_route_counts(keel_engine_t* engine, int layer,
     if (copy_quota_out == nullptr) return Null("copy_quota_out");
     if (num_copies_out == nullptr) return Null("num_copies_out");
     if (slot_rank_out == nullptr) return Null("slot_rank_out");
-    // Checked before the collective, which cannot be repeated: a rank's table lists each
-    // physical slot at most once per expert it sends to, so every physical slot suffices.
+    // Checked before the collective, which cannot be repeated. A physical slot holds one expert
+    // and a rank's table lists it at most once, so room for every physical slot suffices.
     const int num_ranks = engine->engine->num_ranks();
     const int local_slots = engine->engine->local_slots();
     const size_t num_physical = static_cast<size_t>(num_ranks) * static_cast<size_t>(local_slots);
