@@ -50,6 +50,27 @@ Status CheckPositions(const int32_t* position, int64_t num_entries, int64_t num_
   return Status::Ok();
 }
 
+// out[t] = sum over k of weights[t, k] * rows[position[t, k]], k ascending, in fp32 without FMA;
+// unrouted entries add nothing. Null weights count as 1, which is exact: PermuteBackward.
+void CombineRows(const void* rows, const int32_t* position, const float* weights,
+                 int64_t num_tokens, int top_k, int64_t hidden, DType dtype, void* out) {
+  const RowAccess access{dtype, hidden};
+  std::vector<float> acc(hidden);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int k = 0; k < top_k; ++k) {
+      const int32_t row = position[t * top_k + k];
+      if (row < 0) continue;
+      const float weight = weights != nullptr ? weights[t * top_k + k] : 1.0f;
+      for (int64_t h = 0; h < hidden; ++h) {
+        const float product = weight * access.Load(rows, row, h);
+        acc[h] = acc[h] + product;
+      }
+    }
+    for (int64_t h = 0; h < hidden; ++h) access.Store(out, t, h, acc[h]);
+  }
+}
+
 }  // namespace
 
 Status PermutationIndex(const int32_t* slot, int64_t num_entries, const int32_t* bucket_of_slot,
@@ -100,17 +121,7 @@ Status PermuteBackward(const void* grad_out, int64_t num_rows, const int32_t* po
   KEEL_RETURN_IF_ERROR(CheckPermuteBackwardArguments(grad_out, num_rows, position, num_tokens,
                                                      top_k, hidden, dtype, grad_in));
   KEEL_RETURN_IF_ERROR(CheckPositions(position, num_tokens * top_k, num_rows));
-  const RowAccess rows{dtype, hidden};
-  std::vector<float> acc(hidden);
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int k = 0; k < top_k; ++k) {
-      const int32_t row = position[t * top_k + k];
-      if (row < 0) continue;
-      for (int64_t h = 0; h < hidden; ++h) acc[h] = acc[h] + rows.Load(grad_out, row, h);
-    }
-    for (int64_t h = 0; h < hidden; ++h) rows.Store(grad_in, t, h, acc[h]);
-  }
+  CombineRows(grad_out, position, nullptr, num_tokens, top_k, hidden, dtype, grad_in);
   return Status::Ok();
 }
 
@@ -120,21 +131,7 @@ Status UnpermuteCombine(const void* rows, int64_t num_rows, const int32_t* posit
   KEEL_RETURN_IF_ERROR(CheckUnpermuteCombineArguments(rows, num_rows, position, weights, num_tokens,
                                                       top_k, hidden, dtype, out));
   KEEL_RETURN_IF_ERROR(CheckPositions(position, num_tokens * top_k, num_rows));
-  const RowAccess access{dtype, hidden};
-  std::vector<float> acc(hidden);
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int k = 0; k < top_k; ++k) {
-      const int32_t row = position[t * top_k + k];
-      if (row < 0) continue;
-      const float weight = weights[t * top_k + k];
-      for (int64_t h = 0; h < hidden; ++h) {
-        const float product = weight * access.Load(rows, row, h);
-        acc[h] = acc[h] + product;
-      }
-    }
-    for (int64_t h = 0; h < hidden; ++h) access.Store(out, t, h, acc[h]);
-  }
+  CombineRows(rows, position, weights, num_tokens, top_k, hidden, dtype, out);
   return Status::Ok();
 }
 

@@ -42,30 +42,6 @@ __global__ void PermuteKernel(const Pack<T, V>* in, int64_t num_tokens, int top_
 }
 
 template <typename T, int V>
-__global__ void PermuteBackwardKernel(const Pack<T, V>* grad_out, int64_t num_rows,
-                                      const int32_t* position, int64_t num_tokens, int top_k,
-                                      int64_t packs_per_row, Pack<T, V>* grad_in) {
-  for (int64_t token = blockIdx.x; token < num_tokens; token += gridDim.x) {
-    for (int64_t p = threadIdx.x; p < packs_per_row; p += blockDim.x) {
-      float acc[V];
-#pragma unroll
-      for (int v = 0; v < V; ++v) acc[v] = 0.0f;
-      for (int k = 0; k < top_k; ++k) {
-        const int32_t row = RoutedRow(position, token * top_k + k, num_rows);
-        if (row < 0) continue;
-        const Pack<T, V> grad = grad_out[row * packs_per_row + p];
-#pragma unroll
-        for (int v = 0; v < V; ++v) acc[v] = __fadd_rn(acc[v], ToFloat(grad.value[v]));
-      }
-      Pack<T, V> result;
-#pragma unroll
-      for (int v = 0; v < V; ++v) result.value[v] = FromFloat<T>(acc[v]);
-      grad_in[token * packs_per_row + p] = result;
-    }
-  }
-}
-
-template <typename T, int V>
 __global__ void UnpermuteCombineKernel(const Pack<T, V>* rows, int64_t num_rows,
                                        const int32_t* position, const float* weights,
                                        int64_t num_tokens, int top_k, int64_t packs_per_row,
@@ -78,7 +54,8 @@ __global__ void UnpermuteCombineKernel(const Pack<T, V>* rows, int64_t num_rows,
       for (int k = 0; k < top_k; ++k) {
         const int32_t row = RoutedRow(position, token * top_k + k, num_rows);
         if (row < 0) continue;
-        const float weight = weights[token * top_k + k];
+        // Null weights count as 1, which is exact: PermuteBackward.
+        const float weight = weights != nullptr ? weights[token * top_k + k] : 1.0f;
         const Pack<T, V> x = rows[row * packs_per_row + p];
 #pragma unroll
         for (int v = 0; v < V; ++v) {
@@ -144,6 +121,22 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// UnpermuteCombineKernel over checked arguments; null weights count as 1 (PermuteBackward).
+Status LaunchCombine(const void* rows, int64_t num_rows, const int32_t* position,
+                     const float* weights, int64_t num_tokens, int top_k, int64_t hidden,
+                     DType dtype, void* out, Stream stream) {
+  if (num_tokens == 0) return Status::Ok();
+  return DispatchRows(dtype, hidden, {rows, out}, [&](auto element, auto width) {
+    using T = decltype(element);
+    constexpr int V = decltype(width)::value;
+    UnpermuteCombineKernel<T, V><<<GridSize(num_tokens, 1, kMaxBlocks), kThreads, 0, stream>>>(
+        static_cast<const Pack<T, V>*>(rows), num_rows, position, weights, num_tokens, top_k,
+        hidden / V, static_cast<Pack<T, V>*>(out));
+    KEEL_CUDA_RETURN_IF_LAUNCH_FAILED(UnpermuteCombineKernel);
+    return Status::Ok();
+  });
+}
+
 }  // namespace
 
 Status Permute(const void* in, int64_t num_tokens, int top_k, int64_t hidden, DType dtype,
@@ -167,16 +160,8 @@ Status PermuteBackward(const void* grad_out, int64_t num_rows, const int32_t* po
                        Stream stream) {
   KEEL_RETURN_IF_ERROR(CheckPermuteBackwardArguments(grad_out, num_rows, position, num_tokens,
                                                      top_k, hidden, dtype, grad_in));
-  if (num_tokens == 0) return Status::Ok();
-  return DispatchRows(dtype, hidden, {grad_out, grad_in}, [&](auto element, auto width) {
-    using T = decltype(element);
-    constexpr int V = decltype(width)::value;
-    PermuteBackwardKernel<T, V><<<GridSize(num_tokens, 1, kMaxBlocks), kThreads, 0, stream>>>(
-        static_cast<const Pack<T, V>*>(grad_out), num_rows, position, num_tokens, top_k, hidden / V,
-        static_cast<Pack<T, V>*>(grad_in));
-    KEEL_CUDA_RETURN_IF_LAUNCH_FAILED(PermuteBackwardKernel);
-    return Status::Ok();
-  });
+  return LaunchCombine(grad_out, num_rows, position, nullptr, num_tokens, top_k, hidden, dtype,
+                       grad_in, stream);
 }
 
 Status UnpermuteCombine(const void* rows, int64_t num_rows, const int32_t* position,
@@ -184,16 +169,8 @@ Status UnpermuteCombine(const void* rows, int64_t num_rows, const int32_t* posit
                         DType dtype, void* out, Stream stream) {
   KEEL_RETURN_IF_ERROR(CheckUnpermuteCombineArguments(rows, num_rows, position, weights, num_tokens,
                                                       top_k, hidden, dtype, out));
-  if (num_tokens == 0) return Status::Ok();
-  return DispatchRows(dtype, hidden, {rows, out}, [&](auto element, auto width) {
-    using T = decltype(element);
-    constexpr int V = decltype(width)::value;
-    UnpermuteCombineKernel<T, V><<<GridSize(num_tokens, 1, kMaxBlocks), kThreads, 0, stream>>>(
-        static_cast<const Pack<T, V>*>(rows), num_rows, position, weights, num_tokens, top_k,
-        hidden / V, static_cast<Pack<T, V>*>(out));
-    KEEL_CUDA_RETURN_IF_LAUNCH_FAILED(UnpermuteCombineKernel);
-    return Status::Ok();
-  });
+  return LaunchCombine(rows, num_rows, position, weights, num_tokens, top_k, hidden, dtype, out,
+                       stream);
 }
 
 Status UnpermuteCombineBackward(const void* grad_out, const void* rows, int64_t num_rows,
