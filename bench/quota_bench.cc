@@ -163,6 +163,40 @@ BENCHMARK(BM_PlanStepQuotas)
     ->Args({1, 1})
     ->Unit(benchmark::kMicrosecond);
 
+// The planner a trainer keeps per layer (StepPlanner): the same routing as PlanStepQuotas, from
+// traffic by expert (what the engine all-reduces), with its buffers kept between steps.
+// Args: transient slots per rank, small experts (0/1), shares recorded (0: none, 1: all, 2: those
+// of rank 0, as the engine on rank 0 asks).
+void BM_StepPlanner(benchmark::State& state) {
+  const Scenario& s = GetScenario();
+  const CostModel cost(s.topology, CostConfig(state.range(1) != 0));
+  const QuotaPlanOptions options{.transient_per_rank = static_cast<int>(state.range(0)),
+                                 .record_shares = state.range(2) != 0,
+                                 .shares_of_rank = state.range(2) == 2 ? 0 : -1};
+  std::vector<double> by_expert(s.load.traffic.size());
+  for (int src = 0; src < kRanks; ++src) {
+    for (int e = 0; e < kExperts; ++e) by_expert[e * kRanks + src] = s.load.at(src, e);
+  }
+  StepPlanner planner(s.topology, cost);
+  StepRouting routing;
+  for (auto _ : state) {
+    const Status status = planner.Plan(s.placement, kRanks, by_expert, options, routing);
+    benchmark::DoNotOptimize(status);
+    benchmark::DoNotOptimize(routing);
+  }
+  state.counters["imbalance"] = routing.imbalance();
+  state.counters["transients"] = static_cast<double>(routing.transients.size());
+}
+BENCHMARK(BM_StepPlanner)
+    ->ArgNames({"transient_per_rank", "small_experts", "shares"})
+    ->Args({0, 0, 0})
+    ->Args({1, 0, 0})
+    ->Args({1, 1, 0})
+    ->Args({1, 0, 1})
+    ->Args({0, 0, 2})
+    ->Args({1, 0, 2})
+    ->Unit(benchmark::kMicrosecond);
+
 // One cost-model estimate, for scale: the planner calls it once per transient that lowers the
 // max rank load, plus once for the baseline.
 void BM_CostEstimate(benchmark::State& state) {

@@ -208,6 +208,10 @@ class Engine::Impl {
   std::vector<bool> routed_;
   std::vector<std::vector<double>> traffic_;  // [layer][num_ranks * num_experts]
   std::vector<StepRouting> routing_;
+  // One per layer: each keeps what its placement alone decides, and its buffers, between steps.
+  std::vector<std::unique_ptr<StepPlanner>> planners_;
+  std::vector<double> by_expert_;                 // scratch: this layer's traffic by expert
+  StepRouting plan_scratch_;                      // scratch: the routing being planned
   std::vector<std::vector<int>> transient_slot_;  // [layer][transients] physical slot
   std::vector<LoadEstimator> estimators_;
 
@@ -309,6 +313,7 @@ Status Engine::Impl::Init() {
   transient_slot_.resize(options_.num_layers);
   for (int l = 0; l < options_.num_layers; ++l) {
     estimators_.emplace_back(config.estimator, num_ranks_ * options_.num_experts);
+    planners_.push_back(std::make_unique<StepPlanner>(context_->topology, context_->cost));
   }
 
   if (options_.transport != nullptr) {
@@ -473,12 +478,20 @@ Result<LayerRoute> Engine::Impl::PlanLayer(int layer, std::span<const int32_t> m
   std::vector<double> traffic(counts.begin(), counts.end());
 
   const Placement& placement = placements_[layer];
-  KEEL_ASSIGN_OR_RETURN(StepLoad load, StepLoad::FromTraffic(num_ranks_, num_experts, traffic));
+  by_expert_.resize(traffic.size());
+  for (int src = 0; src < num_ranks_; ++src) {
+    for (int e = 0; e < num_experts; ++e) {
+      by_expert_[static_cast<size_t>(e) * num_ranks_ + src] =
+          traffic[static_cast<size_t>(src) * num_experts + e];
+    }
+  }
   QuotaPlanOptions quota_options;
   quota_options.transient_per_rank = transients_planned_;
   quota_options.record_shares = true;
-  KEEL_ASSIGN_OR_RETURN(StepRouting routing, PlanStepQuotas(placement, load, context_->topology,
-                                                            context_->cost, quota_options));
+  quota_options.shares_of_rank = rank_;  // the loop below reads nothing else
+  StepRouting& routing = plan_scratch_;
+  KEEL_RETURN_IF_ERROR(
+      planners_[layer]->Plan(placement, num_ranks_, by_expert_, quota_options, routing));
   std::vector<int> transient_slot = TransientSlots(routing);
 
   // This rank's quotas by expert, in the planner's order: its entries fill them front to back.
@@ -536,7 +549,10 @@ Result<LayerRoute> Engine::Impl::PlanLayer(int layer, std::span<const int32_t> m
   traffic_[layer] = std::move(traffic);
   routed_[layer] = true;
   if (metrics_ != nullptr) {
-    const std::vector<double> expert_tokens = load.ExpertTotals();
+    std::vector<double> expert_tokens(num_experts, 0.0);
+    for (size_t i = 0; i < traffic_[layer].size(); ++i) {
+      expert_tokens[i % num_experts] += traffic_[layer][i];
+    }
     LayerStepObservation observation;
     observation.layer = layer;
     observation.rank_tokens = routing.rank_tokens;
@@ -548,7 +564,7 @@ Result<LayerRoute> Engine::Impl::PlanLayer(int layer, std::span<const int32_t> m
     for (int count : placement.logcnt()) extra += count - 1;
     metrics_->SetReplicas(layer, extra, static_cast<int>(routing.transients.size()));
   }
-  routing_[layer] = std::move(routing);
+  std::swap(routing_[layer], routing);  // the old routing's buffers serve the next plan
   transient_slot_[layer] = std::move(transient_slot);
   return route;
 }

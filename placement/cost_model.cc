@@ -2,6 +2,7 @@
 #include "placement/cost_model.h"
 
 #include <algorithm>
+#include <cassert>
 #include <cstring>
 #include <span>
 #include <utility>
@@ -208,15 +209,25 @@ LayerCost CostModel::Estimate(const Placement& placement, const StepRouting& rou
 
 LayerCost CostModel::EstimateWithSync(const Placement& placement, const StepRouting& routing,
                                       double replica_sync_seconds, double migration_seconds) const {
-  LayerCost cost;
-  cost.compute_seconds = ComputeSeconds(routing.max_rank_tokens());
+  return EstimateParts(placement, routing.max_rank_tokens(), routing.sent_tokens,
+                       routing.transients, replica_sync_seconds, migration_seconds);
+}
 
-  cost.all_to_all_seconds = AllToAllPassSeconds(topology_, rank_node_, routing.sent_tokens.data(),
-                                                routing.num_ranks, token_row_bytes()) *
+LayerCost CostModel::EstimateParts(const Placement& placement, double max_rank_tokens,
+                                   std::span<const double> all_to_all,
+                                   std::span<const TransientReplica> transients,
+                                   double replica_sync_seconds, double migration_seconds) const {
+  assert(all_to_all.size() ==
+         static_cast<size_t>(topology_.num_ranks()) * static_cast<size_t>(topology_.num_ranks()));
+  LayerCost cost;
+  cost.compute_seconds = ComputeSeconds(max_rank_tokens);
+
+  cost.all_to_all_seconds = AllToAllPassSeconds(topology_, rank_node_, all_to_all.data(),
+                                                topology_.num_ranks(), token_row_bytes()) *
                             config_.all_to_all_passes;
 
   cost.replica_sync_seconds = replica_sync_seconds;
-  cost.transient_seconds = TransientSeconds(placement, routing.transients);
+  cost.transient_seconds = TransientSeconds(placement, transients);
 
   const double overlap_window = cost.compute_seconds + cost.all_to_all_seconds;
   cost.exposed_migration_seconds = std::max(0.0, migration_seconds - overlap_window);

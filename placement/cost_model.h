@@ -64,6 +64,16 @@ class CostModel {
   LayerCost EstimateWithSync(const Placement& placement, const StepRouting& routing,
                              double replica_sync_seconds, double migration_seconds = 0) const;
 
+  // EstimateWithSync from a routing's parts, for a planner that keeps them in buffers of its own:
+  // the slowest rank's tokens, the all-to-all matrix `all_to_all` [num_ranks * num_ranks] (rows
+  // by source as in StepRouting::sent_tokens, or its transpose: a rank's sends and receives enter
+  // alike and are added in the same order either way, so both give the same bits) and this
+  // step's transient replicas.
+  LayerCost EstimateParts(const Placement& placement, double max_rank_tokens,
+                          std::span<const double> all_to_all,
+                          std::span<const TransientReplica> transients, double replica_sync_seconds,
+                          double migration_seconds = 0) const;
+
   MigrationCost Migration(const Placement& from, const Placement& to) const;
 
   // The replica_sync_seconds term of Estimate alone: it depends only on the placement.

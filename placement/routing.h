@@ -69,10 +69,40 @@ StepRouting RouteWithShadows(const Placement& placement, const StepLoad& load,
 struct QuotaPlanOptions {
   int transient_per_rank = 0;  // 0: quotas only
   bool record_shares = false;  // fill StepRouting::shares (the engine's routing needs them)
+  // With record_shares: -1 records every share; a rank records only the shares it sends or
+  // receives, which is all that Engine::Route on that rank reads.
+  int shares_of_rank = -1;
 };
 Result<StepRouting> PlanStepQuotas(const Placement& placement, const StepLoad& load,
                                    const Topology& topology, const CostModel& cost,
                                    const QuotaPlanOptions& options);
+
+// PlanStepQuotas for a caller that plans a layer at every step (a trainer's rank, a replay): the
+// same routing, bit for bit, with what depends on the placement alone rebuilt only when the
+// placement changes, every buffer kept between calls, and the traffic given by expert, so that
+// each expert's sources are contiguous.
+class StepPlanner {
+ public:
+  // `topology` and `cost` must outlive the planner.
+  StepPlanner(const Topology& topology, const CostModel& cost);
+  ~StepPlanner();
+  StepPlanner(const StepPlanner&) = delete;
+  StepPlanner& operator=(const StepPlanner&) = delete;
+
+  // Plans one step of `placement`. `by_expert` [num_experts * num_sources] holds the tokens that
+  // source s sends to expert e at e * num_sources + s: the transpose of StepLoad::traffic.
+  // Writes into `routing`, reusing its buffers, what PlanStepQuotas would return.
+  Status Plan(const Placement& placement, int num_sources, std::span<const double> by_expert,
+              const QuotaPlanOptions& options, StepRouting& routing);
+
+ private:
+  class Impl;
+  // Runs on an Impl of its own, so that a bad entry is named by its index in StepLoad::traffic.
+  friend Result<StepRouting> PlanStepQuotas(const Placement& placement, const StepLoad& load,
+                                            const Topology& topology, const CostModel& cost,
+                                            const QuotaPlanOptions& options);
+  std::unique_ptr<Impl> impl_;
+};
 
 // The exact quota split alone: per slot, integer tokens for every expert. `extra_copies` lists
 // additional (expert, rank) copies, e.g. transient replicas. Returns [num_slots + extra] quotas

@@ -1,0 +1,132 @@
+// The exact quota solver behind SplitQuotas, QuotaSplitter and the per-step planner (internal to
+// placement/: its callers are quota.cc and step_planner.cc).
+#pragma once
+
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "placement/placement.h"
+#include "placement/routing.h"
+
+namespace keel {
+
+// Minimizes the max rank load over integer splits of every expert's tokens among its copies.
+//
+// A bound T is feasible iff a max-flow routes every token: source -> expert e (capacity tokens_e)
+// -> each rank holding a copy of e (unbounded) -> sink (capacity T - fixed_r), where fixed_r is
+// the load of experts whose copies all sit on rank r. T starts at the lower bound
+// max(ceil(total / G), max fixed_r). When the flow cannot route every token, the ranks S and
+// experts X reachable from unrouted tokens in the residual graph form a min cut: every copy of X
+// lies in S and S is full, so any split needs T >= ceil((tokens(X) + fixed(S)) / |S|). T jumps
+// there and the flow resumes where it stood (raising every sink capacity keeps it valid). Each
+// jump is a lower bound, so the first feasible T is optimal; a handful of jumps is typical.
+//
+// Among optimal splits the solver returns the one found by pouring experts, heaviest first (ties:
+// lower id), onto their least-loaded copy ranks up to T (water-filling, ties: lower rank), then
+// repairing it with augmenting paths from breadth-first search in ascending expert, copy and rank
+// order. Copies of one expert on one rank share that rank's tokens evenly, lower slots (then
+// extra copies in their given order) taking the remainder.
+//
+// AddCopy re-solves after one more copy from the previous flow instead of from scratch: every
+// split is a lower bound away from optimal, so it starts at the bound of the previous min cut
+// widened by the new copy's rank, takes back only the flow above that bound, and resumes the
+// augmenting paths. Its split is optimal too, but among optimal splits not necessarily the one a
+// fresh Solve returns. Resolve does the same for any change of the placement's copies, each rank
+// that gained a copy widening the cut, and returns the optimal max rank load alone. Buffers
+// persist between calls, so re-solving allocates nothing.
+class QuotaSolver {
+ public:
+  void Solve(const Placement& placement, std::span<const long long> tokens,
+             std::span<const TransientReplica> extras, QuotaSplit& split);
+  // Re-solves for `extras`: the previous call's extras plus one more at the back, same tokens.
+  void AddCopy(const Placement& placement, std::span<const TransientReplica> extras,
+               QuotaSplit& split);
+  // The minimal max rank load of `placement` (same shape, no extras) for the previous call's
+  // tokens. No split is written; rank_load() and bottleneck_experts() keep the previous call's.
+  long long Resolve(const Placement& placement);
+
+  // Copies of `expert` after Solve: id < num_slots is a persistent slot, otherwise the extra copy
+  // id - num_slots. Persistent slots first (ascending), then extras in their given order.
+  int copy_begin(int expert) const { return copy_begin_[expert]; }
+  int copy_end(int expert) const { return copy_begin_[expert + 1]; }
+  int copy_id(int copy) const { return copy_id_[copy]; }
+  int copy_rank(int copy) const { return copy_rank_[copy]; }
+  // Number of distinct ranks that hold `expert`.
+  int rank_count(int expert) const { return arc_begin_[expert + 1] - arc_begin_[expert]; }
+
+  // [num_ranks] load of each rank under the split.
+  std::span<const long long> rank_load() const { return rank_load_; }
+  // Experts that pin the max rank load: every split needs max load >= max_rank_tokens unless one
+  // of them gets a copy outside the ranks they fill. Ascending ids.
+  const std::vector<int>& bottleneck_experts() const { return bottleneck_experts_; }
+
+ private:
+  void BuildCopies(const Placement& placement, std::span<const TransientReplica> extras);
+  // Fixed loads, flexible experts and the arcs into each rank, for the current copies; no excess.
+  void Prepare();
+  void Pour(long long bound);
+  // Once the previous flow sits on the current arcs (excess for what found no arc): the bound of
+  // the cold start or of the previous cut, in_cut_ (which the caller widened by every rank that
+  // gained a copy), whichever is higher. The flow above that bound goes back to its experts and
+  // is poured again. Returns the bound; `cut_found` says whether it came from the cut.
+  long long WarmStart(bool& cut_found);
+  // Raises `bound` at each min cut until every token is routed; returns the final bound.
+  // `cut_found`: the bound already comes from the cut in in_cut_ / cut_experts_.
+  long long RouteAtLowestBound(long long bound, bool cut_found);
+  // RouteAtLowestBound, then writes the quotas.
+  void Finish(const Placement& placement, long long bound, bool cut_found, QuotaSplit& split);
+  // Routes remaining excess with augmenting paths; false when some is stuck (the last search's
+  // marks then describe the min cut).
+  bool RouteExcess();
+  void Search();
+  long long Augment(int rank);
+  void RecordBottleneck();
+
+  int num_experts_ = 0;
+  int num_ranks_ = 0;
+  std::span<const long long> tokens_;
+  long long total_ = 0;
+  int num_extras_ = 0;
+
+  std::vector<int> copy_begin_;  // [num_experts + 1]
+  std::vector<int> copy_id_;     // [copies]
+  std::vector<int> copy_rank_;   // [copies]
+  std::vector<int> copy_arc_;    // [copies] arc of the copy's rank
+
+  // Arcs: one per (expert, distinct rank holding it).
+  std::vector<int> arc_begin_;  // [num_experts + 1]
+  std::vector<int> arc_rank_;
+  std::vector<int> arc_expert_;
+  std::vector<int> arc_copies_;  // copies of the expert on the arc's rank
+  std::vector<long long> arc_flow_;
+  std::vector<long long> previous_flow_;  // scratch for AddCopy and Resolve
+  std::vector<int> previous_arc_begin_;   // scratch for Resolve
+  std::vector<int> previous_arc_rank_;    // scratch for Resolve
+  std::vector<int> arc_given_;            // scratch for splitting an arc among its copies
+
+  std::vector<int> flexible_;        // experts with tokens on >= 2 ranks, ascending
+  std::vector<int> pour_order_;      // flexible_ by tokens descending
+  std::vector<int> rank_arc_begin_;  // [num_ranks + 1] flexible arcs into each rank
+  std::vector<int> rank_arcs_;
+  std::vector<int> rank_fill_;
+  std::vector<long long> fixed_;      // [num_ranks]
+  std::vector<long long> spare_;      // [num_ranks] bound - fixed - inflow
+  std::vector<long long> excess_;     // [num_experts] tokens not yet routed
+  std::vector<long long> rank_load_;  // [num_ranks]
+
+  // Breadth-first search state; marks compare against a stamp so nothing is cleared per search.
+  int stamp_ = 0;
+  std::vector<int> expert_seen_, rank_seen_;
+  std::vector<int> expert_parent_;  // arc through which an expert was reached, -1 for a root
+  std::vector<int> rank_parent_;    // arc through which a rank was reached
+  std::vector<int> queue_;          // experts as e, ranks as num_experts + r
+  std::vector<int> reached_ranks_;
+
+  std::vector<int> cut_experts_;  // experts of the last min cut, ascending
+  std::vector<char> in_cut_;      // [num_ranks] ranks of the last min cut
+  std::vector<int> bottleneck_experts_;
+  std::vector<std::pair<long long, int>> pour_ranks_;
+};
+
+}  // namespace keel

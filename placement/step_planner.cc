@@ -1,0 +1,809 @@
+// Keel's per-step planner: the exact quota split (quota_solver.h), the locality-first assignment
+// of source ranks to the copies it fills, and greedy transient replicas kept only while the cost
+// model says the layer gets faster. StepPlanner keeps its buffers between steps; PlanStepQuotas
+// runs a fresh one.
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/simd.h"
+#include "placement/cost_model.h"
+#include "placement/quota_solver.h"
+#include "placement/routing.h"
+
+namespace keel {
+namespace {
+
+// Token counts beyond this are input errors (and would overflow the integer quotas).
+constexpr double kMaxTokens = 1e15;
+
+// What one pass over values[0, n) tells: `bits`, the OR of their bit patterns, whose sign bit is
+// set when some entry is negative, -0.0 or a NaN with its sign bit; `fractional`, whether some
+// entry below 2^52 is not a whole number ((x + 2^52) - 2^52 rounds x to a whole number there).
+struct EntryBits {
+  std::uint64_t bits = 0;
+  bool fractional = false;
+};
+KEEL_AVX2_CLONES EntryBits ScanEntries(const double* values, size_t n) {
+  constexpr double kWhole = 4503599627370496.0;  // 2^52
+  BitsQuad bits = {};
+  BitsQuad fractional = {};
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    DoubleQuad quad;
+    std::memcpy(&quad, values + i, sizeof quad);
+    bits |= (BitsQuad)quad;
+    fractional |= (BitsQuad)((quad + kWhole) - kWhole != quad);
+  }
+  EntryBits entries;
+  entries.bits = bits[0] | bits[1] | bits[2] | bits[3];
+  entries.fractional = (fractional[0] | fractional[1] | fractional[2] | fractional[3]) != 0;
+  for (; i < n; ++i) {
+    entries.bits |= std::bit_cast<std::uint64_t>(values[i]);
+    entries.fractional |= (values[i] + kWhole) - kWhole != values[i];
+  }
+  return entries;
+}
+
+// sum[i] = ((sum[i] + rows[list[0]][i]) + rows[list[1]][i]) + ... for i < n, where row k starts at
+// rows + k * stride: per entry the additions of one loop over the list after another, so the
+// same bits. Each run of 32 entries keeps its sums in eight vector registers (named: an array
+// indexed in a loop would live in memory) while it goes through the list.
+KEEL_AVX2_CLONES void AddListedRows(double* sum, const double* rows, size_t stride, const int* list,
+                                    int count, int n) {
+  int i = 0;
+  for (; i + 32 <= n; i += 32) {
+    DoubleQuad a0, a1, a2, a3, a4, a5, a6, a7;
+    std::memcpy(&a0, sum + i, sizeof a0);
+    std::memcpy(&a1, sum + i + 4, sizeof a1);
+    std::memcpy(&a2, sum + i + 8, sizeof a2);
+    std::memcpy(&a3, sum + i + 12, sizeof a3);
+    std::memcpy(&a4, sum + i + 16, sizeof a4);
+    std::memcpy(&a5, sum + i + 20, sizeof a5);
+    std::memcpy(&a6, sum + i + 24, sizeof a6);
+    std::memcpy(&a7, sum + i + 28, sizeof a7);
+    for (int k = 0; k < count; ++k) {
+      const double* row = rows + list[k] * stride + i;
+      DoubleQuad b0, b1, b2, b3, b4, b5, b6, b7;
+      std::memcpy(&b0, row, sizeof b0);
+      std::memcpy(&b1, row + 4, sizeof b1);
+      std::memcpy(&b2, row + 8, sizeof b2);
+      std::memcpy(&b3, row + 12, sizeof b3);
+      std::memcpy(&b4, row + 16, sizeof b4);
+      std::memcpy(&b5, row + 20, sizeof b5);
+      std::memcpy(&b6, row + 24, sizeof b6);
+      std::memcpy(&b7, row + 28, sizeof b7);
+      a0 += b0;
+      a1 += b1;
+      a2 += b2;
+      a3 += b3;
+      a4 += b4;
+      a5 += b5;
+      a6 += b6;
+      a7 += b7;
+    }
+    std::memcpy(sum + i, &a0, sizeof a0);
+    std::memcpy(sum + i + 4, &a1, sizeof a1);
+    std::memcpy(sum + i + 8, &a2, sizeof a2);
+    std::memcpy(sum + i + 12, &a3, sizeof a3);
+    std::memcpy(sum + i + 16, &a4, sizeof a4);
+    std::memcpy(sum + i + 20, &a5, sizeof a5);
+    std::memcpy(sum + i + 24, &a6, sizeof a6);
+    std::memcpy(sum + i + 28, &a7, sizeof a7);
+  }
+  for (; i + 4 <= n; i += 4) {
+    DoubleQuad acc;
+    std::memcpy(&acc, sum + i, sizeof acc);
+    for (int k = 0; k < count; ++k) {
+      DoubleQuad add;
+      std::memcpy(&add, rows + list[k] * stride + i, sizeof add);
+      acc += add;
+    }
+    std::memcpy(sum + i, &acc, sizeof acc);
+  }
+  for (; i < n; ++i) {
+    double acc = sum[i];
+    for (int k = 0; k < count; ++k) acc += rows[list[k] * stride + i];
+    sum[i] = acc;
+  }
+}
+
+// totals[k] = ((0.0 + row_k[0]) + row_k[1]) + ... for the `count` rows of length n that start at
+// `rows`, `stride` apart. Eight rows at a time: one row's sum is a chain of dependent additions,
+// and eight chains keep the adders busy.
+void SumRows(const double* rows, size_t stride, int count, int n, double* totals) {
+  int k = 0;
+  // Named sums: in an array, GCC keeps them in memory and every addition waits on a store.
+  for (; k + 8 <= count; k += 8) {
+    const double* r0 = rows + static_cast<size_t>(k) * stride;
+    const double *r1 = r0 + stride, *r2 = r1 + stride, *r3 = r2 + stride, *r4 = r3 + stride,
+                 *r5 = r4 + stride, *r6 = r5 + stride, *r7 = r6 + stride;
+    double s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
+    for (int i = 0; i < n; ++i) {
+      s0 += r0[i];
+      s1 += r1[i];
+      s2 += r2[i];
+      s3 += r3[i];
+      s4 += r4[i];
+      s5 += r5[i];
+      s6 += r6[i];
+      s7 += r7[i];
+    }
+    totals[k] = s0;
+    totals[k + 1] = s1;
+    totals[k + 2] = s2;
+    totals[k + 3] = s3;
+    totals[k + 4] = s4;
+    totals[k + 5] = s5;
+    totals[k + 6] = s6;
+    totals[k + 7] = s7;
+  }
+  for (; k < count; ++k) {
+    const double* row = rows + static_cast<size_t>(k) * stride;
+    double sum = 0;
+    for (int i = 0; i < n; ++i) sum += row[i];
+    totals[k] = sum;
+  }
+}
+
+// out[c * rows + r] = in[r * cols + c], in 8 x 8 tiles, so that the reads and the writes of a
+// tile each stay within eight cache lines. Tiles of four rows and four columns go through four
+// vector registers.
+KEEL_AVX2_CLONES void Transpose(const double* in, int rows, int cols, double* out) {
+  constexpr int kTile = 8;
+  if (rows % 4 == 0 && cols % 4 == 0) {
+    for (int r0 = 0; r0 < rows; r0 += kTile) {
+      const int r1 = std::min(rows, r0 + kTile);
+      for (int c0 = 0; c0 < cols; c0 += kTile) {
+        const int c1 = std::min(cols, c0 + kTile);
+        for (int r = r0; r < r1; r += 4) {
+          for (int c = c0; c < c1; c += 4) {
+            DoubleQuad a, b, x, y;
+            const double* from = in + static_cast<size_t>(r) * cols + c;
+            std::memcpy(&a, from, sizeof a);
+            std::memcpy(&b, from + cols, sizeof b);
+            std::memcpy(&x, from + 2 * static_cast<size_t>(cols), sizeof x);
+            std::memcpy(&y, from + 3 * static_cast<size_t>(cols), sizeof y);
+            const DoubleQuad ab_even = __builtin_shufflevector(a, b, 0, 4, 2, 6);
+            const DoubleQuad ab_odd = __builtin_shufflevector(a, b, 1, 5, 3, 7);
+            const DoubleQuad xy_even = __builtin_shufflevector(x, y, 0, 4, 2, 6);
+            const DoubleQuad xy_odd = __builtin_shufflevector(x, y, 1, 5, 3, 7);
+            const DoubleQuad column0 = __builtin_shufflevector(ab_even, xy_even, 0, 1, 4, 5);
+            const DoubleQuad column1 = __builtin_shufflevector(ab_odd, xy_odd, 0, 1, 4, 5);
+            const DoubleQuad column2 = __builtin_shufflevector(ab_even, xy_even, 2, 3, 6, 7);
+            const DoubleQuad column3 = __builtin_shufflevector(ab_odd, xy_odd, 2, 3, 6, 7);
+            double* to = out + static_cast<size_t>(c) * rows + r;
+            std::memcpy(to, &column0, sizeof column0);
+            std::memcpy(to + rows, &column1, sizeof column1);
+            std::memcpy(to + 2 * static_cast<size_t>(rows), &column2, sizeof column2);
+            std::memcpy(to + 3 * static_cast<size_t>(rows), &column3, sizeof column3);
+          }
+        }
+      }
+    }
+    return;
+  }
+  for (int r0 = 0; r0 < rows; r0 += kTile) {
+    const int r1 = std::min(rows, r0 + kTile);
+    for (int c0 = 0; c0 < cols; c0 += kTile) {
+      const int c1 = std::min(cols, c0 + kTile);
+      for (int c = c0; c < c1; ++c) {
+        for (int r = r0; r < r1; ++r) {
+          out[static_cast<size_t>(c) * rows + r] = in[static_cast<size_t>(r) * cols + c];
+        }
+      }
+    }
+  }
+}
+
+// Checks run in this order: the load's shape, then its entries (during Scan, and TrafficValues or
+// ByExpertValues to name a bad one), then the rest.
+Status ValidateLoadShape(const Placement& placement, const StepLoad& load) {
+  if (load.num_experts != placement.num_experts()) {
+    return InvalidArgument("load.num_experts " + std::to_string(load.num_experts) +
+                           " does not match placement.num_experts " +
+                           std::to_string(placement.num_experts()));
+  }
+  if (load.num_sources < 1) {
+    return InvalidArgument("load.num_sources must be >= 1, got " +
+                           std::to_string(load.num_sources));
+  }
+  if (load.traffic.size() != static_cast<size_t>(load.num_sources) * load.num_experts) {
+    return InvalidArgument("load.traffic has " + std::to_string(load.traffic.size()) +
+                           " entries, expected " + std::to_string(load.num_sources) + " x " +
+                           std::to_string(load.num_experts));
+  }
+  return Status::Ok();
+}
+
+// Names the first entry that is not a token count; `name(i)` names entry i.
+template <typename Name>
+Status EntryValues(std::span<const double> values, Name name) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i]) || values[i] < 0) {
+      return InvalidArgument(name(i) + " = " + std::to_string(values[i]) +
+                             " is not a non-negative token count");
+    }
+    if (values[i] > kMaxTokens) {
+      return InvalidArgument(name(i) + " = " + std::to_string(values[i]) + " exceeds 1e15 tokens");
+    }
+  }
+  return Status::Ok();
+}
+
+Status TrafficValues(const StepLoad& load) {
+  return EntryValues(load.traffic,
+                     [](size_t i) { return "load.traffic[" + std::to_string(i) + "]"; });
+}
+
+Status ByExpertValues(std::span<const double> by_expert, int num_sources) {
+  return EntryValues(by_expert, [&](size_t i) {
+    const size_t sources = static_cast<size_t>(num_sources);
+    return "by_expert[" + std::to_string(i) + "] (expert " + std::to_string(i / sources) +
+           ", source " + std::to_string(i % sources) + ")";
+  });
+}
+
+Status ValidateTopologyAndOptions(const Placement& placement, const Topology& topology,
+                                  const CostModel& cost, const QuotaPlanOptions& options) {
+  if (topology.num_ranks() != placement.num_ranks()) {
+    return InvalidArgument("topology has " + std::to_string(topology.num_ranks()) +
+                           " ranks, placement.num_ranks is " +
+                           std::to_string(placement.num_ranks()));
+  }
+  if (cost.topology().num_ranks() != placement.num_ranks()) {
+    return InvalidArgument(
+        "cost model topology has " + std::to_string(cost.topology().num_ranks()) +
+        " ranks, placement.num_ranks is " + std::to_string(placement.num_ranks()));
+  }
+  if (options.transient_per_rank < 0) {
+    return InvalidArgument("transient_per_rank must be >= 0, got " +
+                           std::to_string(options.transient_per_rank));
+  }
+  if (options.shares_of_rank < -1 || options.shares_of_rank >= placement.num_ranks()) {
+    return InvalidArgument("shares_of_rank must be -1 or a rank below " +
+                           std::to_string(placement.num_ranks()) + ", got " +
+                           std::to_string(options.shares_of_rank));
+  }
+  return Status::Ok();
+}
+
+// The next transient replica to try: the hottest expert per copy among those that pin the max
+// rank load, on the least-loaded rank that has a free transient slot and no copy of it, fed from
+// a holder on that rank's node, else from the home. False when there is none.
+bool NextTransient(const Placement& placement, const Topology& topology, const QuotaSolver& solver,
+                   std::span<const long long> tokens, const std::vector<int>& transients_on_rank,
+                   int transient_per_rank, std::vector<char>& holds, TransientReplica& next) {
+  const auto rank_load = solver.rank_load();
+  bool found = false;
+  long long best_tokens = 0;
+  long long best_copies = 1;
+  for (int e : solver.bottleneck_experts()) {
+    const long long copies = solver.copy_end(e) - solver.copy_begin(e);
+    // tokens[e] / copies > best_tokens / best_copies, in integers.
+    if (found && tokens[e] * best_copies <= best_tokens * copies) continue;
+    // The solver's copies are the placement's plus the transients so far.
+    holds.assign(placement.num_ranks(), 0);
+    for (int c = solver.copy_begin(e); c < solver.copy_end(e); ++c) holds[solver.copy_rank(c)] = 1;
+    int target = -1;
+    for (int g = 0; g < placement.num_ranks(); ++g) {
+      if (transients_on_rank[g] >= transient_per_rank || holds[g]) continue;
+      if (target < 0 || rank_load[g] < rank_load[target]) target = g;
+    }
+    if (target < 0) continue;
+    int source = placement.home(e);
+    for (int slot : placement.copies(e)) {
+      const int holder = placement.rank_of_slot(slot);
+      if (topology.same_node(holder, target)) {
+        source = holder;
+        break;
+      }
+    }
+    next = {e, target, source};
+    best_tokens = tokens[e];
+    best_copies = copies;
+    found = true;
+  }
+  return found;
+}
+
+}  // namespace
+
+class StepPlanner::Impl {
+ public:
+  Impl(const Topology& topology, const CostModel& cost) : topology_(topology), cost_(cost) {}
+
+  // StepPlanner::Plan after the shape checks. `load`: the same traffic by source, to name a bad
+  // entry by its index there; null to name it in `by_expert`.
+  Status Plan(const Placement& placement, int num_sources, std::span<const double> by_expert,
+              const QuotaPlanOptions& options, StepRouting& routing, const StepLoad* load);
+
+ private:
+  // A routing under construction. The tokens that rank s sends to rank d sit at
+  // received[d * num_ranks + s], the transpose of StepRouting::sent_tokens: a rank's row then
+  // takes a single-rank expert's sources as one contiguous addition.
+  struct Draft {
+    std::vector<double> rank_tokens;  // [num_ranks]
+    std::vector<double> received;     // [num_ranks * num_ranks]
+    std::vector<double> slot_tokens;  // [num_slots]
+    std::vector<double> transient_tokens;
+    std::vector<CopyShare> shares;
+  };
+
+  // What depends on the placement and the number of sources alone; kept while they stay.
+  void Bind(const Placement& placement, int num_sources);
+  // The one pass over the traffic: per-expert totals, and scanned_, the rows that experts held
+  // by one rank in the placement fill (every source sends there). False when some entry may be
+  // negative, not finite or beyond kMaxTokens; the caller then names it.
+  bool Scan();
+  // Adds the tokens of `rank`'s single-rank experts that `keep` accepts to `row`, that rank's
+  // row of received tokens: for each source, experts in ascending order, a rank's sources in
+  // ascending order.
+  template <typename Keep>
+  void AddSingles(int rank, double* row, Keep keep);
+  // Fills `draft` for the copies in solver_, solved with `extras` beyond the placement, and the
+  // quotas in `split`.
+  void Assign(const std::vector<TransientReplica>& extras, const QuotaSplit& split, Draft& draft);
+  // Tokens of `expert` with copies on several ranks: local copies first, then copies on the same
+  // node, then the rest, each pass in copy order and ascending source order.
+  void AssignSpread(int expert, const QuotaSplit& split, Draft& draft);
+  // Shares of an expert whose copies sit on one rank: sources in ascending order fill the copies
+  // in copy order up to the quotas in room_.
+  void ShareInSourceOrder(int expert, Draft& draft);
+  // Whether a share from `source_rank` to a copy on `rank` is recorded (given record_shares_).
+  bool Recorded(int source_rank, int rank) const {
+    return shares_of_rank_ < 0 || source_rank == shares_of_rank_ || rank == shares_of_rank_;
+  }
+  // The cost model's layer time for `draft` with `transients`.
+  double Seconds(const Draft& draft, std::span<const TransientReplica> transients) const;
+  // Moves `draft` into `routing`, whose old buffers `draft` takes for the next step.
+  void Publish(Draft& draft, const std::vector<TransientReplica>& transients,
+               StepRouting& routing) const;
+
+  const Topology& topology_;
+  const CostModel& cost_;
+
+  // Bound by Bind.
+  const Placement* placement_ = nullptr;  // this call's
+  bool bound_ = false;
+  std::vector<int> phy2log_;  // the placement Bind last saw
+  int num_experts_ = 0;
+  int num_ranks_ = 0;
+  int num_slots_ = 0;
+  int num_sources_ = 0;
+  std::vector<int> source_rank_;  // [num_sources]
+  // Experts on one rank in the placement, grouped by that rank, ascending.
+  std::vector<int> rank_single_begin_;  // [num_ranks + 1]
+  std::vector<int> rank_single_;
+
+  // This step's.
+  const double* by_expert_ = nullptr;
+  bool record_shares_ = false;
+  int shares_of_rank_ = -1;  // options.shares_of_rank
+  bool whole_ = false;       // every entry a whole number, and every sum of them exact
+  double sync_seconds_ = 0;  // the placement's replica sync, once a candidate needs it
+  std::vector<double> totals_;
+  std::vector<long long> rounded_;
+  // [num_experts] totals_ / rounded_ (0 when rounded to 0): quotas count rounded tokens, and
+  // this scales them to the expert's exact total. Computed once, as every Assign needs it.
+  std::vector<double> scale_;
+  std::vector<double> scanned_;    // [num_ranks * num_ranks] received from single-rank experts
+  std::vector<double> remaining_;  // [num_sources] tokens of the current expert still unsent
+  std::vector<double> room_;       // [copies of the current expert] quota still open
+  std::vector<int> kept_;          // scratch of AddSingles
+  QuotaSolver solver_;
+  QuotaSplit split_;
+  QuotaSplit trial_split_;
+  std::vector<TransientReplica> transients_;
+  std::vector<int> transients_on_rank_;
+  std::vector<char> holds_;
+  Draft best_;
+  Draft trial_;
+};
+
+void StepPlanner::Impl::Bind(const Placement& placement, int num_sources) {
+  placement_ = &placement;
+  if (bound_ && num_sources == num_sources_ && placement.num_experts() == num_experts_ &&
+      placement.num_ranks() == num_ranks_ && placement.phy2log() == phy2log_) {
+    return;
+  }
+  bound_ = true;
+  phy2log_ = placement.phy2log();
+  num_experts_ = placement.num_experts();
+  num_ranks_ = placement.num_ranks();
+  num_slots_ = placement.num_slots();
+  num_sources_ = num_sources;
+  source_rank_.resize(num_sources);
+  for (int s = 0; s < num_sources; ++s) source_rank_[s] = s % num_ranks_;
+
+  std::vector<int> single_rank(num_experts_);  // the one rank holding the expert, else -1
+  rank_single_begin_.assign(num_ranks_ + 1, 0);
+  for (int e = 0; e < num_experts_; ++e) {
+    const std::span<const int> ranks = placement.copy_ranks(e);
+    const bool single = !ranks.empty() && std::all_of(ranks.begin(), ranks.end(),
+                                                      [&](int r) { return r == ranks[0]; });
+    single_rank[e] = single ? ranks[0] : -1;
+    if (single) ++rank_single_begin_[ranks[0] + 1];
+  }
+  for (int r = 0; r < num_ranks_; ++r) rank_single_begin_[r + 1] += rank_single_begin_[r];
+  rank_single_.resize(rank_single_begin_[num_ranks_]);
+  std::vector<int> fill(rank_single_begin_.begin(), rank_single_begin_.end() - 1);
+  for (int e = 0; e < num_experts_; ++e) {
+    if (single_rank[e] >= 0) rank_single_[fill[single_rank[e]]++] = e;
+  }
+}
+
+template <typename Keep>
+void StepPlanner::Impl::AddSingles(int rank, double* row, Keep keep) {
+  const size_t num_sources = static_cast<size_t>(num_sources_);
+  const int begin = rank_single_begin_[rank];
+  const int end = rank_single_begin_[rank + 1];
+  if (num_sources_ == num_ranks_) {
+    // One source per rank: each entry of the row adds its experts in ascending order.
+    kept_.clear();
+    for (int i = begin; i < end; ++i) {
+      if (keep(rank_single_[i])) kept_.push_back(rank_single_[i]);
+    }
+    AddListedRows(row, by_expert_, num_sources, kept_.data(), static_cast<int>(kept_.size()),
+                  num_sources_);
+    return;
+  }
+  for (int s = 0; s < num_sources_; ++s) {
+    double& cell = row[source_rank_[s]];
+    for (int i = begin; i < end; ++i) {
+      const int e = rank_single_[i];
+      if (keep(e)) cell += by_expert_[e * num_sources + s];
+    }
+  }
+}
+
+bool StepPlanner::Impl::Scan() {
+  const int num_experts = num_experts_;
+  const int num_ranks = num_ranks_;
+  const size_t entries = static_cast<size_t>(num_experts) * num_sources_;
+  // Any negative entry (or -0.0, or a NaN with its sign bit) sets the sign bit of the OR; a NaN,
+  // an infinity or an entry beyond kMaxTokens makes its expert's total NaN or beyond kMaxTokens,
+  // as all other entries are then non-negative. Either sends the caller to the exact check.
+  const EntryBits scanned = ScanEntries(by_expert_, entries);
+  totals_.resize(num_experts);
+  SumRows(by_expert_, num_sources_, num_experts, num_sources_, totals_.data());
+  scanned_.assign(static_cast<size_t>(num_ranks) * num_ranks, 0.0);
+  for (int rank = 0; rank < num_ranks; ++rank) {
+    AddSingles(rank, scanned_.data() + static_cast<size_t>(rank) * num_ranks,
+               [](int) { return true; });
+  }
+  bool in_range = (scanned.bits >> 63) == 0;
+  rounded_.resize(num_experts);
+  scale_.resize(num_experts);
+  double total = 0;
+  for (int e = 0; e < num_experts; ++e) {
+    total += totals_[e];
+    in_range &= totals_[e] <= kMaxTokens;
+    rounded_[e] = std::isfinite(totals_[e]) ? std::llround(totals_[e]) : 0;
+    scale_[e] = rounded_[e] > 0 ? totals_[e] / static_cast<double>(rounded_[e]) : 0.0;
+  }
+  // Whole numbers whose sum stays below 2^52: every sum of them is exact, whatever its order.
+  whole_ = !scanned.fractional && total < 4503599627370496.0;
+  return in_range;
+}
+
+void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, Draft& draft) {
+  const int num_slots = num_slots_;
+  const int num_sources = num_sources_;
+  const int num_ranks = num_ranks_;
+  const QuotaSolver& solver = solver_;
+  const int begin = solver.copy_begin(expert);
+  const int count = solver.copy_end(expert) - begin;
+  const double scale = scale_[expert];
+  room_.resize(count);
+  for (int i = 0; i < count; ++i) {
+    const int id = solver.copy_id(begin + i);
+    const long long quota =
+        id < num_slots ? split.slot_quota[id] : split.extra_quota[id - num_slots];
+    room_[i] = static_cast<double>(quota) * scale;
+  }
+  if (rounded_[expert] == 0) room_[0] = totals_[expert];  // under half a token: first copy
+  // Raw pointers: the loops below store doubles, which could be any of these vectors' elements
+  // as far as the compiler knows, so through the vectors it would reload every pointer.
+  double* remaining = remaining_.data();
+  std::memcpy(remaining, by_expert_ + static_cast<size_t>(expert) * num_sources,
+              sizeof(double) * num_sources);
+  double* received = draft.received.data();
+  double* rank_tokens = draft.rank_tokens.data();
+  double* slot_tokens = draft.slot_tokens.data();
+  double* transient_tokens = draft.transient_tokens.data();
+  double* copy_room = room_.data();
+  const int* source_rank = source_rank_.data();
+
+  // The copy being filled keeps its open quota and its slot's and rank's running sums in
+  // registers until another copy is filled: the additions happen in the same order as one store
+  // per share would make them (so the same bits), without each waiting for the previous store.
+  int open_copy = -1;
+  int id = 0;
+  int rank = 0;
+  double* rank_row = received;  // the open copy's rank's row of received tokens
+  double room = 0;
+  double slot_sum = 0;
+  double rank_sum = 0;
+  auto slot_cell = [&]() -> double& {
+    return id < num_slots ? slot_tokens[id] : transient_tokens[id - num_slots];
+  };
+  auto close = [&]() {
+    if (open_copy < 0) return;
+    copy_room[open_copy] = room;
+    slot_cell() = slot_sum;
+    rank_tokens[rank] = rank_sum;
+  };
+  auto switch_to = [&](int i) {
+    close();
+    open_copy = i;
+    id = solver.copy_id(begin + i);
+    rank = solver.copy_rank(begin + i);
+    rank_row = received + static_cast<size_t>(rank) * num_ranks;
+    room = copy_room[i];
+    slot_sum = slot_cell();
+    rank_sum = rank_tokens[rank];
+  };
+  // The check stays inline at every call; the rare switch is one out-of-line call.
+  auto open = [&](int i) {
+    if (i != open_copy) switch_to(i);
+  };
+  // Source s sends `tokens` to the open copy (the caller takes them off what s has left).
+  auto send = [&](int s, double tokens) {
+    if (record_shares_ && Recorded(source_rank[s], rank)) {
+      draft.shares.push_back({source_rank[s], expert, id, tokens});
+    }
+    slot_sum += tokens;
+    rank_sum += tokens;
+    rank_row[source_rank[s]] += tokens;
+  };
+  auto take = [&](int s) {
+    const double tokens = std::min(remaining[s], room);
+    if (tokens <= 0) return;
+    room -= tokens;
+    remaining[s] -= tokens;
+    send(s, tokens);
+  };
+  // Local: sources on the copy's own rank. A copy without room takes nothing (quotas and what
+  // sources have left are never negative), so it is not opened.
+  for (int i = 0; i < count; ++i) {
+    if (copy_room[i] <= 0 && i != open_copy) continue;
+    open(i);
+    for (int s = rank; s < num_sources; s += num_ranks) take(s);
+  }
+  // Same node.
+  const int per_node = topology_.gpus_per_node();
+  for (int i = 0; i < count; ++i) {
+    if (copy_room[i] <= 0 && i != open_copy) continue;
+    open(i);
+    const int first = topology_.node_of(rank) * per_node;
+    for (int r = first; r < first + per_node; ++r) {
+      for (int s = r; s < num_sources; s += num_ranks) take(s);
+    }
+  }
+  // The rest, in source order; rounding dust goes to the copy last used. Each source comes up
+  // once here, so what it has left stays in a register.
+  int next = 0;
+  for (int s = 0; s < num_sources; ++s) {
+    double left = remaining[s];
+    if (!(left > 0)) continue;
+    while (left > 0 && next < count) {
+      open(next);
+      const double tokens = std::min(left, room);
+      if (tokens > 0) {
+        room -= tokens;
+        left -= tokens;
+        send(s, tokens);
+      }
+      if (room <= 0) ++next;
+    }
+    if (left > 0) {
+      open(std::min(next, count - 1));
+      send(s, left);
+    }
+  }
+  close();
+}
+
+void StepPlanner::Impl::Assign(const std::vector<TransientReplica>& extras, const QuotaSplit& split,
+                               Draft& draft) {
+  const int num_ranks = num_ranks_;
+  const int num_slots = num_slots_;
+  const QuotaSolver& solver = solver_;
+  draft.rank_tokens.assign(num_ranks, 0.0);
+  draft.received.assign(scanned_.begin(), scanned_.end());
+  draft.slot_tokens.assign(num_slots, 0.0);
+  draft.transient_tokens.assign(extras.size(), 0.0);
+  draft.shares.clear();
+  remaining_.resize(num_sources_);
+
+  // Scan sent every single-rank expert's tokens to its rank. Redo the rows of ranks that lost
+  // one to a transient, in Scan's order, so the sums are what a fresh pass would give.
+  for (int rank = 0; rank < num_ranks; ++rank) {
+    bool changed = false;
+    for (int i = rank_single_begin_[rank]; i < rank_single_begin_[rank + 1]; ++i) {
+      changed |= solver.rank_count(rank_single_[i]) != 1;
+    }
+    if (!changed) continue;
+    double* row = draft.received.data() + static_cast<size_t>(rank) * num_ranks;
+    std::fill(row, row + num_ranks, 0.0);
+    AddSingles(rank, row, [&](int e) { return solver.rank_count(e) == 1; });
+  }
+  for (int e = 0; e < num_experts_; ++e) {
+    if (totals_[e] == 0) continue;
+    if (solver.rank_count(e) > 1) {
+      AssignSpread(e, split, draft);
+      continue;
+    }
+    const int begin = solver.copy_begin(e);
+    const int end = solver.copy_end(e);
+    const double scale = scale_[e];
+    draft.rank_tokens[solver.copy_rank(begin)] += totals_[e];
+    if (record_shares_) room_.resize(end - begin);
+    for (int c = begin; c < end; ++c) {
+      const int id = solver.copy_id(c);
+      const double tokens =
+          rounded_[e] == 0
+              ? (c == begin ? totals_[e] : 0.0)
+              : static_cast<double>(id < num_slots ? split.slot_quota[id]
+                                                   : split.extra_quota[id - num_slots]) *
+                    scale;
+      (id < num_slots ? draft.slot_tokens[id] : draft.transient_tokens[id - num_slots]) += tokens;
+      if (record_shares_) room_[c - begin] = tokens;
+    }
+    if (record_shares_) ShareInSourceOrder(e, draft);
+  }
+}
+
+void StepPlanner::Impl::ShareInSourceOrder(int expert, Draft& draft) {
+  const int begin = solver_.copy_begin(expert);
+  const int count = solver_.copy_end(expert) - begin;
+  const double* column = by_expert_ + static_cast<size_t>(expert) * num_sources_;
+  if (count == 1 && whole_) {
+    // One copy, exact sums: its quota is the expert's total, so each source sends all it has in
+    // one share, as the loop below would. Only the shares to record are looked at.
+    const int id = solver_.copy_id(begin);
+    const int rank = solver_.copy_rank(begin);
+    auto share = [&](int s) {
+      if (column[s] > 0) draft.shares.push_back({source_rank_[s], expert, id, column[s]});
+    };
+    if (shares_of_rank_ < 0 || shares_of_rank_ == rank) {
+      for (int s = 0; s < num_sources_; ++s) share(s);
+    } else {
+      for (int s = shares_of_rank_; s < num_sources_; s += num_ranks_) share(s);
+    }
+    return;
+  }
+  int open = 0;
+  for (int s = 0; s < num_sources_; ++s) {
+    double remaining = column[s];
+    while (remaining > 0 && open < count) {
+      const double tokens = std::min(remaining, room_[open]);
+      if (tokens > 0) {
+        if (Recorded(source_rank_[s], solver_.copy_rank(begin + open))) {
+          draft.shares.push_back({source_rank_[s], expert, solver_.copy_id(begin + open), tokens});
+        }
+        remaining -= tokens;
+        room_[open] -= tokens;
+      }
+      if (room_[open] <= 0) ++open;
+    }
+    // Rounding dust goes to the copy last used.
+    const int last = begin + std::min(open, count - 1);
+    if (remaining > 0 && Recorded(source_rank_[s], solver_.copy_rank(last))) {
+      draft.shares.push_back({source_rank_[s], expert, solver_.copy_id(last), remaining});
+    }
+  }
+}
+
+double StepPlanner::Impl::Seconds(const Draft& draft,
+                                  std::span<const TransientReplica> transients) const {
+  const double max_rank_tokens =
+      *std::max_element(draft.rank_tokens.begin(), draft.rank_tokens.end());
+  return cost_
+      .EstimateParts(*placement_, max_rank_tokens, draft.received, transients, sync_seconds_)
+      .total_seconds();
+}
+
+void StepPlanner::Impl::Publish(Draft& draft, const std::vector<TransientReplica>& transients,
+                                StepRouting& routing) const {
+  const int num_ranks = num_ranks_;
+  routing.num_ranks = num_ranks;
+  routing.rank_tokens.swap(draft.rank_tokens);
+  routing.sent_tokens.resize(static_cast<size_t>(num_ranks) * num_ranks);
+  Transpose(draft.received.data(), num_ranks, num_ranks, routing.sent_tokens.data());
+  routing.slot_tokens.swap(draft.slot_tokens);
+  routing.transients.assign(transients.begin(), transients.end());
+  routing.transient_tokens.swap(draft.transient_tokens);
+  routing.shares.swap(draft.shares);
+}
+
+Status StepPlanner::Impl::Plan(const Placement& placement, int num_sources,
+                               std::span<const double> by_expert, const QuotaPlanOptions& options,
+                               StepRouting& routing, const StepLoad* load) {
+  Bind(placement, num_sources);
+  by_expert_ = by_expert.data();
+  record_shares_ = options.record_shares;
+  shares_of_rank_ = options.shares_of_rank;
+  if (!Scan())
+    return load != nullptr ? TrafficValues(*load) : ByExpertValues(by_expert, num_sources);
+  KEEL_RETURN_IF_ERROR(ValidateTopologyAndOptions(placement, topology_, cost_, options));
+  const std::span<const long long> tokens = rounded_;
+  transients_.clear();
+  solver_.Solve(placement, tokens, transients_, split_);
+  Assign(transients_, split_, best_);
+
+  // Greedy transients: each must lower the max rank load and the cost model's predicted layer
+  // time; the first candidate that does not ends the search. The baseline is priced only once a
+  // candidate gets that far. Each candidate re-solves from the previous flow.
+  size_t accepted = 0;
+  if (options.transient_per_rank > 0) {
+    transients_on_rank_.assign(num_ranks_, 0);
+    double best_seconds = -1;
+    TransientReplica next;
+    while (NextTransient(placement, topology_, solver_, tokens, transients_on_rank_,
+                         options.transient_per_rank, holds_, next)) {
+      transients_.push_back(next);
+      solver_.AddCopy(placement, transients_, trial_split_);
+      if (trial_split_.max_rank_tokens >= split_.max_rank_tokens) break;
+      Assign(transients_, trial_split_, trial_);
+      if (best_seconds < 0) {
+        sync_seconds_ = cost_.ReplicaSyncSeconds(placement);
+        best_seconds = Seconds(best_, {transients_.data(), accepted});
+      }
+      const double trial_seconds = Seconds(trial_, transients_);
+      if (!(trial_seconds < best_seconds)) break;
+      ++transients_on_rank_[next.rank];
+      best_seconds = trial_seconds;
+      std::swap(best_, trial_);
+      std::swap(split_, trial_split_);
+      accepted = transients_.size();
+    }
+  }
+  transients_.resize(accepted);
+  Publish(best_, transients_, routing);
+  return Status::Ok();
+}
+
+StepPlanner::StepPlanner(const Topology& topology, const CostModel& cost)
+    : impl_(std::make_unique<Impl>(topology, cost)) {}
+
+StepPlanner::~StepPlanner() = default;
+
+Status StepPlanner::Plan(const Placement& placement, int num_sources,
+                         std::span<const double> by_expert, const QuotaPlanOptions& options,
+                         StepRouting& routing) {
+  if (num_sources < 1) {
+    return InvalidArgument("num_sources must be >= 1, got " + std::to_string(num_sources));
+  }
+  const size_t expected = static_cast<size_t>(num_sources) * placement.num_experts();
+  if (by_expert.size() != expected) {
+    return InvalidArgument("by_expert has " + std::to_string(by_expert.size()) +
+                           " entries, expected " + std::to_string(placement.num_experts()) +
+                           " experts x " + std::to_string(num_sources) + " sources");
+  }
+  return impl_->Plan(placement, num_sources, by_expert, options, routing, nullptr);
+}
+
+Result<StepRouting> PlanStepQuotas(const Placement& placement, const StepLoad& load,
+                                   const Topology& topology, const CostModel& cost,
+                                   const QuotaPlanOptions& options) {
+  KEEL_RETURN_IF_ERROR(ValidateLoadShape(placement, load));
+  const int num_sources = load.num_sources;
+  const int num_experts = load.num_experts;
+  std::vector<double> by_expert(load.traffic.size());
+  Transpose(load.traffic.data(), num_sources, num_experts, by_expert.data());
+  StepPlanner::Impl planner(topology, cost);
+  StepRouting routing;
+  KEEL_RETURN_IF_ERROR(planner.Plan(placement, num_sources, by_expert, options, routing, &load));
+  return routing;
+}
+
+}  // namespace keel

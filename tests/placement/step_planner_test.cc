@@ -1,0 +1,196 @@
+// StepPlanner: one planner reused over changing placements, loads and options gives what a fresh
+// PlanStepQuotas gives, bit for bit; shares_of_rank keeps exactly one rank's shares; bad input is
+// named.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "placement/cost_model.h"
+#include "placement/routing.h"
+
+namespace keel {
+namespace {
+
+struct Case {
+  Placement placement;
+  StepLoad load;
+  std::vector<double> by_expert;  // load.traffic transposed
+};
+
+Topology MakeTopology(int num_nodes, int gpus_per_node) {
+  TopologyConfig config;
+  config.num_nodes = num_nodes;
+  config.gpus_per_node = gpus_per_node;
+  return Topology::Create(config).value();
+}
+
+std::vector<double> ByExpert(const StepLoad& load) {
+  std::vector<double> by_expert(load.traffic.size());
+  for (int s = 0; s < load.num_sources; ++s) {
+    for (int e = 0; e < load.num_experts; ++e) {
+      by_expert[static_cast<size_t>(e) * load.num_sources + s] = load.at(s, e);
+    }
+  }
+  return by_expert;
+}
+
+// A random placement of `num_experts` experts (each at least once, extra copies anywhere, some
+// slots empty) and a skewed load from `num_sources` sources, whole or fractional counts.
+Case RandomCase(std::mt19937& rng, int num_ranks, int slots_per_rank, int num_experts,
+                int num_sources, bool fractional) {
+  const int num_slots = num_ranks * slots_per_rank;
+  EXPECT_LE(num_experts, num_slots);
+  std::vector<int> phy2log(num_slots, kEmptySlot);
+  std::vector<int> order(num_slots);
+  for (int i = 0; i < num_slots; ++i) order[i] = i;
+  std::shuffle(order.begin(), order.end(), rng);
+  for (int e = 0; e < num_experts; ++e) phy2log[order[e]] = e;
+  for (int i = num_experts; i < num_slots; ++i) {
+    if (rng() % 4 != 0) phy2log[order[i]] = static_cast<int>(rng() % num_experts);
+  }
+  Placement placement = Placement::Create(num_experts, num_ranks, phy2log).value();
+  std::vector<double> weight(num_experts);
+  for (double& w : weight) w = std::pow((rng() % 1000 + 1) / 1000.0, 3);
+  std::vector<double> traffic(static_cast<size_t>(num_sources) * num_experts);
+  for (double& t : traffic) {
+    const int e = static_cast<int>(&t - traffic.data()) % num_experts;
+    const double v = rng() % 8 == 0 ? 0.0 : weight[e] * 400 * ((rng() % 100) / 50.0);
+    t = fractional ? v * 0.37 : std::round(v);
+  }
+  StepLoad load = StepLoad::FromTraffic(num_sources, num_experts, traffic).value();
+  std::vector<double> by_expert = ByExpert(load);
+  return {std::move(placement), std::move(load), std::move(by_expert)};
+}
+
+void ExpectSameRouting(const StepRouting& a, const StepRouting& b) {
+  EXPECT_EQ(a.num_ranks, b.num_ranks);
+  // Bit for bit: EXPECT_EQ on doubles would let 0.0 and -0.0 pass.
+  auto same_bits = [](const std::vector<double>& x, const std::vector<double>& y) {
+    return x.size() == y.size() &&
+           (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(double)) == 0);
+  };
+  EXPECT_TRUE(same_bits(a.rank_tokens, b.rank_tokens));
+  EXPECT_TRUE(same_bits(a.sent_tokens, b.sent_tokens));
+  EXPECT_TRUE(same_bits(a.slot_tokens, b.slot_tokens));
+  EXPECT_TRUE(same_bits(a.transient_tokens, b.transient_tokens));
+  ASSERT_EQ(a.transients.size(), b.transients.size());
+  for (size_t i = 0; i < a.transients.size(); ++i) {
+    EXPECT_EQ(a.transients[i].expert, b.transients[i].expert);
+    EXPECT_EQ(a.transients[i].rank, b.transients[i].rank);
+    EXPECT_EQ(a.transients[i].source_rank, b.transients[i].source_rank);
+  }
+  ASSERT_EQ(a.shares.size(), b.shares.size());
+  for (size_t i = 0; i < a.shares.size(); ++i) {
+    EXPECT_EQ(a.shares[i].source, b.shares[i].source);
+    EXPECT_EQ(a.shares[i].expert, b.shares[i].expert);
+    EXPECT_EQ(a.shares[i].copy, b.shares[i].copy);
+    EXPECT_EQ(std::memcmp(&a.shares[i].tokens, &b.shares[i].tokens, sizeof(double)), 0);
+  }
+}
+
+// One planner kept across steps whose placement, load shape and options all change: nothing of
+// an earlier step may leak into a later one.
+TEST(StepPlannerTest, ReusedPlannerMatchesFreshPlans) {
+  std::mt19937 rng(11);
+  const Topology topology = MakeTopology(2, 4);
+  CostModelConfig small;  // small experts, so that transients pay and get tried
+  small.hidden_size = 1024;
+  small.expert_ffn_size = 512;
+  small.expert_tflops = 20.0;
+  const CostModel cost(topology, small);
+  StepPlanner planner(topology, cost);
+  StepRouting routing;
+  int transients = 0;
+  for (int step = 0; step < 120; ++step) {
+    // Every few steps a new placement; the sources are sometimes more than the ranks.
+    const int num_sources = step % 5 == 4 ? 8 * 2 + 3 : 8;
+    const int num_experts = 6 + static_cast<int>(rng() % 18);  // at most the 24 slots
+    Case c = RandomCase(rng, 8, 3, num_experts, num_sources, step % 3 == 2);
+    QuotaPlanOptions options;
+    options.transient_per_rank = static_cast<int>(rng() % 3);
+    options.record_shares = rng() % 2 == 0;
+    const auto fresh = PlanStepQuotas(c.placement, c.load, topology, cost, options);
+    ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
+    // The same placement and load twice in a row: the second call runs on kept buffers.
+    for (int repeat = 0; repeat < 2; ++repeat) {
+      ASSERT_TRUE(planner.Plan(c.placement, num_sources, c.by_expert, options, routing).ok());
+      SCOPED_TRACE("step " + std::to_string(step) + " repeat " + std::to_string(repeat));
+      ExpectSameRouting(routing, fresh.value());
+    }
+    transients += static_cast<int>(routing.transients.size());
+  }
+  EXPECT_GT(transients, 0) << "no case tried a transient replica";
+}
+
+// shares_of_rank r keeps exactly the shares that rank r sends or receives, in the full list's
+// order, for whole and fractional counts; the rest of the routing does not change.
+TEST(StepPlannerTest, SharesOfRankAreThatRanksSubset) {
+  std::mt19937 rng(5);
+  const Topology topology = MakeTopology(2, 3);
+  const CostModel cost(topology, CostModelConfig{});
+  StepPlanner planner(topology, cost);
+  for (int trial = 0; trial < 40; ++trial) {
+    Case c = RandomCase(rng, 6, 3, 5 + static_cast<int>(rng() % 12), trial % 4 == 3 ? 13 : 6,
+                        trial % 2 == 1);
+    QuotaPlanOptions all;
+    all.record_shares = true;
+    all.transient_per_rank = trial % 2;
+    StepRouting full;
+    ASSERT_TRUE(planner.Plan(c.placement, c.load.num_sources, c.by_expert, all, full).ok());
+    for (int r = 0; r < 6; ++r) {
+      QuotaPlanOptions mine = all;
+      mine.shares_of_rank = r;
+      StepRouting part;
+      ASSERT_TRUE(planner.Plan(c.placement, c.load.num_sources, c.by_expert, mine, part).ok());
+      StepRouting expected = full;
+      expected.shares.clear();
+      for (const CopyShare& share : full.shares) {
+        const int copy_rank = share.copy < c.placement.num_slots()
+                                  ? c.placement.rank_of_slot(share.copy)
+                                  : full.transients[share.copy - c.placement.num_slots()].rank;
+        if (share.source == r || copy_rank == r) expected.shares.push_back(share);
+      }
+      SCOPED_TRACE("trial " + std::to_string(trial) + " rank " + std::to_string(r));
+      EXPECT_LT(expected.shares.size(), full.shares.size());
+      ExpectSameRouting(part, expected);
+    }
+  }
+}
+
+// The status's message contains `expected`.
+void ExpectError(const Status& status, const std::string& expected) {
+  EXPECT_FALSE(status.ok());
+  EXPECT_NE(status.message().find(expected), std::string::npos) << status.ToString();
+}
+
+TEST(StepPlannerTest, BadInputIsNamed) {
+  const Topology topology = MakeTopology(1, 2);
+  const CostModel cost(topology, CostModelConfig{});
+  StepPlanner planner(topology, cost);
+  const Placement placement = Placement::Create(3, 2, {0, 1, 2, 0}).value();
+  StepRouting routing;
+  std::vector<double> by_expert = {1, 2, 3, 4, 5, 6};  // 3 experts x 2 sources
+  ExpectError(planner.Plan(placement, 0, by_expert, {}, routing),
+              "num_sources must be >= 1, got 0");
+  ExpectError(planner.Plan(placement, 3, by_expert, {}, routing),
+              "by_expert has 6 entries, expected 3 experts x 3 sources");
+  by_expert[3] = -1;
+  ExpectError(planner.Plan(placement, 2, by_expert, {}, routing),
+              "by_expert[3] (expert 1, source 1) = -1.000000 is not a non-negative");
+  by_expert[3] = 4;
+  QuotaPlanOptions options;
+  options.shares_of_rank = 2;
+  ExpectError(planner.Plan(placement, 2, by_expert, options, routing),
+              "shares_of_rank must be -1 or a rank below 2, got 2");
+  options.shares_of_rank = -1;
+  EXPECT_TRUE(planner.Plan(placement, 2, by_expert, options, routing).ok());
+  EXPECT_DOUBLE_EQ(routing.rank_tokens[0] + routing.rank_tokens[1], 21.0);
+}
+
+}  // namespace
+}  // namespace keel
