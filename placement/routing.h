@@ -77,7 +77,7 @@ Result<StepRouting> PlanStepQuotas(const Placement& placement, const StepLoad& l
                                    const Topology& topology, const CostModel& cost,
                                    const QuotaPlanOptions& options);
 
-// PlanStepQuotas for a caller that plans a layer at every step (a trainer's rank, a replay): the
+// PlanStepQuotas for a caller that plans a layer at every step, as a trainer's rank does: the
 // same routing, bit for bit, with what depends on the placement alone rebuilt only when the
 // placement changes, every buffer kept between calls, and the traffic given by expert, so that
 // each expert's sources are contiguous.

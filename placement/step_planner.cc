@@ -348,12 +348,30 @@ class StepPlanner::Impl {
   // ascending order.
   template <typename Keep>
   void AddSingles(int rank, double* row, Keep keep);
-  // Fills `draft` for the copies in solver_, solved with `extras` beyond the placement, and the
+  // The copies of `expert` in force: the solver's, less the candidate transient it holds last
+  // when that candidate was dropped (excluded_expert_). Its rank never held the expert.
+  int CopyEnd(int expert) const {
+    return solver_.copy_end(expert) - (expert == excluded_expert_ ? 1 : 0);
+  }
+  int RankCount(int expert) const {
+    return solver_.rank_count(expert) - (expert == excluded_expert_ ? 1 : 0);
+  }
+  // Fills `draft` for the copies in force, `num_extras` transients beyond the placement, and the
   // quotas in `split`.
-  void Assign(const std::vector<TransientReplica>& extras, const QuotaSplit& split, Draft& draft);
+  void Assign(size_t num_extras, const QuotaSplit& split, Draft& draft);
+  // Adds `sign` (1 or -1) times the routing of `expert`'s tokens under `split` to `draft`; the
+  // tokens of an expert on one rank enter its row of received tokens only with `single_row`
+  // (Assign has them from Scan).
+  void AddExpert(int expert, const QuotaSplit& split, double sign, bool single_row, Draft& draft);
   // Tokens of `expert` with copies on several ranks: local copies first, then copies on the same
   // node, then the rest, each pass in copy order and ascending source order.
-  void AssignSpread(int expert, const QuotaSplit& split, Draft& draft);
+  void AssignSpread(int expert, const QuotaSplit& split, double sign, Draft& draft);
+  // Whether any copy of `expert` has a different quota in trial_split_ than in split_.
+  bool QuotasMoved(int expert) const;
+  // trial_ for the candidate transient of `expert` when every sum is exact (whole_): best_ with
+  // the routing of each expert whose quotas moved taken out and put back, the same bits (and
+  // shares) as a fresh Assign.
+  void PatchTrial(int expert);
   // Shares of an expert whose copies sit on one rank: sources in ascending order fill the copies
   // in copy order up to the quotas in room_.
   void ShareInSourceOrder(int expert, Draft& draft);
@@ -402,10 +420,13 @@ class StepPlanner::Impl {
   QuotaSplit split_;
   QuotaSplit trial_split_;
   std::vector<TransientReplica> transients_;
+  int excluded_expert_ = -1;  // see CopyEnd
   std::vector<int> transients_on_rank_;
   std::vector<char> holds_;
   Draft best_;
   Draft trial_;
+  std::vector<int> patched_;  // scratch of PatchTrial: the experts it patched, ascending
+  Draft moved_;               // scratch of PatchTrial: their new shares
 };
 
 void StepPlanner::Impl::Bind(const Placement& placement, int num_sources) {
@@ -494,13 +515,14 @@ bool StepPlanner::Impl::Scan() {
   return in_range;
 }
 
-void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, Draft& draft) {
+void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double sign,
+                                     Draft& draft) {
   const int num_slots = num_slots_;
   const int num_sources = num_sources_;
   const int num_ranks = num_ranks_;
   const QuotaSolver& solver = solver_;
   const int begin = solver.copy_begin(expert);
-  const int count = solver.copy_end(expert) - begin;
+  const int count = CopyEnd(expert) - begin;
   const double scale = scale_[expert];
   room_.resize(count);
   for (int i = 0; i < count; ++i) {
@@ -560,9 +582,10 @@ void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, Draft&
     if (record_shares_ && Recorded(source_rank[s], rank)) {
       draft.shares.push_back({source_rank[s], expert, id, tokens});
     }
-    slot_sum += tokens;
-    rank_sum += tokens;
-    rank_row[source_rank[s]] += tokens;
+    // sign is 1 except where PatchTrial takes a routing out, and x * 1.0 is x.
+    slot_sum += sign * tokens;
+    rank_sum += sign * tokens;
+    rank_row[source_rank[s]] += sign * tokens;
   };
   auto take = [&](int s) {
     const double tokens = std::min(remaining[s], room);
@@ -612,15 +635,12 @@ void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, Draft&
   close();
 }
 
-void StepPlanner::Impl::Assign(const std::vector<TransientReplica>& extras, const QuotaSplit& split,
-                               Draft& draft) {
+void StepPlanner::Impl::Assign(size_t num_extras, const QuotaSplit& split, Draft& draft) {
   const int num_ranks = num_ranks_;
-  const int num_slots = num_slots_;
-  const QuotaSolver& solver = solver_;
   draft.rank_tokens.assign(num_ranks, 0.0);
   draft.received.assign(scanned_.begin(), scanned_.end());
-  draft.slot_tokens.assign(num_slots, 0.0);
-  draft.transient_tokens.assign(extras.size(), 0.0);
+  draft.slot_tokens.assign(num_slots_, 0.0);
+  draft.transient_tokens.assign(num_extras, 0.0);
   draft.shares.clear();
   remaining_.resize(num_sources_);
 
@@ -629,42 +649,106 @@ void StepPlanner::Impl::Assign(const std::vector<TransientReplica>& extras, cons
   for (int rank = 0; rank < num_ranks; ++rank) {
     bool changed = false;
     for (int i = rank_single_begin_[rank]; i < rank_single_begin_[rank + 1]; ++i) {
-      changed |= solver.rank_count(rank_single_[i]) != 1;
+      changed |= RankCount(rank_single_[i]) != 1;
     }
     if (!changed) continue;
     double* row = draft.received.data() + static_cast<size_t>(rank) * num_ranks;
     std::fill(row, row + num_ranks, 0.0);
-    AddSingles(rank, row, [&](int e) { return solver.rank_count(e) == 1; });
+    AddSingles(rank, row, [&](int e) { return RankCount(e) == 1; });
   }
   for (int e = 0; e < num_experts_; ++e) {
-    if (totals_[e] == 0) continue;
-    if (solver.rank_count(e) > 1) {
-      AssignSpread(e, split, draft);
-      continue;
-    }
-    const int begin = solver.copy_begin(e);
-    const int end = solver.copy_end(e);
-    const double scale = scale_[e];
-    draft.rank_tokens[solver.copy_rank(begin)] += totals_[e];
-    if (record_shares_) room_.resize(end - begin);
-    for (int c = begin; c < end; ++c) {
-      const int id = solver.copy_id(c);
-      const double tokens =
-          rounded_[e] == 0
-              ? (c == begin ? totals_[e] : 0.0)
-              : static_cast<double>(id < num_slots ? split.slot_quota[id]
-                                                   : split.extra_quota[id - num_slots]) *
-                    scale;
-      (id < num_slots ? draft.slot_tokens[id] : draft.transient_tokens[id - num_slots]) += tokens;
-      if (record_shares_) room_[c - begin] = tokens;
-    }
-    if (record_shares_) ShareInSourceOrder(e, draft);
+    if (totals_[e] != 0) AddExpert(e, split, 1.0, /*single_row=*/false, draft);
   }
+}
+
+void StepPlanner::Impl::AddExpert(int expert, const QuotaSplit& split, double sign, bool single_row,
+                                  Draft& draft) {
+  if (RankCount(expert) > 1) {
+    AssignSpread(expert, split, sign, draft);
+    return;
+  }
+  const int num_slots = num_slots_;
+  const int begin = solver_.copy_begin(expert);
+  const int end = CopyEnd(expert);
+  const int rank = solver_.copy_rank(begin);
+  const double total = totals_[expert];
+  const double scale = scale_[expert];
+  draft.rank_tokens[rank] += sign * total;
+  if (record_shares_) room_.resize(end - begin);
+  for (int c = begin; c < end; ++c) {
+    const int id = solver_.copy_id(c);
+    const double tokens =
+        rounded_[expert] == 0
+            ? (c == begin ? total : 0.0)
+            : static_cast<double>(id < num_slots ? split.slot_quota[id]
+                                                 : split.extra_quota[id - num_slots]) *
+                  scale;
+    (id < num_slots ? draft.slot_tokens[id] : draft.transient_tokens[id - num_slots]) +=
+        sign * tokens;
+    if (record_shares_) room_[c - begin] = tokens;
+  }
+  if (single_row) {
+    double* row = draft.received.data() + static_cast<size_t>(rank) * num_ranks_;
+    const double* column = by_expert_ + static_cast<size_t>(expert) * num_sources_;
+    for (int s = 0; s < num_sources_; ++s) row[source_rank_[s]] += sign * column[s];
+  }
+  if (record_shares_) ShareInSourceOrder(expert, draft);
+}
+
+bool StepPlanner::Impl::QuotasMoved(int expert) const {
+  const int num_slots = num_slots_;
+  for (int c = solver_.copy_begin(expert); c < solver_.copy_end(expert); ++c) {
+    const int id = solver_.copy_id(c);
+    const bool moved = id < num_slots ? split_.slot_quota[id] != trial_split_.slot_quota[id]
+                                      : split_.extra_quota[id - num_slots] !=
+                                            trial_split_.extra_quota[id - num_slots];
+    if (moved) return true;
+  }
+  return false;
+}
+
+void StepPlanner::Impl::PatchTrial(int expert) {
+  const bool record_shares = record_shares_;
+  trial_.rank_tokens.assign(best_.rank_tokens.begin(), best_.rank_tokens.end());
+  trial_.received.assign(best_.received.begin(), best_.received.end());
+  trial_.slot_tokens.assign(best_.slot_tokens.begin(), best_.slot_tokens.end());
+  trial_.transient_tokens.assign(best_.transient_tokens.begin(), best_.transient_tokens.end());
+  trial_.transient_tokens.push_back(0.0);
+  // The new shares of the experts patched, by expert: Assign's order.
+  patched_.clear();
+  moved_.shares.clear();
+  for (int e = 0; e < num_experts_; ++e) {
+    if (totals_[e] == 0 || (e != expert && !QuotasMoved(e))) continue;
+    patched_.push_back(e);
+    // Out under the kept split, without the candidate; back in under the candidate's split.
+    record_shares_ = false;
+    excluded_expert_ = e == expert ? e : -1;
+    AddExpert(e, split_, -1.0, /*single_row=*/true, trial_);
+    excluded_expert_ = -1;
+    record_shares_ = record_shares;
+    // Shares go to moved_, whose sums are never read.
+    std::swap(trial_.shares, moved_.shares);
+    AddExpert(e, trial_split_, 1.0, /*single_row=*/true, trial_);
+    std::swap(trial_.shares, moved_.shares);
+  }
+  // best_'s shares with those of the patched experts replaced, still by expert.
+  trial_.shares.clear();
+  if (!record_shares) return;
+  auto kept = best_.shares.begin();
+  auto fresh = moved_.shares.begin();
+  for (int e : patched_) {
+    for (; kept != best_.shares.end() && kept->expert < e; ++kept) trial_.shares.push_back(*kept);
+    while (kept != best_.shares.end() && kept->expert == e) ++kept;
+    for (; fresh != moved_.shares.end() && fresh->expert == e; ++fresh) {
+      trial_.shares.push_back(*fresh);
+    }
+  }
+  trial_.shares.insert(trial_.shares.end(), kept, best_.shares.end());
 }
 
 void StepPlanner::Impl::ShareInSourceOrder(int expert, Draft& draft) {
   const int begin = solver_.copy_begin(expert);
-  const int count = solver_.copy_end(expert) - begin;
+  const int count = CopyEnd(expert) - begin;
   const double* column = by_expert_ + static_cast<size_t>(expert) * num_sources_;
   if (count == 1 && whole_) {
     // One copy, exact sums: its quota is the expert's total, so each source sends all it has in
@@ -738,7 +822,8 @@ Status StepPlanner::Impl::Plan(const Placement& placement, int num_sources,
   const std::span<const long long> tokens = rounded_;
   transients_.clear();
   solver_.Solve(placement, tokens, transients_, split_);
-  Assign(transients_, split_, best_);
+  excluded_expert_ = -1;
+  Assign(0, split_, best_);
 
   // Greedy transients: each must lower the max rank load and the cost model's predicted layer
   // time; the first candidate that does not ends the search. The baseline is priced only once a
@@ -753,7 +838,11 @@ Status StepPlanner::Impl::Plan(const Placement& placement, int num_sources,
       transients_.push_back(next);
       solver_.AddCopy(placement, transients_, trial_split_);
       if (trial_split_.max_rank_tokens >= split_.max_rank_tokens) break;
-      Assign(transients_, trial_split_, trial_);
+      if (whole_) {
+        PatchTrial(next.expert);
+      } else {
+        Assign(transients_.size(), trial_split_, trial_);
+      }
       if (best_seconds < 0) {
         sync_seconds_ = cost_.ReplicaSyncSeconds(placement);
         best_seconds = Seconds(best_, {transients_.data(), accepted});

@@ -162,6 +162,47 @@ TEST(StepPlannerTest, SharesOfRankAreThatRanksSubset) {
   }
 }
 
+// With whole token counts, candidates for transient replicas are priced on a routing patched
+// from the one kept, and the shares are recorded afresh for the routing chosen. Both must describe
+// the same routing: the shares add up to the all-to-all matrix, the copies' tokens and the ranks'
+// loads exactly (every sum of whole counts is exact).
+TEST(StepPlannerTest, RoutingAgreesWithItsShares) {
+  std::mt19937 rng(23);
+  const Topology topology = MakeTopology(2, 4);
+  CostModelConfig small;
+  small.hidden_size = 1024;
+  small.expert_ffn_size = 512;
+  small.expert_tflops = 20.0;
+  const CostModel cost(topology, small);
+  StepPlanner planner(topology, cost);
+  StepRouting routing;
+  int with_transients = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    Case c = RandomCase(rng, 8, 3, 8 + static_cast<int>(rng() % 14), 8, /*fractional=*/false);
+    QuotaPlanOptions options;
+    options.transient_per_rank = 1 + static_cast<int>(rng() % 2);
+    options.record_shares = true;
+    ASSERT_TRUE(planner.Plan(c.placement, 8, c.by_expert, options, routing).ok());
+    if (!routing.transients.empty()) ++with_transients;
+    const int num_slots = c.placement.num_slots();
+    std::vector<double> sent(64, 0.0), rank(8, 0.0),
+        copy(num_slots + routing.transients.size(), 0.0);
+    for (const CopyShare& share : routing.shares) {
+      const int to = share.copy < num_slots ? c.placement.rank_of_slot(share.copy)
+                                            : routing.transients[share.copy - num_slots].rank;
+      sent[share.source * 8 + to] += share.tokens;
+      rank[to] += share.tokens;
+      copy[share.copy] += share.tokens;
+    }
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    EXPECT_EQ(sent, routing.sent_tokens);
+    EXPECT_EQ(rank, routing.rank_tokens);
+    EXPECT_EQ(std::vector<double>(copy.begin(), copy.begin() + num_slots), routing.slot_tokens);
+    EXPECT_EQ(std::vector<double>(copy.begin() + num_slots, copy.end()), routing.transient_tokens);
+  }
+  EXPECT_GT(with_transients, 10);
+}
+
 // The status's message contains `expected`.
 void ExpectError(const Status& status, const std::string& expected) {
   EXPECT_FALSE(status.ok());
