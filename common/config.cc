@@ -32,6 +32,7 @@ static_assert(std::size(kEstimatorKindNames) == static_cast<size_t>(EstimatorKin
 
 constexpr std::string_view kPerExpertModes[] = {"off", "aggregated"};
 constexpr std::string_view kTransportNames[] = {"local", "ucx", "nccl"};
+constexpr std::string_view kNcclHostTransportNames[] = {"ucx", "local"};
 
 constexpr std::string_view kPolicyNames[] = {"static",   "eplb",      "flexmoe",
                                              "smartmoe", "fastermoe", "keel"};
@@ -179,6 +180,10 @@ constexpr ConfigKey kConfigKeys[] = {
      .doc = "The ucx transport drives UCX from a thread of its own while transfers are "
             "outstanding, so they advance while the migrator hashes or copies a chunk; false "
             "leaves progress to the migrator's thread alone."},
+    {KEEL_CONFIG_FIELD(migration.nccl_host_transport), .choices = kNcclHostTransportNames,
+     .doc = "The nccl transport moves GPU memory with NCCL and sends host memory (checksums, "
+            "verdicts) and the control messages that order its NCCL calls over this transport: "
+            "ucx (between processes) or local (ranks are threads of one process)."},
     // engine
     {KEEL_CONFIG_FIELD(engine.collective_timeout_seconds), .min = 0, .min_exclusive = true,
      .unit = "seconds",

@@ -100,6 +100,8 @@ struct MigrationConfig {
   double bandwidth_cap_gb_per_s = 0.0;  // 0 = uncapped
   double deadline_seconds = 30.0;       // an epoch's transfers must finish within this
   bool ucx_progress_thread = true;      // the ucx transport drives UCX from a thread of its own
+  // What the nccl transport sends host memory and its control messages over: ucx | local.
+  std::string nccl_host_transport = "ucx";
 };
 
 // The engine's control plane (engine/).

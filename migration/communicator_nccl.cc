@@ -1,70 +1,22 @@
 // The NCCL backend: host data staged through device buffers on a non-blocking stream of its own,
 // collectives on a non-blocking NCCL communicator, completion polled with cudaStreamQuery and
 // ncclCommGetAsyncError so a missing peer becomes a timeout (and ncclCommAbort), never a hang.
-#include <cuda_runtime.h>
-#include <nccl.h>
-
 #include <algorithm>
-#include <chrono>
-#include <cstring>
 #include <numeric>
-#include <thread>
 
 #include "migration/communicator.h"
+#include "migration/nccl_common.h"
 
 namespace keel {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using nccl::CudaError;
+using nccl::CudaStream;
+using nccl::NcclComm;
+using nccl::NcclError;
+using nccl::Poll;
 
 constexpr std::string_view kBackend = "nccl";
-
-Status CudaError(const char* call, cudaError_t code, const char* file, int line) {
-  return Internal(std::string(file) + ":" + std::to_string(line) + ": " + call +
-                  " failed: " + cudaGetErrorString(code));
-}
-
-Status NcclError(std::string_view call, ncclResult_t code, const char* file, int line) {
-  return Internal(std::string(file) + ":" + std::to_string(line) + ": " + std::string(call) +
-                  " failed: " + ncclGetErrorString(code));
-}
-
-// Turn CUDA and NCCL return codes into Status at the boundary, with file:line. NCCL calls on a
-// non-blocking communicator may answer ncclInProgress, which Wait() resolves.
-#define KEEL_CUDA_RETURN_IF_ERROR(call)                           \
-  do {                                                            \
-    const cudaError_t keel_cuda_rc_ = (call);                     \
-    if (keel_cuda_rc_ != cudaSuccess) {                           \
-      return CudaError(#call, keel_cuda_rc_, __FILE__, __LINE__); \
-    }                                                             \
-  } while (0)
-#define KEEL_NCCL_RETURN_IF_ERROR(call)                                    \
-  do {                                                                     \
-    const ncclResult_t keel_nccl_rc_ = (call);                             \
-    if (keel_nccl_rc_ != ncclSuccess && keel_nccl_rc_ != ncclInProgress) { \
-      return NcclError(#call, keel_nccl_rc_, __FILE__, __LINE__);          \
-    }                                                                      \
-  } while (0)
-
-// A non-blocking CUDA stream (it never synchronizes with the legacy default stream).
-class CudaStream {
- public:
-  CudaStream() = default;
-  ~CudaStream() {
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
-  }
-  CudaStream(const CudaStream&) = delete;
-  CudaStream& operator=(const CudaStream&) = delete;
-
-  Status Create() {
-    KEEL_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    return Status::Ok();
-  }
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
 
 // Device memory that grows on demand and is reused between collectives.
 class DeviceBuffer {
@@ -96,31 +48,6 @@ class DeviceBuffer {
   size_t capacity_ = 0;
 };
 
-// The NCCL communicator: destroyed normally, or aborted once a collective has been abandoned
-// (ncclCommDestroy would wait for it).
-class NcclComm {
- public:
-  NcclComm() = default;
-  ~NcclComm() {
-    if (comm_ == nullptr) return;
-    if (aborted_) return;
-    ncclCommDestroy(comm_);
-  }
-  NcclComm(const NcclComm&) = delete;
-  NcclComm& operator=(const NcclComm&) = delete;
-
-  ncclComm_t* out() { return &comm_; }
-  ncclComm_t get() const { return comm_; }
-  void Abort() {
-    if (comm_ != nullptr && !aborted_) ncclCommAbort(comm_);
-    aborted_ = true;
-  }
-
- private:
-  ncclComm_t comm_ = nullptr;
-  bool aborted_ = false;
-};
-
 ncclRedOp_t ToNccl(ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
@@ -131,29 +58,6 @@ ncclRedOp_t ToNccl(ReduceOp op) {
       return ncclMax;
   }
   return ncclSum;
-}
-
-// Polls `ready` (true: done; an error: failed) until it is done or `timeout_seconds` (<= 0: no
-// limit) pass; Spins briefly, then yields, then sleeps, so oversubscribed ranks make progress.
-template <typename Ready>
-Status Poll(double timeout_seconds, Ready&& ready, bool& timed_out) {
-  timed_out = false;
-  const auto start = Clock::now();
-  while (true) {
-    KEEL_ASSIGN_OR_RETURN(const bool done, ready());
-    if (done) return Status::Ok();
-    const std::chrono::duration<double> waited = Clock::now() - start;
-    if (timeout_seconds > 0 && waited.count() > timeout_seconds) {
-      timed_out = true;
-      return Status::Ok();
-    }
-    if (waited < std::chrono::microseconds(100)) continue;
-    if (waited < std::chrono::milliseconds(2)) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
-  }
 }
 
 class NcclCommunicator final : public Communicator {
@@ -432,75 +336,14 @@ class NcclCommunicator final : public Communicator {
   Status broken_;  // not OK once the communicator is broken
 };
 
-// Makes `device` current, and on rank 0 also draws the NCCL unique id.
-Status PrepareRank(int rank, int device, ncclUniqueId& id) {
-  int count = 0;
-  const cudaError_t rc = cudaGetDeviceCount(&count);
-  if (rc == cudaErrorNoDevice || rc == cudaErrorInsufficientDriver) {
-    return FailedPrecondition(std::string("nccl communicator: no usable CUDA device (") +
-                              cudaGetErrorString(rc) + ")");
-  }
-  KEEL_CUDA_RETURN_IF_ERROR(rc);
-  if (device < 0 || device >= count) {
-    return InvalidArgument("nccl communicator: device " + std::to_string(device) +
-                           " is not a CUDA device in [0, " + std::to_string(count) + ")");
-  }
-  KEEL_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-  if (rank == 0) KEEL_NCCL_RETURN_IF_ERROR(ncclGetUniqueId(&id));
-  return Status::Ok();
-}
-
 }  // namespace
 
 Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(Communicator& bootstrap, int device) {
-  const int rank = bootstrap.rank();
-  ncclUniqueId id{};
-  const Status prepared = PrepareRank(rank, device, id);
-  // Agree first, so a rank without a usable device fails every rank at once instead of leaving
-  // the others to time out in ncclCommInitRank.
-  KEEL_ASSIGN_OR_RETURN(const std::vector<std::string> problems,
-                        bootstrap.AllGather(prepared.ok() ? "" : prepared.ToString()));
-  if (!prepared.ok()) return prepared;
-  for (int r = 0; r < bootstrap.size(); ++r) {
-    if (!problems[r].empty()) {
-      return FailedPrecondition("nccl communicator: rank " + std::to_string(r) +
-                                " could not prepare: " + problems[r]);
-    }
-  }
-  std::string id_bytes;
-  if (rank == 0) id_bytes.assign(reinterpret_cast<const char*>(&id), sizeof(id));
-  KEEL_RETURN_IF_ERROR(bootstrap.Broadcast(id_bytes, 0));
-  if (id_bytes.size() != sizeof(id)) {
-    return Internal("nccl communicator: the unique id from rank 0 has " +
-                    std::to_string(id_bytes.size()) + " bytes, not " + std::to_string(sizeof(id)));
-  }
-  std::memcpy(&id, id_bytes.data(), sizeof(id));
-
+  auto comm = std::make_unique<NcclComm>();
+  KEEL_ASSIGN_OR_RETURN(device, nccl::InitComm(bootstrap, device, "nccl communicator", *comm));
   auto stream = std::make_unique<CudaStream>();
   KEEL_RETURN_IF_ERROR(stream->Create());
-  auto comm = std::make_unique<NcclComm>();
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;  // so no NCCL call blocks the host on a missing peer
-  KEEL_NCCL_RETURN_IF_ERROR(
-      ncclCommInitRankConfig(comm->out(), bootstrap.size(), id, rank, &config));
-  bool timed_out = false;
-  const Status initialized = Poll(
-      bootstrap.timeout_seconds(),
-      [&]() -> Result<bool> {
-        ncclResult_t state = ncclSuccess;
-        KEEL_NCCL_RETURN_IF_ERROR(ncclCommGetAsyncError(comm->get(), &state));
-        if (state == ncclInProgress) return false;
-        if (state != ncclSuccess) {
-          return NcclError("ncclCommInitRankConfig", state, __FILE__, __LINE__);
-        }
-        return true;
-      },
-      timed_out);
-  if (!initialized.ok() || timed_out) {
-    comm->Abort();
-    if (!initialized.ok()) return initialized;
-    return collective::TimedOut("ncclCommInitRank", bootstrap.timeout_seconds(), rank, {});
-  }
+  const int rank = bootstrap.rank();
   auto communicator = std::make_unique<NcclCommunicator>(rank, bootstrap.size(), device,
                                                          std::move(comm), std::move(stream));
   communicator->set_timeout_seconds(bootstrap.timeout_seconds());

@@ -3,20 +3,45 @@
 #include "migration/transport_factory.h"
 
 #include "keel/version.hpp"
+#include "migration/transport_nccl.h"
 #include "migration/transport_ucx.h"
 
 namespace keel {
 namespace {
 
 template <bool kUcx = kWithUcx>
-Result<std::unique_ptr<Transport>> CreateUcx(const MigrationConfig& config,
-                                             Communicator& communicator) {
+Result<std::unique_ptr<Transport>> CreateUcx(Communicator& communicator, bool progress_thread) {
   if constexpr (kUcx) {
     UcxTransportOptions options;
-    options.progress_thread = config.ucx_progress_thread;
+    options.progress_thread = progress_thread;
     return CreateUcxTransport(communicator, options);
   } else {
     return Unimplemented("migration.transport \"ucx\": this build has no UCX (KEEL_WITH_UCX)");
+  }
+}
+
+// The nccl transport's host transport (control and host-memory messages), then NCCL over it.
+template <bool kNccl = kWithNccl>
+Result<std::unique_ptr<Transport>> CreateNccl(const MigrationConfig& config,
+                                              Communicator& communicator, LocalFabric* fabric) {
+  if constexpr (kNccl) {
+    std::unique_ptr<Transport> host;
+    if (config.nccl_host_transport == "local") {
+      if (fabric == nullptr) {
+        return InvalidArgument(
+            "migration.nccl_host_transport \"local\" needs the ranks' shared fabric");
+      }
+      host = fabric->Connect(communicator.rank());
+    } else if (config.nccl_host_transport == "ucx") {
+      // The nccl transport's own thread drives the host transport, so UCX needs none.
+      KEEL_ASSIGN_OR_RETURN(host, CreateUcx(communicator, /*progress_thread=*/false));
+    } else {
+      return InvalidArgument("migration.nccl_host_transport \"" + config.nccl_host_transport +
+                             "\" is not one of ucx, local");
+    }
+    return CreateNcclTransport(communicator, std::move(host));
+  } else {
+    return Unimplemented("migration.transport \"nccl\": this build has no NCCL (KEEL_WITH_NCCL)");
   }
 }
 
@@ -31,10 +56,8 @@ Result<std::unique_ptr<Transport>> CreateTransport(const MigrationConfig& config
     }
     return fabric->Connect(communicator.rank());
   }
-  if (config.transport == "ucx") return CreateUcx(config, communicator);
-  if (config.transport == "nccl") {
-    return Unimplemented("migration.transport \"nccl\" is not implemented yet");
-  }
+  if (config.transport == "ucx") return CreateUcx(communicator, config.ucx_progress_thread);
+  if (config.transport == "nccl") return CreateNccl(config, communicator, fabric);
   return InvalidArgument("migration.transport \"" + config.transport +
                          "\" is not one of local, ucx, nccl");
 }

@@ -13,7 +13,8 @@
 namespace keel {
 
 // "local" needs `fabric` (ranks as threads of this process); "ucx" is collective over
-// `communicator`; "nccl" is not available yet.
+// `communicator`; "nccl" is collective over `communicator` too, on the current CUDA device, and
+// carries its host messages over `migration.nccl_host_transport` (ucx, or local over `fabric`).
 Result<std::unique_ptr<Transport>> CreateTransport(const MigrationConfig& config,
                                                    Communicator& communicator,
                                                    LocalFabric* fabric = nullptr);
