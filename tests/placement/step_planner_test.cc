@@ -29,6 +29,15 @@ Topology MakeTopology(int num_nodes, int gpus_per_node) {
   return Topology::Create(config).value();
 }
 
+// Small experts: cheap to copy, so that transient replicas pay and get tried.
+CostModelConfig SmallExperts() {
+  CostModelConfig config;
+  config.hidden_size = 1024;
+  config.expert_ffn_size = 512;
+  config.expert_tflops = 20.0;
+  return config;
+}
+
 std::vector<double> ByExpert(const StepLoad& load) {
   std::vector<double> by_expert(load.traffic.size());
   for (int s = 0; s < load.num_sources; ++s) {
@@ -98,11 +107,7 @@ void ExpectSameRouting(const StepRouting& a, const StepRouting& b) {
 TEST(StepPlannerTest, ReusedPlannerMatchesFreshPlans) {
   std::mt19937 rng(11);
   const Topology topology = MakeTopology(2, 4);
-  CostModelConfig small;  // small experts, so that transients pay and get tried
-  small.hidden_size = 1024;
-  small.expert_ffn_size = 512;
-  small.expert_tflops = 20.0;
-  const CostModel cost(topology, small);
+  const CostModel cost(topology, SmallExperts());
   StepPlanner planner(topology, cost);
   StepRouting routing;
   int transients = 0;
@@ -169,11 +174,7 @@ TEST(StepPlannerTest, SharesOfRankAreThatRanksSubset) {
 TEST(StepPlannerTest, RoutingAgreesWithItsShares) {
   std::mt19937 rng(23);
   const Topology topology = MakeTopology(2, 4);
-  CostModelConfig small;
-  small.hidden_size = 1024;
-  small.expert_ffn_size = 512;
-  small.expert_tflops = 20.0;
-  const CostModel cost(topology, small);
+  const CostModel cost(topology, SmallExperts());
   StepPlanner planner(topology, cost);
   StepRouting routing;
   int with_transients = 0;
