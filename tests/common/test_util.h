@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "common/status.h"
+#include "placement/topology.h"
 
 namespace keel::testing {
 
@@ -18,6 +19,18 @@ T ValueOrDie(Result<T> result) {
     std::abort();
   }
   return std::move(result).value();
+}
+
+// A topology of `num_nodes` x `gpus_per_node` ranks with the given link bandwidths (GB/s per GPU,
+// one direction; the config's defaults unless named).
+inline Topology MakeTopology(int num_nodes, int gpus_per_node, double intra_node_gb_per_s = 400,
+                             double inter_node_gb_per_s = 50) {
+  TopologyConfig config;
+  config.num_nodes = num_nodes;
+  config.gpus_per_node = gpus_per_node;
+  config.intra_node_gb_per_s = intra_node_gb_per_s;
+  config.inter_node_gb_per_s = inter_node_gb_per_s;
+  return ValueOrDie(Topology::Create(config));
 }
 
 }  // namespace keel::testing

@@ -20,17 +20,11 @@ namespace {
 using testing::CheckStore;
 using testing::FillStore;
 using testing::LiveChecksum;
+using testing::MakeTopology;
 using testing::RandomPlacement;
 using testing::ValueOrDie;
 
 constexpr ExpertLayout kLayout{.weight_bytes = 10000, .optimizer_bytes = 30011};
-
-Topology MakeTopology(int num_nodes, int gpus_per_node) {
-  TopologyConfig config;
-  config.num_nodes = num_nodes;
-  config.gpus_per_node = gpus_per_node;
-  return ValueOrDie(Topology::Create(config));
-}
 
 MigrationConfig SmallChunks() {
   MigrationConfig config;

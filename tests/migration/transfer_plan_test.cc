@@ -13,15 +13,9 @@
 namespace keel {
 namespace {
 
+using testing::MakeTopology;
 using testing::RandomPlacement;
 using testing::ValueOrDie;
-
-Topology MakeTopology(int num_nodes, int gpus_per_node) {
-  TopologyConfig config;
-  config.num_nodes = num_nodes;
-  config.gpus_per_node = gpus_per_node;
-  return ValueOrDie(Topology::Create(config));
-}
 
 const ExpertLayout kLayout{.weight_bytes = 100, .optimizer_bytes = 700};
 

@@ -10,6 +10,7 @@
 
 #include "placement/cost_model.h"
 #include "placement/routing.h"
+#include "tests/common/test_util.h"
 
 namespace keel {
 namespace {
@@ -21,17 +22,7 @@ Placement MakePlacement(int num_experts, int num_ranks, std::vector<int> phy2log
   return std::move(p).value();
 }
 
-Topology MakeTopology(int num_nodes, int gpus_per_node, double intra_gb = 400,
-                      double inter_gb = 50) {
-  TopologyConfig config;
-  config.num_nodes = num_nodes;
-  config.gpus_per_node = gpus_per_node;
-  config.intra_node_gb_per_s = intra_gb;
-  config.inter_node_gb_per_s = inter_gb;
-  auto t = Topology::Create(config);
-  EXPECT_TRUE(t.ok()) << t.status().ToString();
-  return std::move(t).value();
-}
+using testing::MakeTopology;
 
 // Rank of every copy: persistent slots, then extra copies.
 std::vector<long long> RankLoads(const Placement& p, const std::vector<TransientReplica>& extras,

@@ -12,6 +12,7 @@
 
 #include "placement/cost_model.h"
 #include "placement/routing.h"
+#include "tests/common/test_util.h"
 
 namespace keel {
 namespace {
@@ -22,12 +23,7 @@ struct Case {
   std::vector<double> by_expert;  // load.traffic transposed
 };
 
-Topology MakeTopology(int num_nodes, int gpus_per_node) {
-  TopologyConfig config;
-  config.num_nodes = num_nodes;
-  config.gpus_per_node = gpus_per_node;
-  return Topology::Create(config).value();
-}
+using testing::MakeTopology;
 
 // Small experts: cheap to copy, so that transient replicas pay and get tried.
 CostModelConfig SmallExperts() {
