@@ -173,10 +173,8 @@ void BM_StepPlanner(benchmark::State& state) {
   const QuotaPlanOptions options{.transient_per_rank = static_cast<int>(state.range(0)),
                                  .record_shares = state.range(2) != 0,
                                  .shares_of_rank = state.range(2) == 2 ? 0 : -1};
-  std::vector<double> by_expert(s.load.traffic.size());
-  for (int src = 0; src < kRanks; ++src) {
-    for (int e = 0; e < kExperts; ++e) by_expert[e * kRanks + src] = s.load.at(src, e);
-  }
+  std::vector<double> by_expert;
+  TrafficByExpert(s.load.traffic, kRanks, kExperts, by_expert);
   StepPlanner planner(s.topology, cost);
   StepRouting routing;
   for (auto _ : state) {

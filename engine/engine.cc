@@ -478,13 +478,7 @@ Result<LayerRoute> Engine::Impl::PlanLayer(int layer, std::span<const int32_t> m
   std::vector<double> traffic(counts.begin(), counts.end());
 
   const Placement& placement = placements_[layer];
-  by_expert_.resize(traffic.size());
-  for (int src = 0; src < num_ranks_; ++src) {
-    for (int e = 0; e < num_experts; ++e) {
-      by_expert_[static_cast<size_t>(e) * num_ranks_ + src] =
-          traffic[static_cast<size_t>(src) * num_experts + e];
-    }
-  }
+  TrafficByExpert(traffic, num_ranks_, num_experts, by_expert_);
   QuotaPlanOptions quota_options;
   quota_options.transient_per_rank = transients_planned_;
   quota_options.record_shares = true;

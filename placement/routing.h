@@ -77,6 +77,11 @@ Result<StepRouting> PlanStepQuotas(const Placement& placement, const StepLoad& l
                                    const Topology& topology, const CostModel& cost,
                                    const QuotaPlanOptions& options);
 
+// Traffic by expert, as StepPlanner::Plan takes it: `by_expert` [num_experts * num_sources]
+// becomes the transpose of `traffic` [num_sources * num_experts] (StepLoad::traffic's layout).
+void TrafficByExpert(std::span<const double> traffic, int num_sources, int num_experts,
+                     std::vector<double>& by_expert);
+
 // PlanStepQuotas for a caller that plans a layer at every step, as a trainer's rank does: the
 // same routing, bit for bit, with what depends on the placement alone rebuilt only when the
 // placement changes, every buffer kept between calls, and the traffic given by expert, so that

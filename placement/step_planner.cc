@@ -4,6 +4,7 @@
 // runs a fresh one.
 #include <algorithm>
 #include <bit>
+#include <cassert>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -861,6 +862,13 @@ Status StepPlanner::Impl::Plan(const Placement& placement, int num_sources,
   return Status::Ok();
 }
 
+void TrafficByExpert(std::span<const double> traffic, int num_sources, int num_experts,
+                     std::vector<double>& by_expert) {
+  assert(traffic.size() == static_cast<size_t>(num_sources) * num_experts);
+  by_expert.resize(traffic.size());
+  Transpose(traffic.data(), num_sources, num_experts, by_expert.data());
+}
+
 StepPlanner::StepPlanner(const Topology& topology, const CostModel& cost)
     : impl_(std::make_unique<Impl>(topology, cost)) {}
 
@@ -887,8 +895,8 @@ Result<StepRouting> PlanStepQuotas(const Placement& placement, const StepLoad& l
   KEEL_RETURN_IF_ERROR(ValidateLoadShape(placement, load));
   const int num_sources = load.num_sources;
   const int num_experts = load.num_experts;
-  std::vector<double> by_expert(load.traffic.size());
-  Transpose(load.traffic.data(), num_sources, num_experts, by_expert.data());
+  std::vector<double> by_expert;
+  TrafficByExpert(load.traffic, num_sources, num_experts, by_expert);
   StepPlanner::Impl planner(topology, cost);
   StepRouting routing;
   KEEL_RETURN_IF_ERROR(planner.Plan(placement, num_sources, by_expert, options, routing, &load));
