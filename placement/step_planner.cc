@@ -817,8 +817,9 @@ Status StepPlanner::Impl::Plan(const Placement& placement, int num_sources,
   by_expert_ = by_expert.data();
   record_shares_ = options.record_shares;
   shares_of_rank_ = options.shares_of_rank;
-  if (!Scan())
+  if (!Scan()) {
     return load != nullptr ? TrafficValues(*load) : ByExpertValues(by_expert, num_sources);
+  }
   KEEL_RETURN_IF_ERROR(ValidateTopologyAndOptions(placement, topology_, cost_, options));
   const std::span<const long long> tokens = rounded_;
   transients_.clear();
