@@ -842,9 +842,10 @@ Status Engine::Impl::StartMigration(std::vector<Placement> planned) {
         optimizer.emplace_back(static_cast<std::byte*>(b.optimizer), layout.optimizer_bytes);
       }
     }
-    KEEL_ASSIGN_OR_RETURN(ExpertStore store,
-                          ExpertStore::Wrap(rank_, options_.num_layers, slots_per_rank_, layout,
-                                            std::move(weights), std::move(optimizer)));
+    KEEL_ASSIGN_OR_RETURN(
+        ExpertStore store,
+        ExpertStore::Wrap(rank_, options_.num_layers, slots_per_rank_, layout, std::move(weights),
+                          std::move(optimizer), transport_->device_memory()));
     store_ = std::make_unique<ExpertStore>(std::move(store));
     KEEL_ASSIGN_OR_RETURN(migrator_,
                           Migrator::Create(*transport_, *store_, options_.config.migration));

@@ -10,8 +10,8 @@
 namespace keel {
 namespace {
 
-using nccl::CudaError;
-using nccl::CudaStream;
+using cuda::CudaError;
+using cuda::CudaStream;
 using nccl::NcclComm;
 using nccl::NcclError;
 using nccl::Poll;

@@ -177,9 +177,10 @@ struct Group {
 class DeviceTransport final : public Transport {
  public:
   DeviceTransport(std::unique_ptr<Transport> host, std::unique_ptr<DeviceMover> mover,
-                  const DeviceTransportOptions& options)
+                  std::shared_ptr<DeviceMemory> memory, const DeviceTransportOptions& options)
       : host_(std::move(host)),
         mover_(std::move(mover)),
+        memory_(std::move(memory)),
         options_(options),
         rank_(host_->rank()),
         num_ranks_(host_->num_ranks()),
@@ -218,6 +219,7 @@ class DeviceTransport final : public Transport {
   std::string_view name() const override { return mover_->name(); }
   int rank() const override { return rank_; }
   int num_ranks() const override { return num_ranks_; }
+  DeviceMemory* device_memory() override { return memory_.get(); }
 
   Result<RequestId> PostSend(int peer, uint64_t tag, const std::byte* data, size_t bytes) override {
     // A device send only reads its buffer; the mover's operation type is shared with receives.
@@ -307,7 +309,7 @@ class DeviceTransport final : public Transport {
     }
     std::lock_guard<std::mutex> lock(mutex_);
     const RequestId id = next_id_++;
-    if (!mover_->IsDeviceMemory(data)) {
+    if (!memory_->IsDeviceMemory(data)) {
       Result<RequestId> posted =
           send ? host_->PostSend(peer, tag, data, bytes) : host_->PostRecv(peer, tag, data, bytes);
       if (!posted.ok()) return posted.status();
@@ -819,6 +821,7 @@ class DeviceTransport final : public Transport {
 
   std::unique_ptr<Transport> host_;
   std::unique_ptr<DeviceMover> mover_;
+  std::shared_ptr<DeviceMemory> memory_;
   const DeviceTransportOptions options_;
   const int rank_;
   const int num_ranks_;
@@ -844,9 +847,11 @@ class DeviceTransport final : public Transport {
 
 Result<std::unique_ptr<Transport>> CreateDeviceTransport(std::unique_ptr<Transport> host,
                                                          std::unique_ptr<DeviceMover> mover,
+                                                         std::shared_ptr<DeviceMemory> memory,
                                                          const DeviceTransportOptions& options) {
-  if (host == nullptr || mover == nullptr) {
-    return InvalidArgument("device transport: needs a host transport and a device mover");
+  if (host == nullptr || mover == nullptr || memory == nullptr) {
+    return InvalidArgument(
+        "device transport: needs a host transport, a device mover and device memory");
   }
   if (host->num_ranks() > kMaxRanks) {
     return InvalidArgument("device transport: " + std::to_string(host->num_ranks()) +
@@ -857,8 +862,8 @@ Result<std::unique_ptr<Transport>> CreateDeviceTransport(std::unique_ptr<Transpo
     return InvalidArgument("device transport: cancel_grace_seconds must be >= 0, got " +
                            std::to_string(options.cancel_grace_seconds));
   }
-  return std::unique_ptr<Transport>(
-      std::make_unique<DeviceTransport>(std::move(host), std::move(mover), options));
+  return std::unique_ptr<Transport>(std::make_unique<DeviceTransport>(
+      std::move(host), std::move(mover), std::move(memory), options));
 }
 
 }  // namespace keel

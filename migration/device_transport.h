@@ -11,6 +11,7 @@
 #include <string_view>
 
 #include "common/status.h"
+#include "migration/device_memory.h"
 #include "migration/transport.h"
 
 namespace keel {
@@ -38,10 +39,6 @@ class DeviceMover {
 
   // Names the transport built on this mover ("nccl").
   virtual std::string_view name() const = 0;
-
-  // True when `data` points into memory that this mover moves (device memory); every other
-  // buffer is host memory and goes over the host transport.
-  virtual bool IsDeviceMemory(const void* data) = 0;
 
   // Queues `ops` as one group behind the groups launched before it; never blocks for long.
   virtual Status Launch(std::span<const DeviceOp> ops) = 0;
@@ -73,11 +70,12 @@ struct DeviceTransportOptions {
 inline constexpr uint64_t kDeviceControlTagByte = 0xFE;
 
 // The transport of this rank over `host` (control messages and host-memory messages; its rank
-// and size are the transport's; at most 65536 ranks) and `mover` (device memory). Every rank of
-// `host` creates one; it takes no collective step itself. Both ends of a message must agree on
+// and size are the transport's; at most 65536 ranks) and `mover`, which moves the buffers that
+// `memory` says are device memory (`memory` is also the transport's device_memory()). Every rank
+// of `host` creates one; it takes no collective step itself. Both ends of a message must agree on
 // where it lives: a device send meets a device receive, a host send a host receive.
 Result<std::unique_ptr<Transport>> CreateDeviceTransport(
     std::unique_ptr<Transport> host, std::unique_ptr<DeviceMover> mover,
-    const DeviceTransportOptions& options = {});
+    std::shared_ptr<DeviceMemory> memory, const DeviceTransportOptions& options = {});
 
 }  // namespace keel

@@ -58,6 +58,10 @@ struct ItemState {
   // is still in cache: the sums of their word terms per region (kernels/checksum.h).
   std::array<uint64_t, 2> source_terms{};
   std::array<uint64_t, 2> destination_terms{};
+  // Regions of this rank in device memory: the transport's DeviceMemory copies and checksums
+  // them, and the CPU never touches them.
+  std::array<bool, 2> source_on_device{};
+  std::array<bool, 2> destination_on_device{};
   bool checksum_arrived = false;  // receiver: the sender's checksums landed in trailer
   bool trailer_posted = false;
   std::array<uint64_t, 2> trailer{};  // sender: payload of the trailer; receiver: landing buffer
@@ -91,6 +95,7 @@ class ExchangeLoop {
         run_(run),
         observer_(observer),
         report_(report),
+        device_(transport.device_memory()),
         hash_chunks_(options.chunk_bytes % 8 == 0),
         me_(transport.rank()),
         num_ranks_(transport.num_ranks()),
@@ -187,6 +192,12 @@ class ExchangeLoop {
           return InvalidArgument(item.label + ": region " + std::to_string(r) +
                                  " has no buffer on rank " + std::to_string(me_));
         }
+        if (device_ != nullptr) {
+          state.source_on_device[r] =
+              item.src_rank == me_ && device_->IsDeviceMemory(item.source[r]);
+          state.destination_on_device[r] =
+              item.dst_rank == me_ && device_->IsDeviceMemory(item.destination[r]);
+        }
         for (size_t off = 0; off < item.region_bytes[r]; off += options_.chunk_bytes) {
           state.chunks.push_back(
               {r, off, std::min(options_.chunk_bytes, item.region_bytes[r] - off)});
@@ -217,28 +228,42 @@ class ExchangeLoop {
     return Status::Ok();
   }
 
-  // Adds the word terms of chunk `c` of a buffer whose regions start at `regions`.
+  // Adds the word terms of chunk `c` of a buffer whose regions start at `regions`; device
+  // regions are hashed whole, on the device, by RegionChecksum.
   void HashChunk(const Chunk& c, const std::byte* const* regions,
-                 std::array<uint64_t, 2>& terms) const {
-    if (!hash_chunks_) return;
+                 const std::array<bool, 2>& on_device, std::array<uint64_t, 2>& terms) const {
+    if (!hash_chunks_ || on_device[c.region]) return;
     terms[c.region] +=
         kernels::cpu::ChecksumTerms({regions[c.region] + c.offset, c.bytes}, c.offset / 8);
   }
 
-  // The checksum of region `r` of `regions`: from the terms of its chunks, or in one pass over
-  // the region when chunks do not start on word boundaries.
-  uint64_t RegionChecksum(const ItemState& state, int r, const std::byte* const* regions,
-                          const std::array<uint64_t, 2>& terms) const {
+  // The checksum of region `r` of `regions`: on the device for device memory, else from the
+  // terms of its chunks, or in one pass over the region when chunks do not start on word
+  // boundaries.
+  Result<uint64_t> RegionChecksum(const ItemState& state, int r, const std::byte* const* regions,
+                                  const std::array<bool, 2>& on_device,
+                                  const std::array<uint64_t, 2>& terms) const {
     const size_t bytes = state.item->region_bytes[r];
+    if (on_device[r]) return device_->Checksum(regions[r], bytes);
     if (hash_chunks_) return kernels::cpu::ChecksumFromTerms(terms[r], bytes);
     return kernels::cpu::Checksum64({regions[r], bytes});
   }
 
-  // Once every chunk is posted or copied.
-  void ComputeSourceChecksums(ItemState& state) {
+  // Once every chunk is posted or copied; false (and the exchange failed) when a device
+  // checksum failed.
+  bool ComputeSourceChecksums(ItemState& state) {
     for (int r = 0; r < state.item->num_regions; ++r) {
-      state.checksum[r] = RegionChecksum(state, r, state.item->source, state.source_terms);
+      Result<uint64_t> checksum =
+          RegionChecksum(state, r, state.item->source, state.source_on_device, state.source_terms);
+      if (!checksum.ok()) {
+        Fail(state.item->label + ": checksum of source region " + std::to_string(r) + ": " +
+                 checksum.status().message(),
+             checksum.status().code());
+        return false;
+      }
+      state.checksum[r] = *checksum;
     }
+    return true;
   }
 
   bool CapAllows(size_t bytes) const {
@@ -268,7 +293,7 @@ class ExchangeLoop {
       if (state.next_post < state.chunks.size()) {
         const Chunk& c = state.chunks[state.next_post];
         if (!CapAllows(c.bytes)) return busy;
-        HashChunk(c, item.source, state.source_terms);
+        HashChunk(c, item.source, state.source_on_device, state.source_terms);
         Track(transport_.PostSend(peer, Tag(Kind::kChunk, state.index, state.next_post),
                                   item.source[c.region] + c.offset, c.bytes),
               Pending{.item = &state,
@@ -285,7 +310,7 @@ class ExchangeLoop {
         continue;
       }
       // Every chunk is posted: the checksums follow on the same peer.
-      ComputeSourceChecksums(state);
+      if (!ComputeSourceChecksums(state)) return true;
       state.trailer = state.checksum;
       Track(transport_.PostSend(peer, Tag(Kind::kChecksum, state.index, 0),
                                 reinterpret_cast<const std::byte*>(state.trailer.data()),
@@ -333,10 +358,19 @@ class ExchangeLoop {
       if (state.next_post < state.chunks.size()) {
         const Chunk& c = state.chunks[state.next_post];
         if (!CapAllows(c.bytes)) return false;
-        HashChunk(c, item.source, state.source_terms);
-        std::memcpy(item.destination[c.region] + c.offset, item.source[c.region] + c.offset,
-                    c.bytes);
-        HashChunk(c, item.destination, state.destination_terms);
+        HashChunk(c, item.source, state.source_on_device, state.source_terms);
+        std::byte* to = item.destination[c.region] + c.offset;
+        const std::byte* from = item.source[c.region] + c.offset;
+        if (state.source_on_device[c.region] || state.destination_on_device[c.region]) {
+          const Status copied = device_->Copy(to, from, c.bytes);
+          if (!copied.ok()) {
+            Fail(item.label + ": device copy: " + copied.message(), copied.code());
+            return true;
+          }
+        } else {
+          std::memcpy(to, from, c.bytes);
+        }
+        HashChunk(c, item.destination, state.destination_on_device, state.destination_terms);
         capped_bytes_ += c.bytes;
         ++state.next_post;
         ++state.done;
@@ -346,7 +380,7 @@ class ExchangeLoop {
         }
         return true;
       }
-      ComputeSourceChecksums(state);
+      if (!ComputeSourceChecksums(state)) return true;
       state.trailer = state.checksum;
       state.checksum_arrived = true;
       Verify(state);
@@ -359,7 +393,15 @@ class ExchangeLoop {
   void Verify(ItemState& state) {
     const ExchangeItem& item = *state.item;
     for (int r = 0; r < item.num_regions; ++r) {
-      const uint64_t got = RegionChecksum(state, r, item.destination, state.destination_terms);
+      const Result<uint64_t> checksum = RegionChecksum(
+          state, r, item.destination, state.destination_on_device, state.destination_terms);
+      if (!checksum.ok()) {
+        Fail(item.label + ": checksum of destination region " + std::to_string(r) + ": " +
+                 checksum.status().message(),
+             checksum.status().code());
+        return;
+      }
+      const uint64_t got = *checksum;
       if (got != state.trailer[r]) {
         char buffer[96];
         std::snprintf(buffer, sizeof(buffer),
@@ -433,7 +475,8 @@ class ExchangeLoop {
           observer_->OnBytes(transport_.name(), ByteDirection::kSent, p.bytes);
       } else {
         --recv_in_flight_[p.peer];
-        HashChunk(state.chunks[p.chunk], state.item->destination, state.destination_terms);
+        HashChunk(state.chunks[p.chunk], state.item->destination, state.destination_on_device,
+                  state.destination_terms);
         if (report_ != nullptr) report_->bytes_received += p.bytes;
         if (observer_ != nullptr) {
           observer_->OnBytes(transport_.name(), ByteDirection::kReceived, p.bytes);
@@ -555,7 +598,8 @@ class ExchangeLoop {
   const ExchangeRun& run_;
   MigrationObserver* observer_;
   MigrationReport* report_;
-  const bool hash_chunks_;  // chunks start on word boundaries: hash each as it passes
+  DeviceMemory* const device_;  // the transport's, or nullptr: every buffer is host memory
+  const bool hash_chunks_;      // chunks start on word boundaries: hash each as it passes
   const int me_;
   const int num_ranks_;
   Clock::time_point start_;

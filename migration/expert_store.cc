@@ -53,7 +53,8 @@ std::vector<std::byte>& ExpertStore::Region(int layer, int slot, SlotRegion regi
 Result<ExpertStore> ExpertStore::Wrap(int rank, int num_layers, int slots_per_rank,
                                       const ExpertLayout& layout,
                                       std::vector<std::span<std::byte>> weights,
-                                      std::vector<std::span<std::byte>> optimizer) {
+                                      std::vector<std::span<std::byte>> optimizer,
+                                      DeviceMemory* device) {
   if (num_layers <= 0 || slots_per_rank <= 0 || rank < 0) {
     return InvalidArgument("expert store needs a rank >= 0, layers > 0 and slots > 0 (rank " +
                            std::to_string(rank) + ", layers " + std::to_string(num_layers) +
@@ -83,6 +84,7 @@ Result<ExpertStore> ExpertStore::Wrap(int rank, int num_layers, int slots_per_ra
   store.wrapped_ = true;
   store.wrapped_weights_ = std::move(weights);
   store.wrapped_optimizer_ = std::move(optimizer);
+  store.device_ = device;
   return store;
 }
 
@@ -117,7 +119,16 @@ Status ExpertStore::Commit(std::span<const Placement> placements) {
     const int slot = rank_ * slots_per_rank_ + local_slot;
     if (wrapped_) {
       std::span<std::byte> live = LiveRegion(layer, slot, region);
-      std::copy(buffer.begin(), buffer.end(), live.begin());
+      if (device_ != nullptr && device_->IsDeviceMemory(live.data())) {
+        const Status copied = device_->Copy(live.data(), buffer.data(), buffer.size());
+        if (!copied.ok()) {
+          return Status(copied.code(), "commit of layer " + std::to_string(layer) + " slot " +
+                                           std::to_string(slot) +
+                                           " to the device: " + copied.message());
+        }
+      } else {
+        std::copy(buffer.begin(), buffer.end(), live.begin());
+      }
     } else {
       Region(layer, slot, region).swap(buffer);
     }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "migration/device_memory.h"
 #include "migration/transfer_plan.h"
 #include "placement/placement.h"
 
@@ -29,11 +30,14 @@ class ExpertStore {
   // A store over buffers someone else owns: weights[i] and optimizer[i], i = layer *
   // slots_per_rank + local slot, are regions of layout.weight_bytes and layout.optimizer_bytes
   // (every slot has an optimizer region, since any slot may become a home). Commit copies staged
-  // regions into them and releases nothing. Fails when a region is missing or has another size.
+  // regions into them and releases nothing; regions that `device` says are device memory are
+  // written through it (the migrating transport's device_memory()), never by the CPU. Fails when
+  // a region is missing or has another size.
   static Result<ExpertStore> Wrap(int rank, int num_layers, int slots_per_rank,
                                   const ExpertLayout& layout,
                                   std::vector<std::span<std::byte>> weights,
-                                  std::vector<std::span<std::byte>> optimizer);
+                                  std::vector<std::span<std::byte>> optimizer,
+                                  DeviceMemory* device = nullptr);
 
   int rank() const { return rank_; }
   int num_layers() const { return num_layers_; }
@@ -74,6 +78,7 @@ class ExpertStore {
   bool wrapped_ = false;
   std::vector<std::span<std::byte>> wrapped_weights_;
   std::vector<std::span<std::byte>> wrapped_optimizer_;
+  DeviceMemory* device_ = nullptr;
 };
 
 }  // namespace keel

@@ -1,7 +1,7 @@
-// What the NCCL backends of migration/ share (communicator_nccl.cc, transport_nccl.cc): CUDA and
-// NCCL return codes turned into Status with file:line, RAII owners of a stream, an event and a
-// communicator, polling with a timeout, and the bootstrap of a non-blocking NCCL communicator
-// over a Communicator. Includes CUDA's and NCCL's headers: only *_nccl.cc files include it.
+// What the NCCL backends of migration/ share (communicator_nccl.cc, transport_nccl.cc): NCCL
+// return codes turned into Status with file:line, the RAII owner of a communicator, polling with
+// a timeout, and the bootstrap of a non-blocking NCCL communicator over a Communicator. CUDA's
+// part is in cuda_common.h. Includes NCCL's headers: only *_nccl.cc files include it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,29 +16,18 @@
 
 #include "common/status.h"
 #include "migration/communicator.h"
+#include "migration/cuda_common.h"
 
 namespace keel::nccl {
-
-inline Status CudaError(const char* call, cudaError_t code, const char* file, int line) {
-  return Internal(std::string(file) + ":" + std::to_string(line) + ": " + call +
-                  " failed: " + cudaGetErrorString(code));
-}
 
 inline Status NcclError(std::string_view call, ncclResult_t code, const char* file, int line) {
   return Internal(std::string(file) + ":" + std::to_string(line) + ": " + std::string(call) +
                   " failed: " + ncclGetErrorString(code));
 }
 
-// Turn CUDA and NCCL return codes into Status at the boundary, with file:line. NCCL calls on a
+// Turns NCCL return codes into Status at the boundary, with file:line. NCCL calls on a
 // non-blocking communicator may answer ncclInProgress, which the caller resolves by polling
 // ncclCommGetAsyncError.
-#define KEEL_CUDA_RETURN_IF_ERROR(call)                                         \
-  do {                                                                          \
-    const cudaError_t keel_cuda_rc_ = (call);                                   \
-    if (keel_cuda_rc_ != cudaSuccess) {                                         \
-      return ::keel::nccl::CudaError(#call, keel_cuda_rc_, __FILE__, __LINE__); \
-    }                                                                           \
-  } while (0)
 #define KEEL_NCCL_RETURN_IF_ERROR(call)                                         \
   do {                                                                          \
     const ncclResult_t keel_nccl_rc_ = (call);                                  \
@@ -46,46 +35,6 @@ inline Status NcclError(std::string_view call, ncclResult_t code, const char* fi
       return ::keel::nccl::NcclError(#call, keel_nccl_rc_, __FILE__, __LINE__); \
     }                                                                           \
   } while (0)
-
-// A non-blocking CUDA stream (it never synchronizes with the legacy default stream).
-class CudaStream {
- public:
-  CudaStream() = default;
-  ~CudaStream() {
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
-  }
-  CudaStream(const CudaStream&) = delete;
-  CudaStream& operator=(const CudaStream&) = delete;
-
-  Status Create() {
-    KEEL_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    return Status::Ok();
-  }
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
-
-// A CUDA event without timing, for telling when the work before it on a stream is done.
-class CudaEvent {
- public:
-  CudaEvent() = default;
-  ~CudaEvent() {
-    if (event_ != nullptr) cudaEventDestroy(event_);
-  }
-  CudaEvent(const CudaEvent&) = delete;
-  CudaEvent& operator=(const CudaEvent&) = delete;
-
-  Status Create() {
-    KEEL_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
-    return Status::Ok();
-  }
-  cudaEvent_t get() const { return event_; }
-
- private:
-  cudaEvent_t event_ = nullptr;
-};
 
 // The NCCL communicator: destroyed normally, or aborted once an operation has been abandoned
 // (ncclCommDestroy would wait for it).
@@ -137,26 +86,6 @@ Status Poll(double timeout_seconds, Ready&& ready, bool& timed_out) {
   }
 }
 
-// The CUDA device this rank uses: `device`, or the current one when `device` < 0. A host
-// without a usable device is FailedPrecondition; `what` names the caller in errors.
-inline Result<int> ChooseDevice(std::string_view what, int device) {
-  int count = 0;
-  const cudaError_t rc = cudaGetDeviceCount(&count);
-  if (rc == cudaErrorNoDevice || rc == cudaErrorInsufficientDriver ||
-      (rc == cudaSuccess && count == 0)) {
-    (void)cudaGetLastError();
-    return FailedPrecondition(std::string(what) + ": no usable CUDA device (" +
-                              cudaGetErrorString(rc == cudaSuccess ? cudaErrorNoDevice : rc) + ")");
-  }
-  KEEL_CUDA_RETURN_IF_ERROR(rc);
-  if (device < 0) KEEL_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  if (device >= count) {
-    return InvalidArgument(std::string(what) + ": device " + std::to_string(device) +
-                           " is not a CUDA device in [0, " + std::to_string(count) + ")");
-  }
-  return device;
-}
-
 // Creates `comm`, a non-blocking NCCL communicator with the ranks of `bootstrap` on CUDA device
 // `device` (< 0: the current one), which this call makes current; every rank of `bootstrap`
 // calls it. Rank 0 draws the unique id and `bootstrap` broadcasts it. Returns the device.
@@ -164,12 +93,12 @@ inline Result<int> InitComm(Communicator& bootstrap, int device, std::string_vie
                             NcclComm& comm) {
   const int rank = bootstrap.rank();
   ncclUniqueId id{};
-  Result<int> chosen = ChooseDevice(what, device);
+  Result<int> chosen = cuda::ChooseDevice(what, device);
   Status prepared = chosen.status();
   if (prepared.ok()) {
     const cudaError_t set = cudaSetDevice(*chosen);
     if (set != cudaSuccess) {
-      prepared = CudaError("cudaSetDevice", set, __FILE__, __LINE__);
+      prepared = cuda::CudaError("cudaSetDevice", set, __FILE__, __LINE__);
     } else if (rank == 0) {
       const ncclResult_t drawn = ncclGetUniqueId(&id);
       if (drawn != ncclSuccess) prepared = NcclError("ncclGetUniqueId", drawn, __FILE__, __LINE__);

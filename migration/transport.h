@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "common/status.h"
+#include "migration/device_memory.h"
 
 namespace keel {
 
@@ -44,6 +45,11 @@ class Transport {
   // the request is forgotten. May break the connection to the request's peer when the backend
   // cannot cancel otherwise (a send to a stalled peer); the next request to it reconnects.
   virtual void Cancel(RequestId request) = 0;
+
+  // The device memory whose buffers PostSend and PostRecv accept besides host memory, so that
+  // callers checksum and copy such buffers through it instead of touching them from the CPU;
+  // nullptr when the transport moves host memory only.
+  virtual DeviceMemory* device_memory() { return nullptr; }
 };
 
 }  // namespace keel

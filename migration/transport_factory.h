@@ -13,8 +13,10 @@
 namespace keel {
 
 // "local" needs `fabric` (ranks as threads of this process); "ucx" is collective over
-// `communicator`; "nccl" is collective over `communicator` too, on the current CUDA device, and
-// carries its host messages over `migration.nccl_host_transport` (ucx, or local over `fabric`).
+// `communicator`, and in a process with a GPU it takes the current device's memory too, staged
+// through page-locked host memory when UCX has no CUDA support (transport_staged.h); "nccl" is
+// collective over `communicator` too, on the current CUDA device, and carries its host messages
+// over `migration.nccl_host_transport` (ucx, or local over `fabric`).
 Result<std::unique_ptr<Transport>> CreateTransport(const MigrationConfig& config,
                                                    Communicator& communicator,
                                                    LocalFabric* fabric = nullptr);

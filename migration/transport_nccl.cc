@@ -18,9 +18,9 @@
 namespace keel {
 namespace {
 
-using nccl::CudaError;
-using nccl::CudaEvent;
-using nccl::CudaStream;
+using cuda::CudaError;
+using cuda::CudaEvent;
+using cuda::CudaStream;
 using nccl::NcclComm;
 using nccl::NcclError;
 
@@ -37,21 +37,6 @@ class NcclDeviceMover final : public DeviceMover {
   }
 
   std::string_view name() const override { return "nccl"; }
-
-  bool IsDeviceMemory(const void* data) override {
-    if (data == nullptr) return false;
-    // On a thread that never chose a device, the query would create a context on device 0; this
-    // rank's device is the one every thread that uses the transport works on.
-    cudaSetDevice(device_);
-    cudaPointerAttributes attributes{};
-    if (cudaPointerGetAttributes(&attributes, data) != cudaSuccess) {
-      // Not memory CUDA knows (or no CUDA at all): host memory. Clear the error so the next
-      // CUDA call does not report it as its own.
-      (void)cudaGetLastError();
-      return false;
-    }
-    return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
-  }
 
   Status Launch(std::span<const DeviceOp> ops) override {
     if (comm_->aborted()) return Aborted("nccl: the communicator was aborted");
@@ -186,8 +171,10 @@ Result<std::unique_ptr<Transport>> CreateNcclTransport(Communicator& communicato
                         nccl::InitComm(communicator, options.device, "nccl transport", *comm));
   auto stream = std::make_unique<CudaStream>();
   KEEL_RETURN_IF_ERROR(stream->Create());
+  KEEL_ASSIGN_OR_RETURN(std::shared_ptr<DeviceMemory> memory, CreateCudaDeviceMemory(device));
   auto mover = std::make_unique<NcclDeviceMover>(device, std::move(comm), std::move(stream));
-  return CreateDeviceTransport(std::move(host), std::move(mover), options.protocol);
+  return CreateDeviceTransport(std::move(host), std::move(mover), std::move(memory),
+                               options.protocol);
 }
 
 }  // namespace keel

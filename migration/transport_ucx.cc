@@ -99,9 +99,10 @@ struct PeerState {
 class UcxTransport final : public Transport {
  public:
   UcxTransport(int rank, int num_ranks, UcpContext context, UcpWorker worker,
-               const UcxTransportOptions& options)
+               const UcxTransportOptions& options, bool carries_cuda)
       : rank_(rank),
         num_ranks_(num_ranks),
+        carries_cuda_(carries_cuda),
         options_(options),
         context_(std::move(context)),
         worker_(std::move(worker)),
@@ -131,6 +132,7 @@ class UcxTransport final : public Transport {
   std::string_view name() const override { return "ucx"; }
   int rank() const override { return rank_; }
   int num_ranks() const override { return num_ranks_; }
+  bool carries_cuda() const { return carries_cuda_; }
 
   Status SetPeerAddresses(const std::vector<std::string>& addresses) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -341,6 +343,7 @@ class UcxTransport final : public Transport {
 
   const int rank_;
   const int num_ranks_;
+  const bool carries_cuda_;  // the UCX context supports CUDA memory
   const UcxTransportOptions options_;
   std::mutex mutex_;
   UcpContext context_;
@@ -370,6 +373,11 @@ Result<std::unique_ptr<Transport>> CreateUcxTransport(Communicator& communicator
   s = ucp_init(&params, config.get(), &raw_context);
   if (s != UCS_OK) return UcxError("ucp_init", s);
   UcpContext context(raw_context);
+  ucp_context_attr_t context_attributes{};
+  context_attributes.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  s = ucp_context_query(context.get(), &context_attributes);
+  if (s != UCS_OK) return UcxError("ucp_context_query", s);
+  const bool carries_cuda = (context_attributes.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
 
   ucp_worker_params_t worker_params{};
   worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
@@ -388,13 +396,19 @@ Result<std::unique_ptr<Transport>> CreateUcxTransport(Communicator& communicator
     WorkerAddress address(worker.get(), raw_address, address_length);
     KEEL_ASSIGN_OR_RETURN(addresses, communicator.AllGather(address.bytes()));
   }
-  auto transport = std::make_unique<UcxTransport>(communicator.rank(), communicator.size(),
-                                                  std::move(context), std::move(worker), options);
+  auto transport =
+      std::make_unique<UcxTransport>(communicator.rank(), communicator.size(), std::move(context),
+                                     std::move(worker), options, carries_cuda);
   KEEL_RETURN_IF_ERROR(transport->SetPeerAddresses(addresses));
   // Endpoints are wired up lazily by UCX; the barrier keeps early senders from racing peers that
   // have not created their worker's endpoints yet.
   KEEL_RETURN_IF_ERROR(communicator.Barrier());
   return std::unique_ptr<Transport>(std::move(transport));
+}
+
+bool UcxCarriesCudaMemory(const Transport& transport) {
+  const auto* ucx = dynamic_cast<const UcxTransport*>(&transport);
+  return ucx != nullptr && ucx->carries_cuda();
 }
 
 }  // namespace keel

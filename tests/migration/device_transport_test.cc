@@ -22,6 +22,7 @@
 #include "migration/transport_factory.h"
 #include "migration/transport_local.h"
 #include "tests/common/test_util.h"
+#include "tests/migration/fake_device_memory.h"
 #include "tests/migration/local_device_mover.h"
 
 namespace keel {
@@ -42,19 +43,20 @@ class Cluster {
   // With `hosts` (one per rank) as host transports instead of the control fabric's.
   Cluster(int num_ranks, DeviceTransportOptions options,
           std::vector<std::unique_ptr<Transport>> hosts)
-      : control_(num_ranks), data_(num_ranks), memory_(num_ranks) {
+      : control_(num_ranks), data_(num_ranks) {
     for (int r = 0; r < num_ranks; ++r) {
-      auto mover = std::make_unique<LocalDeviceMover>(data_, r, memory_[r]);
+      auto mover = std::make_unique<LocalDeviceMover>(data_, r);
       movers_.push_back(mover.get());
+      memory_.push_back(std::make_shared<FakeDeviceMemory>());
       std::unique_ptr<Transport> host = hosts.empty() ? control_.Connect(r) : std::move(hosts[r]);
-      transports_.push_back(
-          ValueOrDie(CreateDeviceTransport(std::move(host), std::move(mover), options)));
+      transports_.push_back(ValueOrDie(
+          CreateDeviceTransport(std::move(host), std::move(mover), memory_[r], options)));
     }
   }
 
   int size() const { return static_cast<int>(transports_.size()); }
   Transport& transport(int r) { return *transports_[r]; }
-  FakeDeviceMemory& memory(int r) { return memory_[r]; }
+  FakeDeviceMemory& memory(int r) { return *memory_[r]; }
   LocalDeviceMover& mover(int r) { return *movers_[r]; }
   LocalFabric& control() { return control_; }
   LocalFabric& data() { return data_; }
@@ -67,7 +69,7 @@ class Cluster {
  private:
   LocalFabric control_;
   LocalFabric data_;
-  std::deque<FakeDeviceMemory> memory_;
+  std::vector<std::shared_ptr<FakeDeviceMemory>> memory_;
   std::vector<LocalDeviceMover*> movers_;  // owned by the transports
   std::vector<std::unique_ptr<Transport>> transports_;
 };
@@ -397,11 +399,10 @@ TEST(DeviceTransportTest, CycleOfThreeDoesNotDeadlock) {
 TEST(DeviceTransportTest, HostMessagesPassThroughWithTheirTag) {
   LocalFabric control(2);
   LocalFabric data(2);
-  FakeDeviceMemory memory;
-  auto mover = std::make_unique<LocalDeviceMover>(data, 0, memory);
+  auto mover = std::make_unique<LocalDeviceMover>(data, 0);
   LocalDeviceMover& device = *mover;
-  std::unique_ptr<Transport> mine =
-      ValueOrDie(CreateDeviceTransport(control.Connect(0), std::move(mover)));
+  std::unique_ptr<Transport> mine = ValueOrDie(CreateDeviceTransport(
+      control.Connect(0), std::move(mover), std::make_shared<FakeDeviceMemory>()));
   std::unique_ptr<Transport> plain = control.Connect(1);
   EXPECT_EQ(mine->name(), "device");
   EXPECT_EQ(mine->rank(), 0);
@@ -436,7 +437,8 @@ TEST(DeviceTransportTest, RejectsReservedTagsAndBadPeers) {
     EXPECT_TRUE(Mentions(bad.status(), "peer " + std::to_string(peer))) << bad.status().ToString();
   }
   EXPECT_EQ(t.Test(12345)->code(), StatusCode::kInternal);
-  EXPECT_EQ(CreateDeviceTransport(nullptr, nullptr).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(CreateDeviceTransport(nullptr, nullptr, nullptr).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 // Both ends fail at once naming the peer, the tag and both sizes; the tag stays usable.

@@ -12,8 +12,6 @@
 #include <cstddef>
 #include <deque>
 #include <memory>
-#include <mutex>
-#include <string>
 #include <vector>
 
 #include "migration/device_transport.h"
@@ -21,42 +19,16 @@
 
 namespace keel::testing {
 
-// Buffers that the tests' movers treat as device memory: host memory, so the exchange can still
-// hash them, but distinguishable from every other buffer.
-class FakeDeviceMemory {
- public:
-  // [bytes] zeroed; stays valid as long as this object.
-  std::byte* Allocate(size_t bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    blocks_.emplace_back(bytes + 1);  // never empty, so every block has an address
-    return blocks_.back().data();
-  }
-  bool Contains(const void* data) const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    const auto* p = static_cast<const std::byte*>(data);
-    for (const std::vector<std::byte>& block : blocks_) {
-      if (p >= block.data() && p < block.data() + block.size()) return true;
-    }
-    return false;
-  }
-
- private:
-  mutable std::mutex mutex_;
-  std::deque<std::vector<std::byte>> blocks_;
-};
-
 class LocalDeviceMover final : public DeviceMover {
  public:
-  LocalDeviceMover(LocalFabric& data_fabric, int rank, const FakeDeviceMemory& memory)
+  LocalDeviceMover(LocalFabric& data_fabric, int rank)
       : data_(data_fabric.Connect(rank)),
-        memory_(memory),
         sent_(data_fabric.num_ranks(), 0),
         received_(data_fabric.num_ranks(), 0) {}
 
   ~LocalDeviceMover() override { Abort(); }
 
   std::string_view name() const override { return "device"; }
-  bool IsDeviceMemory(const void* data) override { return memory_.Contains(data); }
 
   Status Launch(std::span<const DeviceOp> ops) override {
     if (aborted_) return Aborted("local device mover: aborted");
@@ -115,7 +87,6 @@ class LocalDeviceMover final : public DeviceMover {
   }
 
   std::unique_ptr<Transport> data_;
-  const FakeDeviceMemory& memory_;
   std::vector<uint64_t> sent_;      // [peer] messages sent so far: the next one's tag
   std::vector<uint64_t> received_;  // [peer] messages received so far
   std::deque<std::vector<DeviceOp>> groups_;

@@ -6,6 +6,9 @@
 //   stalled  rank 1 stops answering past the deadline: same expectations
 // Exit status 0 when every expectation held; the launcher also checks how each child ended.
 // --progress-thread on|off: the UCX transport with or without its own progress thread (default on).
+// --device host|fake: where the random scenario's experts live. fake: in device memory the CPU
+// cannot touch (tests/migration/fake_device_memory.h), wrapped by the store as the engine wraps a
+// trainer's GPU buffers, sent through page-locked staging over UCX (transport_staged.h).
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -15,12 +18,14 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "migration/migrator.h"
+#include "migration/transport_staged.h"
 #include "migration/transport_ucx.h"
 #include "tests/migration/directory_communicator.h"
 #include "tests/migration/test_util.h"
@@ -34,6 +39,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using testing::CheckStore;
+using testing::DeviceSlots;
+using testing::FakeDeviceMemory;
 using testing::FillStore;
 using testing::LiveChecksum;
 using testing::RandomPlacement;
@@ -49,6 +56,7 @@ struct Args {
   int plans = 100;
   double deadline = 2.0;
   bool progress_thread = true;  // the UCX transport's own progress thread
+  bool fake_device = false;     // --device fake
   std::vector<std::string> raw;
 };
 
@@ -98,15 +106,23 @@ int RunRandom(Transport& transport, Communicator& comm, const Args& args) {
     auto plan =
         std::make_shared<TransferPlan>(ValueOrDie(PlanTransfers(from, to, topology, layout)));
     bytes += plan->total_bytes();
-    ExpertStore store = ValueOrDie(ExpertStore::Create(me, from, layout));
-    FillStore(store, from);
+    // With --device fake the slots live in the transport's (fake) device memory.
+    auto* device = static_cast<FakeDeviceMemory*>(transport.device_memory());
+    std::optional<DeviceSlots> slots;
+    if (device != nullptr) {
+      slots.emplace(*device, me, layers, slots_per_rank, layout);
+      slots->Fill(from);
+    }
+    ExpertStore store =
+        slots ? slots->Wrap(device) : ValueOrDie(ExpertStore::Create(me, from, layout));
+    if (!slots) FillStore(store, from);
     auto migrator = ValueOrDie(Migrator::Create(transport, store, config));
     Status status = migrator->Start(p + 1, plan);
     if (status.ok()) status = migrator->Wait();
     Check(status.ok(), "plan " + std::to_string(p) + ": " + status.ToString(), me);
     if (!status.ok()) break;
     Check(migrator->Commit(to).ok(), "commit", me);
-    const std::string diff = CheckStore(store, to);
+    const std::string diff = slots ? slots->Check(to) : CheckStore(store, to);
     Check(diff.empty(), "plan " + std::to_string(p) + ": " + diff, me);
   }
   auto verdicts = comm.AllGather(failures == 0 ? "ok" : "failed");
@@ -335,6 +351,8 @@ Args Parse(int argc, char** argv) {
       args.deadline = std::stod(value);
     } else if (flag == "--progress-thread" && (value == "on" || value == "off")) {
       args.progress_thread = value == "on";
+    } else if (flag == "--device" && (value == "host" || value == "fake")) {
+      args.fake_device = value == "fake";
     } else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       std::exit(2);
@@ -365,6 +383,10 @@ int Main(int argc, char** argv) {
   UcxTransportOptions options;
   options.progress_thread = args.progress_thread;
   auto transport = CreateUcxTransport(*comm, options);
+  if (transport.ok() && args.fake_device) {
+    transport = CreateStagedTransport(std::move(*transport),
+                                      std::make_shared<FakeDeviceMemory>(/*protect=*/true));
+  }
   if (!transport.ok()) {
     std::fprintf(stderr, "rank %d: %s\n", comm->rank(), transport.status().ToString().c_str());
     return 1;

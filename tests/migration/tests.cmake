@@ -70,6 +70,15 @@ if(KEEL_WITH_MPI AND KEEL_MPIRUN)
   set_tests_properties(migration.mpirun_random_plans_sm_no_progress_thread PROPERTIES
       ENVIRONMENT "${_mig_sm};${_mig_lsan};OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
       TIMEOUT 180 PROCESSORS 2)
+  # Experts in (fake) device memory, sent through page-locked staging over UCX.
+  add_test(NAME migration.mpirun_random_plans_sm_device_staged
+           COMMAND ${KEEL_MPIRUN} -np 4 --oversubscribe --mca btl self,vader --mca pml ob1
+                   --mca oob_tcp_if_include lo --mca btl_tcp_if_include lo -x UCX_TLS
+                   -x LSAN_OPTIONS -x ASAN_OPTIONS $<TARGET_FILE:keel_migration_multiprocess>
+                   --scenario random --plans 50 --device fake)
+  set_tests_properties(migration.mpirun_random_plans_sm_device_staged PROPERTIES
+      ENVIRONMENT "${_mig_sm};${_mig_lsan};OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
+      TIMEOUT 180 PROCESSORS 2)
 endif()
 
 foreach(_tls sm tcp)

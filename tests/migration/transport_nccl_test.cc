@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include "migration/transport_nccl.h"
+#include "tests/migration/cuda_test_util.h"
 #endif
 
 namespace keel {
@@ -68,31 +69,7 @@ TEST(NcclTransportTest, FactoryFailsCleanlyWhereNcclCannotRun) {
 
 #if KEEL_MIGRATION_NCCL
 
-#define ASSERT_CUDA(call)                                                                    \
-  do {                                                                                       \
-    const cudaError_t keel_error_ = (call);                                                  \
-    ASSERT_EQ(keel_error_, cudaSuccess) << #call << ": " << cudaGetErrorString(keel_error_); \
-  } while (0)
-
-// Device memory on `device`, freed with the object.
-class DeviceBuffer {
- public:
-  DeviceBuffer(int device, size_t bytes) : device_(device) {
-    cudaSetDevice(device);
-    if (cudaMalloc(&data_, bytes + 1) != cudaSuccess) ADD_FAILURE() << "cudaMalloc failed";
-  }
-  ~DeviceBuffer() {
-    cudaSetDevice(device_);
-    if (data_ != nullptr) cudaFree(data_);
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  std::byte* get() const { return static_cast<std::byte*>(data_); }
-
- private:
-  int device_;
-  void* data_ = nullptr;
-};
+using testing::DeviceBuffer;
 
 struct Message {
   int src = 0;
