@@ -58,6 +58,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "migration/progress_thread.h"
+
 namespace keel {
 namespace {
 
@@ -194,14 +196,7 @@ class DeviceTransport final : public Transport {
   }
 
   ~DeviceTransport() override {
-    if (progress_thread_.joinable()) {
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        stop_ = true;
-      }
-      wake_.notify_one();
-      progress_thread_.join();
-    }
+    StopProgressThread(progress_thread_, mutex_, stop_, wake_);
     std::lock_guard<std::mutex> lock(mutex_);
     // A group still running cannot be waited for (its peers may be gone): stop it.
     if (!groups_.empty()) mover_->Abort();

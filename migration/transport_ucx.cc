@@ -14,6 +14,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "migration/progress_thread.h"
+
 namespace keel {
 namespace {
 
@@ -115,14 +117,7 @@ class UcxTransport final : public Transport {
   }
 
   ~UcxTransport() override {
-    if (progress_thread_.joinable()) {
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        stop_ = true;
-      }
-      wake_.notify_one();
-      progress_thread_.join();
-    }
+    StopProgressThread(progress_thread_, mutex_, stop_, wake_);
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto& [id, request] : requests_) ReleaseLocked(request, /*cancel=*/true);
     requests_.clear();
