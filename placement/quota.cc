@@ -110,6 +110,29 @@ void QuotaSolver::BuildCopies(const Placement& placement,
   arc_flow_.assign(num_arcs, 0);
 }
 
+bool QuotaSolver::InsertCopy(const TransientReplica& extra, int id) {
+  const int expert = extra.expert;
+  int arc = arc_begin_[expert];
+  while (arc < arc_begin_[expert + 1] && arc_rank_[arc] != extra.rank) ++arc;
+  const bool new_arc = arc == arc_begin_[expert + 1];
+  if (new_arc) {
+    arc_rank_.insert(arc_rank_.begin() + arc, extra.rank);
+    arc_expert_.insert(arc_expert_.begin() + arc, expert);
+    arc_copies_.insert(arc_copies_.begin() + arc, 0);
+    arc_flow_.insert(arc_flow_.begin() + arc, 0);
+    for (int e = expert + 1; e <= num_experts_; ++e) ++arc_begin_[e];
+    for (int& copy_arc : copy_arc_) copy_arc += copy_arc >= arc ? 1 : 0;
+  }
+  ++arc_copies_[arc];
+  const int copy = copy_begin_[expert + 1];
+  copy_id_.insert(copy_id_.begin() + copy, id);
+  copy_rank_.insert(copy_rank_.begin() + copy, extra.rank);
+  copy_arc_.insert(copy_arc_.begin() + copy, arc);
+  for (int e = expert + 1; e <= num_experts_; ++e) ++copy_begin_[e];
+  ++num_extras_;
+  return new_arc;
+}
+
 // Water-fills each flexible expert, heaviest first, onto its least-loaded ranks up to `bound`.
 void QuotaSolver::Pour(long long bound) {
   for (int e : pour_order_) {
@@ -330,15 +353,9 @@ void QuotaSolver::AddCopy(const Placement& placement, std::span<const TransientR
   // every other arc keeps its flow. A single-rank expert's tokens were implicit: put them on its
   // one old arc.
   const int expert = extras.back().expert;
-  const int old_end = arc_begin_[expert + 1];
   const bool was_single = rank_count(expert) == 1;
-  previous_flow_.assign(arc_flow_.begin(), arc_flow_.end());
-  BuildCopies(placement, extras);
-  const int shift = static_cast<int>(arc_flow_.size() - previous_flow_.size());
-  std::copy(previous_flow_.begin(), previous_flow_.begin() + old_end, arc_flow_.begin());
-  std::copy(previous_flow_.begin() + old_end, previous_flow_.end(),
-            arc_flow_.begin() + old_end + shift);
-  if (was_single && shift == 1) arc_flow_[arc_begin_[expert]] = tokens_[expert];
+  const bool new_arc = InsertCopy(extras.back(), placement.num_slots() + num_extras_);
+  if (was_single && new_arc) arc_flow_[arc_begin_[expert]] = tokens_[expert];
   Prepare();
 
   // The previous cut (S, X) with the new copy's rank joined to S: the experts with every copy in

@@ -63,6 +63,10 @@ class QuotaSolver {
 
  private:
   void BuildCopies(const Placement& placement, std::span<const TransientReplica> extras);
+  // What BuildCopies with `extra` appended to the extras would give, copies and arcs, from what
+  // the last one gave; `id` is the extra's copy id. Flows stay on their arcs; a new arc starts
+  // empty. Returns whether the extra's rank is new to its expert (a new arc).
+  bool InsertCopy(const TransientReplica& extra, int id);
   // Fixed loads, flexible experts and the arcs into each rank, for the current copies; no excess.
   void Prepare();
   void Pour(long long bound);
@@ -100,7 +104,7 @@ class QuotaSolver {
   std::vector<int> arc_expert_;
   std::vector<int> arc_copies_;  // copies of the expert on the arc's rank
   std::vector<long long> arc_flow_;
-  std::vector<long long> previous_flow_;  // scratch for AddCopy and Resolve
+  std::vector<long long> previous_flow_;  // scratch for Resolve
   std::vector<int> previous_arc_begin_;   // scratch for Resolve
   std::vector<int> previous_arc_rank_;    // scratch for Resolve
   std::vector<int> arc_given_;            // scratch for splitting an arc among its copies

@@ -22,33 +22,75 @@
 namespace keel {
 namespace {
 
+// On a lambda that must be inlined: one that is not keeps the variables it shares with its caller
+// in memory, where every addition waits on a store.
+#define KEEL_INLINE __attribute__((always_inline))
+
 // Token counts beyond this are input errors (and would overflow the integer quotas).
 constexpr double kMaxTokens = 1e15;
 
-// What one pass over values[0, n) tells: `bits`, the OR of their bit patterns, whose sign bit is
-// set when some entry is negative, -0.0 or a NaN with its sign bit; `fractional`, whether some
-// entry below 2^52 is not a whole number ((x + 2^52) - 2^52 rounds x to a whole number there).
+// What one pass over the traffic tells: `bits`, the OR of the entries' bit patterns, whose sign
+// bit is set when some entry is negative, -0.0 or a NaN with its sign bit; `fractional`, whether
+// some entry below 2^52 is not a whole number ((x + 2^52) - 2^52 rounds x to a whole number
+// there; a NaN counts as fractional).
 struct EntryBits {
   std::uint64_t bits = 0;
   bool fractional = false;
 };
-KEEL_AVX2_CLONES EntryBits ScanEntries(const double* values, size_t n) {
+
+// The one pass over the traffic by expert (`num_sources` entries per expert, a multiple of 4):
+// the EntryBits of every entry; lane_totals[e], expert e's sources added four lanes at a time,
+// then the lanes; and each expert e with single_rank[e] >= 0 added to row single_rank[e] of
+// `received` (`num_sources` entries per row), experts in ascending order. A lane total differs
+// from the sum in source order only in rounding, so it is that sum whenever every partial sum is
+// exact: whole entries whose total stays below 2^53.
+KEEL_AVX2_CLONES EntryBits ScanByExpert(const double* by_expert, int num_experts, int num_sources,
+                                        const int* single_rank, double* received,
+                                        double* lane_totals) {
   constexpr double kWhole = 4503599627370496.0;  // 2^52
   BitsQuad bits = {};
   BitsQuad fractional = {};
-  size_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    DoubleQuad quad;
-    std::memcpy(&quad, values + i, sizeof quad);
-    bits |= (BitsQuad)quad;
-    fractional |= (BitsQuad)((quad + kWhole) - kWhole != quad);
+  for (int e = 0; e < num_experts; ++e) {
+    const double* row = by_expert + static_cast<size_t>(e) * num_sources;
+    double* target =
+        single_rank[e] < 0 ? nullptr : received + static_cast<size_t>(single_rank[e]) * num_sources;
+    // Two sums: one chain of additions per expert would wait on the adder at every step.
+    DoubleQuad even = {}, odd = {};
+    auto visit = [&](int s, DoubleQuad& sum) {
+      DoubleQuad quad;
+      std::memcpy(&quad, row + s, sizeof quad);
+      bits |= (BitsQuad)quad;
+      fractional |= (BitsQuad)((quad + kWhole) - kWhole != quad);
+      sum += quad;
+      if (target != nullptr) {
+        DoubleQuad cell;
+        std::memcpy(&cell, target + s, sizeof cell);
+        cell += quad;
+        std::memcpy(target + s, &cell, sizeof cell);
+      }
+    };
+    int s = 0;
+    for (; s + 8 <= num_sources; s += 8) {
+      visit(s, even);
+      visit(s + 4, odd);
+    }
+    if (s < num_sources) visit(s, even);
+    const DoubleQuad lanes = even + odd;
+    lane_totals[e] = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
   }
   EntryBits entries;
   entries.bits = bits[0] | bits[1] | bits[2] | bits[3];
   entries.fractional = (fractional[0] | fractional[1] | fractional[2] | fractional[3]) != 0;
-  for (; i < n; ++i) {
+  return entries;
+}
+
+// EntryBits of values[0, n).
+EntryBits ScanEntries(const double* values, size_t n) {
+  constexpr double kWhole = 4503599627370496.0;  // 2^52
+  EntryBits entries;
+  for (size_t i = 0; i < n; ++i) {
     entries.bits |= std::bit_cast<std::uint64_t>(values[i]);
-    entries.fractional |= (values[i] + kWhole) - kWhole != values[i];
+    entries.fractional |= !((values[i] + kWhole) - kWhole == values[i]);
   }
   return entries;
 }
@@ -367,8 +409,8 @@ class StepPlanner::Impl {
   // Tokens of `expert` with copies on several ranks: local copies first, then copies on the same
   // node, then the rest, each pass in copy order and ascending source order.
   void AssignSpread(int expert, const QuotaSplit& split, double sign, Draft& draft);
-  // Whether any copy of `expert` has a different quota in trial_split_ than in split_.
-  bool QuotasMoved(int expert) const;
+  // moved_[e]: whether any copy of expert e has a different quota in trial_split_ than in split_.
+  void MarkMovedQuotas();
   // trial_ for the candidate transient of `expert` when every sum is exact (whole_): best_ with
   // the routing of each expert whose quotas moved taken out and put back, the same bits (and
   // shares) as a fresh Assign.
@@ -398,6 +440,10 @@ class StepPlanner::Impl {
   int num_slots_ = 0;
   int num_sources_ = 0;
   std::vector<int> source_rank_;  // [num_sources]
+  // One source per rank, a multiple of 4 of them: source s is rank s, a rank's row of received
+  // tokens lines up with an expert's sources, and both go four at a time.
+  bool source_quads_ = false;
+  std::vector<int> single_rank_;  // [num_experts] the one rank holding the expert, else -1
   // Experts on one rank in the placement, grouped by that rank, ascending.
   std::vector<int> rank_single_begin_;  // [num_ranks + 1]
   std::vector<int> rank_single_;
@@ -427,7 +473,8 @@ class StepPlanner::Impl {
   Draft best_;
   Draft trial_;
   std::vector<int> patched_;  // scratch of PatchTrial: the experts it patched, ascending
-  Draft moved_;               // scratch of PatchTrial: their new shares
+  Draft moved_shares_;        // scratch of PatchTrial: their new shares
+  std::vector<char> moved_;   // [num_experts] scratch of PatchTrial: see MarkMovedQuotas
 };
 
 void StepPlanner::Impl::Bind(const Placement& placement, int num_sources) {
@@ -444,8 +491,10 @@ void StepPlanner::Impl::Bind(const Placement& placement, int num_sources) {
   num_sources_ = num_sources;
   source_rank_.resize(num_sources);
   for (int s = 0; s < num_sources; ++s) source_rank_[s] = s % num_ranks_;
+  source_quads_ = num_sources == num_ranks_ && num_sources % 4 == 0;
 
-  std::vector<int> single_rank(num_experts_);  // the one rank holding the expert, else -1
+  std::vector<int>& single_rank = single_rank_;
+  single_rank.resize(num_experts_);
   rank_single_begin_.assign(num_ranks_ + 1, 0);
   for (int e = 0; e < num_experts_; ++e) {
     const std::span<const int> ranks = placement.copy_ranks(e);
@@ -489,30 +538,55 @@ void StepPlanner::Impl::AddSingles(int rank, double* row, Keep keep) {
 bool StepPlanner::Impl::Scan() {
   const int num_experts = num_experts_;
   const int num_ranks = num_ranks_;
-  const size_t entries = static_cast<size_t>(num_experts) * num_sources_;
+  totals_.resize(num_experts);
+  scanned_.assign(static_cast<size_t>(num_ranks) * num_ranks, 0.0);
+  const bool one_pass = source_quads_;
+  EntryBits scanned;
+  if (one_pass) {
+    scanned = ScanByExpert(by_expert_, num_experts, num_sources_, single_rank_.data(),
+                           scanned_.data(), totals_.data());
+  } else {
+    scanned = ScanEntries(by_expert_, static_cast<size_t>(num_experts) * num_sources_);
+    for (int rank = 0; rank < num_ranks; ++rank) {
+      AddSingles(rank, scanned_.data() + static_cast<size_t>(rank) * num_ranks,
+                 [](int) { return true; });
+    }
+  }
   // Any negative entry (or -0.0, or a NaN with its sign bit) sets the sign bit of the OR; a NaN,
   // an infinity or an entry beyond kMaxTokens makes its expert's total NaN or beyond kMaxTokens,
   // as all other entries are then non-negative. Either sends the caller to the exact check.
-  const EntryBits scanned = ScanEntries(by_expert_, entries);
-  totals_.resize(num_experts);
-  SumRows(by_expert_, num_sources_, num_experts, num_sources_, totals_.data());
-  scanned_.assign(static_cast<size_t>(num_ranks) * num_ranks, 0.0);
-  for (int rank = 0; rank < num_ranks; ++rank) {
-    AddSingles(rank, scanned_.data() + static_cast<size_t>(rank) * num_ranks,
-               [](int) { return true; });
+  const bool non_negative = (scanned.bits >> 63) == 0;
+  auto sum_totals = [&] {
+    double total = 0;
+    for (int e = 0; e < num_experts; ++e) total += totals_[e];
+    return total;
+  };
+  double total = one_pass ? sum_totals() : 0.0;
+  // Whole numbers whose sum stays below 2^52: every sum of them is exact, whatever its order.
+  whole_ = one_pass && non_negative && !scanned.fractional && total < 4503599627370496.0;
+  if (!whole_) {
+    // Totals in source order, as the fractional digits of a sum depend on its order.
+    SumRows(by_expert_, num_sources_, num_experts, num_sources_, totals_.data());
+    total = sum_totals();
+    whole_ = non_negative && !scanned.fractional && total < 4503599627370496.0;
   }
-  bool in_range = (scanned.bits >> 63) == 0;
+  bool in_range = non_negative;
   rounded_.resize(num_experts);
   scale_.resize(num_experts);
-  double total = 0;
+  if (whole_) {
+    // Whole totals below 2^52: llround is the conversion, and totals / rounded is 1.
+    for (int e = 0; e < num_experts; ++e) {
+      in_range &= totals_[e] <= kMaxTokens;
+      rounded_[e] = static_cast<long long>(totals_[e]);
+      scale_[e] = rounded_[e] > 0 ? 1.0 : 0.0;
+    }
+    return in_range;
+  }
   for (int e = 0; e < num_experts; ++e) {
-    total += totals_[e];
     in_range &= totals_[e] <= kMaxTokens;
     rounded_[e] = std::isfinite(totals_[e]) ? std::llround(totals_[e]) : 0;
     scale_[e] = rounded_[e] > 0 ? totals_[e] / static_cast<double>(rounded_[e]) : 0.0;
   }
-  // Whole numbers whose sum stays below 2^52: every sum of them is exact, whatever its order.
-  whole_ = !scanned.fractional && total < 4503599627370496.0;
   return in_range;
 }
 
@@ -595,6 +669,38 @@ void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double
     remaining[s] -= tokens;
     send(s, tokens);
   };
+  // Sources s to s + 3 (s a multiple of 4, source_quads_) to the open copy as far as its room
+  // goes. With exact sums (whole_), when all four fit they go in one step: in any order the sums
+  // are the same, and each cell of the row gets one addition either way.
+  const bool quads = whole_ && source_quads_;
+  auto take_quad = [&](int s) KEEL_INLINE {
+    // Four scalars: this file is not compiled for AVX2, and a DoubleQuad would go through the
+    // stack as two SSE halves.
+    const double l0 = remaining[s], l1 = remaining[s + 1], l2 = remaining[s + 2],
+                 l3 = remaining[s + 3];
+    const double sum = (l0 + l1) + (l2 + l3);
+    if (sum == 0) return;
+    if (sum > room) {
+      for (int k = s; k < s + 4; ++k) take(k);
+      return;
+    }
+    if (record_shares_) {
+      const double left[4] = {l0, l1, l2, l3};
+      for (int k = 0; k < 4; ++k) {
+        if (left[k] > 0 && Recorded(s + k, rank)) {
+          draft.shares.push_back({s + k, expert, id, left[k]});
+        }
+      }
+    }
+    room -= sum;
+    remaining[s] = remaining[s + 1] = remaining[s + 2] = remaining[s + 3] = 0;
+    slot_sum += sign * sum;
+    rank_sum += sign * sum;
+    rank_row[s] += sign * l0;
+    rank_row[s + 1] += sign * l1;
+    rank_row[s + 2] += sign * l2;
+    rank_row[s + 3] += sign * l3;
+  };
   // Local: sources on the copy's own rank. A copy without room takes nothing (quotas and what
   // sources have left are never negative), so it is not opened.
   for (int i = 0; i < count; ++i) {
@@ -608,6 +714,10 @@ void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double
     if (copy_room[i] <= 0 && i != open_copy) continue;
     open(i);
     const int first = topology_.node_of(rank) * per_node;
+    if (quads && per_node % 4 == 0) {
+      for (int s = first; s < first + per_node; s += 4) take_quad(s);
+      continue;
+    }
     for (int r = first; r < first + per_node; ++r) {
       for (int s = r; s < num_sources; s += num_ranks) take(s);
     }
@@ -615,9 +725,9 @@ void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double
   // The rest, in source order; rounding dust goes to the copy last used. Each source comes up
   // once here, so what it has left stays in a register.
   int next = 0;
-  for (int s = 0; s < num_sources; ++s) {
+  auto rest = [&](int s) KEEL_INLINE {
     double left = remaining[s];
-    if (!(left > 0)) continue;
+    if (!(left > 0)) return;
     while (left > 0 && next < count) {
       open(next);
       const double tokens = std::min(left, room);
@@ -632,6 +742,19 @@ void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double
       open(std::min(next, count - 1));
       send(s, left);
     }
+  };
+  if (quads) {
+    // take_quad leaves a source nothing or runs take on it, whose leftover rest then sends.
+    for (int s = 0; s < num_sources; s += 4) {
+      if (next < count) {
+        open(next);
+        take_quad(s);
+        if (room <= 0) ++next;
+      }
+      for (int k = s; k < s + 4; ++k) rest(k);
+    }
+  } else {
+    for (int s = 0; s < num_sources; ++s) rest(s);
   }
   close();
 }
@@ -657,8 +780,29 @@ void StepPlanner::Impl::Assign(size_t num_extras, const QuotaSplit& split, Draft
     std::fill(row, row + num_ranks, 0.0);
     AddSingles(rank, row, [&](int e) { return RankCount(e) == 1; });
   }
+  if (!whole_) {
+    for (int e = 0; e < num_experts_; ++e) {
+      if (totals_[e] != 0) AddExpert(e, split, 1.0, /*single_row=*/false, draft);
+    }
+    return;
+  }
+  // Exact sums: an expert with one copy puts its whole total on it, as AddExpert would (its quota
+  // is its rounded total, which is the total), and the rank sums may take it in any order. Its
+  // shares are ShareInSourceOrder's, as in AddExpert.
+  double* rank_tokens = draft.rank_tokens.data();
+  double* slot_tokens = draft.slot_tokens.data();
   for (int e = 0; e < num_experts_; ++e) {
-    if (totals_[e] != 0) AddExpert(e, split, 1.0, /*single_row=*/false, draft);
+    const double total = totals_[e];
+    if (total == 0) continue;
+    const int begin = solver_.copy_begin(e);
+    if (CopyEnd(e) - begin != 1) {
+      AddExpert(e, split, 1.0, /*single_row=*/false, draft);
+      continue;
+    }
+    const int id = solver_.copy_id(begin);
+    rank_tokens[solver_.copy_rank(begin)] += total;
+    (id < num_slots_ ? slot_tokens[id] : draft.transient_tokens[id - num_slots_]) += total;
+    if (record_shares_) ShareInSourceOrder(e, draft);
   }
 }
 
@@ -696,16 +840,17 @@ void StepPlanner::Impl::AddExpert(int expert, const QuotaSplit& split, double si
   if (record_shares_) ShareInSourceOrder(expert, draft);
 }
 
-bool StepPlanner::Impl::QuotasMoved(int expert) const {
-  const int num_slots = num_slots_;
-  for (int c = solver_.copy_begin(expert); c < solver_.copy_end(expert); ++c) {
-    const int id = solver_.copy_id(c);
-    const bool moved = id < num_slots ? split_.slot_quota[id] != trial_split_.slot_quota[id]
-                                      : split_.extra_quota[id - num_slots] !=
-                                            trial_split_.extra_quota[id - num_slots];
-    if (moved) return true;
+void StepPlanner::Impl::MarkMovedQuotas() {
+  moved_.assign(num_experts_, 0);
+  const long long* kept = split_.slot_quota.data();
+  const long long* trial = trial_split_.slot_quota.data();
+  for (int slot = 0; slot < num_slots_; ++slot) {
+    if (kept[slot] != trial[slot] && phy2log_[slot] >= 0) moved_[phy2log_[slot]] = 1;
   }
-  return false;
+  // The candidate's own quota is new; the transients before it are in both splits.
+  for (size_t i = 0; i < split_.extra_quota.size(); ++i) {
+    if (split_.extra_quota[i] != trial_split_.extra_quota[i]) moved_[transients_[i].expert] = 1;
+  }
 }
 
 void StepPlanner::Impl::PatchTrial(int expert) {
@@ -717,9 +862,10 @@ void StepPlanner::Impl::PatchTrial(int expert) {
   trial_.transient_tokens.push_back(0.0);
   // The new shares of the experts patched, by expert: Assign's order.
   patched_.clear();
-  moved_.shares.clear();
+  moved_shares_.shares.clear();
+  MarkMovedQuotas();
   for (int e = 0; e < num_experts_; ++e) {
-    if (totals_[e] == 0 || (e != expert && !QuotasMoved(e))) continue;
+    if (totals_[e] == 0 || (e != expert && !moved_[e])) continue;
     patched_.push_back(e);
     // Out under the kept split, without the candidate; back in under the candidate's split.
     record_shares_ = false;
@@ -727,20 +873,20 @@ void StepPlanner::Impl::PatchTrial(int expert) {
     AddExpert(e, split_, -1.0, /*single_row=*/true, trial_);
     excluded_expert_ = -1;
     record_shares_ = record_shares;
-    // Shares go to moved_, whose sums are never read.
-    std::swap(trial_.shares, moved_.shares);
+    // Shares go to moved_shares_, whose sums are never read.
+    std::swap(trial_.shares, moved_shares_.shares);
     AddExpert(e, trial_split_, 1.0, /*single_row=*/true, trial_);
-    std::swap(trial_.shares, moved_.shares);
+    std::swap(trial_.shares, moved_shares_.shares);
   }
   // best_'s shares with those of the patched experts replaced, still by expert.
   trial_.shares.clear();
   if (!record_shares) return;
   auto kept = best_.shares.begin();
-  auto fresh = moved_.shares.begin();
+  auto fresh = moved_shares_.shares.begin();
   for (int e : patched_) {
     for (; kept != best_.shares.end() && kept->expert < e; ++kept) trial_.shares.push_back(*kept);
     while (kept != best_.shares.end() && kept->expert == e) ++kept;
-    for (; fresh != moved_.shares.end() && fresh->expert == e; ++fresh) {
+    for (; fresh != moved_shares_.shares.end() && fresh->expert == e; ++fresh) {
       trial_.shares.push_back(*fresh);
     }
   }

@@ -1,6 +1,6 @@
 // StepPlanner: one planner reused over changing placements, loads and options gives what a fresh
-// PlanStepQuotas gives, bit for bit; shares_of_rank keeps exactly one rank's shares; bad input is
-// named.
+// PlanStepQuotas gives, bit for bit; shares_of_rank keeps exactly one rank's shares; the
+// whole-count shortcuts give the ordered routing; bad input is named.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -8,6 +8,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "placement/cost_model.h"
@@ -166,7 +167,7 @@ TEST(StepPlannerTest, SharesOfRankAreThatRanksSubset) {
 // With whole token counts, candidates for transient replicas are priced on a routing patched
 // from the one kept, and the shares are recorded afresh for the routing chosen. Both must describe
 // the same routing: the shares add up to the all-to-all matrix, the copies' tokens and the ranks'
-// loads exactly (every sum of whole counts is exact).
+// loads exactly (every sum of whole counts is exact), and those loads are an optimal split.
 TEST(StepPlannerTest, RoutingAgreesWithItsShares) {
   std::mt19937 rng(23);
   const Topology topology = MakeTopology(2, 4);
@@ -174,10 +175,10 @@ TEST(StepPlannerTest, RoutingAgreesWithItsShares) {
   StepPlanner planner(topology, cost);
   StepRouting routing;
   int with_transients = 0;
-  for (int trial = 0; trial < 60; ++trial) {
+  for (int trial = 0; trial < 200; ++trial) {
     Case c = RandomCase(rng, 8, 3, 8 + static_cast<int>(rng() % 14), 8, /*fractional=*/false);
     QuotaPlanOptions options;
-    options.transient_per_rank = 1 + static_cast<int>(rng() % 2);
+    options.transient_per_rank = 1 + static_cast<int>(rng() % 3);
     options.record_shares = true;
     ASSERT_TRUE(planner.Plan(c.placement, 8, c.by_expert, options, routing).ok());
     if (!routing.transients.empty()) ++with_transients;
@@ -196,8 +197,58 @@ TEST(StepPlannerTest, RoutingAgreesWithItsShares) {
     EXPECT_EQ(rank, routing.rank_tokens);
     EXPECT_EQ(std::vector<double>(copy.begin(), copy.begin() + num_slots), routing.slot_tokens);
     EXPECT_EQ(std::vector<double>(copy.begin() + num_slots, copy.end()), routing.transient_tokens);
+    // And the ranks' loads are an optimal split for the copies chosen.
+    std::vector<long long> tokens(c.load.num_experts);
+    const std::vector<double> totals = c.load.ExpertTotals();
+    for (int e = 0; e < c.load.num_experts; ++e) tokens[e] = std::llround(totals[e]);
+    const QuotaSplit optimal = SplitQuotas(c.placement, tokens, routing.transients);
+    EXPECT_EQ(*std::max_element(rank.begin(), rank.end()),
+              static_cast<double>(optimal.max_rank_tokens));
   }
   EXPECT_GT(with_transients, 10);
+}
+
+// Case c with `extra` more sources that send nothing: the same routing, as sources without tokens
+// send no share and add only zeros. With one source per rank in quads (4 or 8 ranks) the planner
+// takes its whole-count shortcuts (one pass over the traffic, four sources at a time, a single
+// copy's total at once); with more sources than ranks it takes none, so this compares each
+// shortcut with the ordered arithmetic it replaces.
+Case WithSilentSources(const Case& c, int extra) {
+  const int num_sources = c.load.num_sources + extra;
+  std::vector<double> traffic(static_cast<size_t>(num_sources) * c.load.num_experts, 0.0);
+  std::copy(c.load.traffic.begin(), c.load.traffic.end(), traffic.begin());
+  StepLoad load = StepLoad::FromTraffic(num_sources, c.load.num_experts, traffic).value();
+  std::vector<double> by_expert = ByExpert(load);
+  return {c.placement, std::move(load), std::move(by_expert)};
+}
+
+TEST(StepPlannerTest, ShortcutsGiveTheOrderedRouting) {
+  std::mt19937 rng(41);
+  int with_transients = 0;
+  for (const auto& [nodes, per_node] : std::vector<std::pair<int, int>>{{1, 4}, {2, 4}, {1, 8}}) {
+    const Topology topology = MakeTopology(nodes, per_node);
+    const int num_ranks = nodes * per_node;
+    const CostModel cost(topology, SmallExperts());
+    StepPlanner quick(topology, cost);
+    StepPlanner ordered(topology, cost);
+    for (int trial = 0; trial < 60; ++trial) {
+      const Case c = RandomCase(rng, num_ranks, 3, num_ranks + static_cast<int>(rng() % num_ranks),
+                                num_ranks, /*fractional=*/trial % 5 == 4);
+      const Case padded = WithSilentSources(c, num_ranks);
+      QuotaPlanOptions options;
+      options.transient_per_rank = static_cast<int>(rng() % 4);
+      options.record_shares = rng() % 2 == 0;
+      options.shares_of_rank = options.record_shares && rng() % 2 == 0 ? 1 : -1;
+      StepRouting fast, slow;
+      ASSERT_TRUE(quick.Plan(c.placement, num_ranks, c.by_expert, options, fast).ok());
+      ASSERT_TRUE(
+          ordered.Plan(padded.placement, 2 * num_ranks, padded.by_expert, options, slow).ok());
+      SCOPED_TRACE(std::to_string(num_ranks) + " ranks, trial " + std::to_string(trial));
+      ExpectSameRouting(fast, slow);
+      with_transients += fast.transients.empty() ? 0 : 1;
+    }
+  }
+  EXPECT_GT(with_transients, 20);
 }
 
 // The status's message contains `expected`.
