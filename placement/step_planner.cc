@@ -84,13 +84,24 @@ KEEL_AVX2_CLONES EntryBits ScanByExpert(const double* by_expert, int num_experts
   return entries;
 }
 
-// EntryBits of values[0, n).
-EntryBits ScanEntries(const double* values, size_t n) {
+// EntryBits of values[0, n), where ScanByExpert does not apply.
+KEEL_AVX2_CLONES EntryBits ScanEntries(const double* values, size_t n) {
   constexpr double kWhole = 4503599627370496.0;  // 2^52
+  BitsQuad bits = {};
+  BitsQuad fractional = {};
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    DoubleQuad quad;
+    std::memcpy(&quad, values + i, sizeof quad);
+    bits |= (BitsQuad)quad;
+    fractional |= (BitsQuad)((quad + kWhole) - kWhole != quad);
+  }
   EntryBits entries;
-  for (size_t i = 0; i < n; ++i) {
+  entries.bits = bits[0] | bits[1] | bits[2] | bits[3];
+  entries.fractional = (fractional[0] | fractional[1] | fractional[2] | fractional[3]) != 0;
+  for (; i < n; ++i) {
     entries.bits |= std::bit_cast<std::uint64_t>(values[i]);
-    entries.fractional |= !((values[i] + kWhole) - kWhole == values[i]);
+    entries.fractional |= (values[i] + kWhole) - kWhole != values[i];
   }
   return entries;
 }
