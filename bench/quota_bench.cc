@@ -166,13 +166,15 @@ BENCHMARK(BM_PlanStepQuotas)
 // The planner a trainer keeps per layer (StepPlanner): the same routing as PlanStepQuotas, from
 // traffic by expert (what the engine all-reduces), with its buffers kept between steps.
 // Args: transient slots per rank, small experts (0/1), shares recorded (0: none, 1: all, 2: those
-// of rank 0, as the engine on rank 0 asks).
+// of rank 0), and the all-to-all matrix filled (1) or not (0). The engine on rank 0 asks for
+// shares 2 and no matrix.
 void BM_StepPlanner(benchmark::State& state) {
   const Scenario& s = GetScenario();
   const CostModel cost(s.topology, CostConfig(state.range(1) != 0));
   const QuotaPlanOptions options{.transient_per_rank = static_cast<int>(state.range(0)),
                                  .record_shares = state.range(2) != 0,
-                                 .shares_of_rank = state.range(2) == 2 ? 0 : -1};
+                                 .shares_of_rank = state.range(2) == 2 ? 0 : -1,
+                                 .sent_tokens = state.range(3) != 0};
   std::vector<double> by_expert;
   TrafficByExpert(s.load.traffic, kRanks, kExperts, by_expert);
   StepPlanner planner(s.topology, cost);
@@ -186,13 +188,15 @@ void BM_StepPlanner(benchmark::State& state) {
   state.counters["transients"] = static_cast<double>(routing.transients.size());
 }
 BENCHMARK(BM_StepPlanner)
-    ->ArgNames({"transient_per_rank", "small_experts", "shares"})
-    ->Args({0, 0, 0})
-    ->Args({1, 0, 0})
-    ->Args({1, 1, 0})
-    ->Args({1, 0, 1})
-    ->Args({0, 0, 2})
-    ->Args({1, 0, 2})
+    ->ArgNames({"transient_per_rank", "small_experts", "shares", "matrix"})
+    ->Args({0, 0, 0, 1})
+    ->Args({1, 0, 0, 1})
+    ->Args({1, 1, 0, 1})
+    ->Args({1, 0, 1, 1})
+    ->Args({0, 0, 0, 0})
+    ->Args({1, 0, 0, 0})
+    ->Args({0, 0, 2, 0})
+    ->Args({1, 0, 2, 0})
     ->Unit(benchmark::kMicrosecond);
 
 // One cost-model estimate, for scale: the planner calls it once per transient that lowers the

@@ -131,12 +131,12 @@ KEEL_AVX2_CLONES void AddToLinkInLockstep(const double* const* rows, int count, 
   }
 }
 
-// One pass of the all-to-all of `sent_tokens` [num_ranks * num_ranks]: the slowest rank's
-// seconds on its slowest link, the same as LinkLoad::Add for every pair, row by row, followed by
-// SlowestRankSeconds. The receive sums sit in two plain arrays, one per link class, so that four
-// receivers take one vector addition.
-double AllToAllPassSeconds(const Topology& topology, std::span<const int> rank_node,
-                           const double* sent_tokens, int num_ranks, double bytes_per_row) {
+// One pass of the all-to-all of `sent_tokens` [num_ranks * num_ranks]: the most bytes any rank
+// sends or receives over each link class, the same sums as LinkLoad::Add for every pair, row by
+// row. The receive sums sit in two plain arrays, one per link class, so that four receivers take
+// one vector addition.
+LinkPeaks AllToAllPeaks(const Topology& topology, std::span<const int> rank_node,
+                        const double* sent_tokens, int num_ranks, double bytes_per_row) {
   std::vector<double> receive(static_cast<size_t>(num_ranks) * 2, 0.0);
   double* receive_intra = receive.data();
   double* receive_inter = receive.data() + num_ranks;
@@ -169,10 +169,7 @@ double AllToAllPassSeconds(const Topology& topology, std::span<const int> rank_n
     most_intra = std::max(most_intra, receive_intra[dst]);
     most_inter = std::max(most_inter, receive_inter[dst]);
   }
-  // Rounding is monotone, so dividing the largest byte count of each link class gives the same
-  // seconds as dividing every count first.
-  return std::max({0.0, most_intra / topology.intra_node_bytes_per_second(),
-                   most_inter / topology.inter_node_bytes_per_second()});
+  return {most_intra, most_inter};
 }
 
 }  // namespace
@@ -219,12 +216,25 @@ LayerCost CostModel::EstimateParts(const Placement& placement, double max_rank_t
                                    double replica_sync_seconds, double migration_seconds) const {
   assert(all_to_all.size() ==
          static_cast<size_t>(topology_.num_ranks()) * static_cast<size_t>(topology_.num_ranks()));
+  const LinkPeaks peaks = AllToAllPeaks(topology_, rank_node_, all_to_all.data(),
+                                        topology_.num_ranks(), token_row_bytes());
+  return EstimateFromPeaks(placement, max_rank_tokens, peaks, transients, replica_sync_seconds,
+                           migration_seconds);
+}
+
+LayerCost CostModel::EstimateFromPeaks(const Placement& placement, double max_rank_tokens,
+                                       LinkPeaks peaks,
+                                       std::span<const TransientReplica> transients,
+                                       double replica_sync_seconds,
+                                       double migration_seconds) const {
   LayerCost cost;
   cost.compute_seconds = ComputeSeconds(max_rank_tokens);
-
-  cost.all_to_all_seconds = AllToAllPassSeconds(topology_, rank_node_, all_to_all.data(),
-                                                topology_.num_ranks(), token_row_bytes()) *
-                            config_.all_to_all_passes;
+  // Rounding is monotone, so dividing the largest byte count of each link class gives the same
+  // seconds as dividing every count first.
+  const double pass_seconds =
+      std::max({0.0, peaks.intra_bytes / topology_.intra_node_bytes_per_second(),
+                peaks.inter_bytes / topology_.inter_node_bytes_per_second()});
+  cost.all_to_all_seconds = pass_seconds * config_.all_to_all_passes;
 
   cost.replica_sync_seconds = replica_sync_seconds;
   cost.transient_seconds = TransientSeconds(placement, transients);

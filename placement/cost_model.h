@@ -15,6 +15,12 @@
 
 namespace keel {
 
+// The most bytes any rank sends, or receives, over each link class in one all-to-all pass.
+struct LinkPeaks {
+  double intra_bytes = 0;  // within a node
+  double inter_bytes = 0;  // between nodes
+};
+
 struct LayerCost {
   double compute_seconds = 0;       // slowest rank's expert compute, forward + backward
   double all_to_all_seconds = 0;    // slowest rank's dispatch/combine traffic, all passes
@@ -73,6 +79,12 @@ class CostModel {
                           std::span<const double> all_to_all,
                           std::span<const TransientReplica> transients, double replica_sync_seconds,
                           double migration_seconds = 0) const;
+
+  // EstimateParts once the all-to-all's peaks are known: the same LayerCost as EstimateParts for a
+  // matrix whose link sums peak at `peaks`.
+  LayerCost EstimateFromPeaks(const Placement& placement, double max_rank_tokens, LinkPeaks peaks,
+                              std::span<const TransientReplica> transients,
+                              double replica_sync_seconds, double migration_seconds = 0) const;
 
   MigrationCost Migration(const Placement& from, const Placement& to) const;
 

@@ -37,7 +37,9 @@ struct CopyShare {
 struct StepRouting {
   int num_ranks = 0;
   std::vector<double> rank_tokens;  // [num_ranks] token rows computed by each rank
-  std::vector<double> sent_tokens;  // [num_ranks * num_ranks] rows from src (row) to dst (column)
+  // [num_ranks * num_ranks] rows from src (row) to dst (column); empty when the planner was asked
+  // not to fill it (QuotaPlanOptions::sent_tokens).
+  std::vector<double> sent_tokens;
   std::vector<double> slot_tokens;  // [num_slots] quota of each persistent slot
   std::vector<TransientReplica> transients;
   std::vector<double> transient_tokens;  // [transients.size()] quota of each transient replica
@@ -72,6 +74,9 @@ struct QuotaPlanOptions {
   // With record_shares: -1 records every share; a rank records only the shares it sends or
   // receives, which is all that Engine::Route on that rank reads.
   int shares_of_rank = -1;
+  // Fill StepRouting::sent_tokens, the all-to-all matrix (CostModel::Estimate reads it; the
+  // engine's routing does not). Without it sent_tokens is left empty.
+  bool sent_tokens = true;
 };
 Result<StepRouting> PlanStepQuotas(const Placement& placement, const StepLoad& load,
                                    const Topology& topology, const CostModel& cost,

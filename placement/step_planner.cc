@@ -40,34 +40,28 @@ struct EntryBits {
 
 // The one pass over the traffic by expert (`num_sources` entries per expert, a multiple of 4):
 // the EntryBits of every entry; lane_totals[e], expert e's sources added four lanes at a time,
-// then the lanes; and each expert e with single_rank[e] >= 0 added to row single_rank[e] of
-// `received` (`num_sources` entries per row), experts in ascending order. A lane total differs
-// from the sum in source order only in rounding, so it is that sum whenever every partial sum is
-// exact: whole entries whose total stays below 2^53.
+// then the lanes; and sent[s], what source s sends to all experts, added to what `sent` holds.
+// A lane total differs from the sum in source order only in rounding, so it is that sum whenever
+// every partial sum is exact: whole entries whose total stays below 2^53. The same holds for
+// `sent`.
 KEEL_AVX2_CLONES EntryBits ScanByExpert(const double* by_expert, int num_experts, int num_sources,
-                                        const int* single_rank, double* received,
-                                        double* lane_totals) {
+                                        double* sent, double* lane_totals) {
   constexpr double kWhole = 4503599627370496.0;  // 2^52
   BitsQuad bits = {};
   BitsQuad fractional = {};
   for (int e = 0; e < num_experts; ++e) {
     const double* row = by_expert + static_cast<size_t>(e) * num_sources;
-    double* target =
-        single_rank[e] < 0 ? nullptr : received + static_cast<size_t>(single_rank[e]) * num_sources;
     // Two sums: one chain of additions per expert would wait on the adder at every step.
     DoubleQuad even = {}, odd = {};
     auto visit = [&](int s, DoubleQuad& sum) {
-      DoubleQuad quad;
+      DoubleQuad quad, cell;
       std::memcpy(&quad, row + s, sizeof quad);
       bits |= (BitsQuad)quad;
       fractional |= (BitsQuad)((quad + kWhole) - kWhole != quad);
       sum += quad;
-      if (target != nullptr) {
-        DoubleQuad cell;
-        std::memcpy(&cell, target + s, sizeof cell);
-        cell += quad;
-        std::memcpy(target + s, &cell, sizeof cell);
-      }
+      std::memcpy(&cell, sent + s, sizeof cell);
+      cell += quad;
+      std::memcpy(sent + s, &cell, sizeof cell);
     };
     int s = 0;
     for (; s + 8 <= num_sources; s += 8) {
@@ -257,6 +251,74 @@ KEEL_AVX2_CLONES void Transpose(const double* in, int rows, int cols, double* ou
   }
 }
 
+// Link sums of a routing on the fast path (one source per rank, exact sums), three arrays of
+// num_ranks: per rank, the tokens it receives from its own node and those it sends to its own
+// node (both with what it keeps), and the tokens it keeps. What a rank receives in all is its
+// load, and what it sends in all is its sources' traffic, so with these the four link sums of
+// the all-to-all follow by subtraction (PeaksOf).
+enum LinkSum { kFromNode = 0, kToNode = 1, kKept = 2 };
+constexpr int kLinkSums = 3;
+
+// The all-to-all's peaks (AllToAllPeaks's bytes) from the link sums `links`, the ranks' loads
+// `rank_tokens` and what each source sends in all, `sent`: every product with bytes_per_row is
+// exact (the caller's condition), so the largest sum times bytes_per_row is the largest product.
+LinkPeaks PeaksOf(const double* links, const double* rank_tokens, const double* sent, int num_ranks,
+                  double bytes_per_row) {
+  const double* from_node = links + static_cast<size_t>(kFromNode) * num_ranks;
+  const double* to_node = links + static_cast<size_t>(kToNode) * num_ranks;
+  const double* kept = links + static_cast<size_t>(kKept) * num_ranks;
+  double intra = 0;
+  double inter = 0;
+  for (int r = 0; r < num_ranks; ++r) {
+    intra = std::max({intra, from_node[r] - kept[r], to_node[r] - kept[r]});
+    inter = std::max({inter, rank_tokens[r] - from_node[r], sent[r] - to_node[r]});
+  }
+  return {intra * bytes_per_row, inter * bytes_per_row};
+}
+
+// Adds `sign` times the link sums of an expert whose copies all sit on `rank` to `links`: its
+// sources `column` [num_ranks] send everything there, so rank `rank` receives the tokens of its
+// node's sources [first, last), which each send theirs to their node, and keeps its own.
+inline void AddSingleLinkSums(const double* column, int rank, int first, int last, int num_ranks,
+                              double sign, double* links) {
+  double* to_node = links + static_cast<size_t>(kToNode) * num_ranks;
+  double from_node = 0;
+  int s = first;
+  if (first % 4 == 0) {
+    DoubleQuad lanes = {};
+    for (; s + 4 <= last; s += 4) {
+      DoubleQuad tokens, cell;
+      std::memcpy(&tokens, column + s, sizeof tokens);
+      tokens *= sign;
+      lanes += tokens;
+      std::memcpy(&cell, to_node + s, sizeof cell);
+      cell += tokens;
+      std::memcpy(to_node + s, &cell, sizeof cell);
+    }
+    from_node = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  }
+  for (; s < last; ++s) {
+    from_node += sign * column[s];
+    to_node[s] += sign * column[s];
+  }
+  links[static_cast<size_t>(kFromNode) * num_ranks + rank] += from_node;
+  links[static_cast<size_t>(kKept) * num_ranks + rank] += sign * column[rank];
+}
+
+// AddSingleLinkSums, sign 1, for every expert e with single_rank[e] >= 0, the traffic by expert
+// `by_expert` [num_experts * num_ranks] holding their columns.
+KEEL_AVX2_CLONES void AddAllSingleLinkSums(const double* by_expert, const int* single_rank,
+                                           int num_experts, int num_ranks, int per_node,
+                                           double* links) {
+  for (int e = 0; e < num_experts; ++e) {
+    const int rank = single_rank[e];
+    if (rank < 0) continue;
+    const int first = rank / per_node * per_node;
+    AddSingleLinkSums(by_expert + static_cast<size_t>(e) * num_ranks, rank, first,
+                      std::min(first + per_node, num_ranks), num_ranks, 1.0, links);
+  }
+}
+
 // Checks run in this order: the load's shape, then its entries (during Scan, and TrafficValues or
 // ByExpertValues to name a bad one), then the rest.
 Status ValidateLoadShape(const Placement& placement, const StepLoad& load) {
@@ -382,21 +444,36 @@ class StepPlanner::Impl {
  private:
   // A routing under construction. The tokens that rank s sends to rank d sit at
   // received[d * num_ranks + s], the transpose of StepRouting::sent_tokens: a rank's row then
-  // takes a single-rank expert's sources as one contiguous addition.
+  // takes a single-rank expert's sources as one contiguous addition. On the fast path `received`
+  // holds only the tokens of experts spread over several ranks (Publish adds the rest when the
+  // caller wants the matrix), and `links` the link sums that price it.
   struct Draft {
     std::vector<double> rank_tokens;  // [num_ranks]
     std::vector<double> received;     // [num_ranks * num_ranks]
     std::vector<double> slot_tokens;  // [num_slots]
     std::vector<double> transient_tokens;
     std::vector<CopyShare> shares;
+    std::vector<double> links;  // [kLinkSums * num_ranks], fast path only
+  };
+  // What PatchBest overwrote in best_.
+  struct Undo {
+    std::vector<int> rows;         // ranks whose rows of received tokens changed
+    std::vector<double> received;  // those rows before, one after another
+    std::vector<double> rank_tokens;
+    std::vector<double> slot_tokens;
+    std::vector<double> transient_tokens;
+    std::vector<double> links;
   };
 
   // What depends on the placement and the number of sources alone; kept while they stay.
   void Bind(const Placement& placement, int num_sources);
-  // The one pass over the traffic: per-expert totals, and scanned_, the rows that experts held
-  // by one rank in the placement fill (every source sends there). False when some entry may be
-  // negative, not finite or beyond kMaxTokens; the caller then names it.
+  // The pass over the traffic: per-expert totals and, for the experts held by one rank in the
+  // placement (every source sends there), their link sums (single_links_) on the fast path,
+  // else the rows they fill (scanned_). False when some entry may be negative, not finite or
+  // beyond kMaxTokens; the caller then names it.
   bool Scan();
+  // Adds `sign` times the link sums of `expert`, whose copies all sit on `rank`, to `links`.
+  void AddSingleLinks(int expert, int rank, double sign, double* links) const;
   // Adds the tokens of `rank`'s single-rank experts that `keep` accepts to `row`, that rank's
   // row of received tokens: for each source, experts in ascending order, a rank's sources in
   // ascending order.
@@ -414,18 +491,24 @@ class StepPlanner::Impl {
   // quotas in `split`.
   void Assign(size_t num_extras, const QuotaSplit& split, Draft& draft);
   // Adds `sign` (1 or -1) times the routing of `expert`'s tokens under `split` to `draft`; the
-  // tokens of an expert on one rank enter its row of received tokens only with `single_row`
-  // (Assign has them from Scan).
+  // tokens of an expert on one rank enter its row of received tokens (its link sums on the fast
+  // path) only with `single_row` (Assign has them from Scan).
   void AddExpert(int expert, const QuotaSplit& split, double sign, bool single_row, Draft& draft);
   // Tokens of `expert` with copies on several ranks: local copies first, then copies on the same
   // node, then the rest, each pass in copy order and ascending source order.
   void AssignSpread(int expert, const QuotaSplit& split, double sign, Draft& draft);
+  // AssignSpread on the fast path: the same shares, found per copy instead of per source, and
+  // the link sums. Every copy gets its whole quota (the quotas add up to the expert's total), so
+  // the slot and rank sums take the quotas at once.
+  void AssignSpreadWhole(int expert, const QuotaSplit& split, double sign, Draft& draft);
   // moved_[e]: whether any copy of expert e has a different quota in trial_split_ than in split_.
   void MarkMovedQuotas();
-  // trial_ for the candidate transient of `expert` when every sum is exact (whole_): best_ with
-  // the routing of each expert whose quotas moved taken out and put back, the same bits (and
-  // shares) as a fresh Assign.
-  void PatchTrial(int expert);
+  // On the fast path: turns best_ into the routing for the candidate transient of `expert` in
+  // place, taking out and putting back the routing of each expert whose quotas moved: the same
+  // bits as a fresh Assign, its shares in trial_.shares. What it overwrites goes to undo_.
+  void PatchBest(int expert);
+  // Takes best_ back to what it was before PatchBest.
+  void RestoreBest();
   // Shares of an expert whose copies sit on one rank: sources in ascending order fill the copies
   // in copy order up to the quotas in room_.
   void ShareInSourceOrder(int expert, Draft& draft);
@@ -433,11 +516,13 @@ class StepPlanner::Impl {
   bool Recorded(int source_rank, int rank) const {
     return shares_of_rank_ < 0 || source_rank == shares_of_rank_ || rank == shares_of_rank_;
   }
-  // The cost model's layer time for `draft` with `transients`.
+  // The cost model's layer time for `draft` with `transients`; from its link sums on the fast
+  // path.
   double Seconds(const Draft& draft, std::span<const TransientReplica> transients) const;
-  // Moves `draft` into `routing`, whose old buffers `draft` takes for the next step.
-  void Publish(Draft& draft, const std::vector<TransientReplica>& transients,
-               StepRouting& routing) const;
+  // Moves `draft` into `routing`, whose old buffers `draft` takes for the next step; the
+  // all-to-all matrix only with `sent_tokens`.
+  void Publish(Draft& draft, const std::vector<TransientReplica>& transients, bool sent_tokens,
+               StepRouting& routing);
 
   const Topology& topology_;
   const CostModel& cost_;
@@ -451,6 +536,7 @@ class StepPlanner::Impl {
   int num_slots_ = 0;
   int num_sources_ = 0;
   std::vector<int> source_rank_;  // [num_sources]
+  std::vector<int> node_of_;      // [num_ranks]
   // One source per rank, a multiple of 4 of them: source s is rank s, a rank's row of received
   // tokens lines up with an expert's sources, and both go four at a time.
   bool source_quads_ = false;
@@ -464,13 +550,25 @@ class StepPlanner::Impl {
   bool record_shares_ = false;
   int shares_of_rank_ = -1;  // options.shares_of_rank
   bool whole_ = false;       // every entry a whole number, and every sum of them exact
-  double sync_seconds_ = 0;  // the placement's replica sync, once a candidate needs it
+  // The fast path: whole_, one source per rank (source_quads_), and every link sum times the
+  // cost model's bytes per token row exact, so that link sums price a routing (PeaksOf). A
+  // routing is then patched in place and found per copy; sums are exact in any order.
+  bool fast_ = false;
+  std::vector<double> sent_;  // [num_ranks] what each source sends in all
+  // Whether drafts keep their rows of received tokens: off the fast path, or when the caller
+  // wants the all-to-all matrix. Otherwise the rows' additions go to scratch_row_, never read.
+  bool keep_rows_ = true;
+  std::vector<double> scratch_row_;   // [num_ranks]
+  std::vector<double> single_links_;  // [kLinkSums * num_ranks] fast path: single-rank experts
+  // The bound placement's replica sync, once a candidate needs it; -1 until then.
+  double sync_seconds_ = -1;
   std::vector<double> totals_;
   std::vector<long long> rounded_;
   // [num_experts] totals_ / rounded_ (0 when rounded to 0): quotas count rounded tokens, and
   // this scales them to the expert's exact total. Computed once, as every Assign needs it.
   std::vector<double> scale_;
-  std::vector<double> scanned_;    // [num_ranks * num_ranks] received from single-rank experts
+  // [num_ranks * num_ranks] received from single-rank experts, off the fast path.
+  std::vector<double> scanned_;
   std::vector<double> remaining_;  // [num_sources] tokens of the current expert still unsent
   std::vector<double> room_;       // [copies of the current expert] quota still open
   std::vector<int> kept_;          // scratch of AddSingles
@@ -482,10 +580,13 @@ class StepPlanner::Impl {
   std::vector<int> transients_on_rank_;
   std::vector<char> holds_;
   Draft best_;
-  Draft trial_;
-  std::vector<int> patched_;  // scratch of PatchTrial: the experts it patched, ascending
-  Draft moved_shares_;        // scratch of PatchTrial: their new shares
-  std::vector<char> moved_;   // [num_experts] scratch of PatchTrial: see MarkMovedQuotas
+  Draft trial_;  // the candidate's routing where best_ is not patched in place
+  Undo undo_;
+  std::vector<int> patched_;   // scratch of PatchBest: the experts it patched, ascending
+  Draft moved_shares_;         // scratch of PatchBest: their new shares
+  std::vector<char> moved_;    // [num_experts] scratch of PatchBest: see MarkMovedQuotas
+  std::vector<char> touched_;  // [num_ranks] scratch of PatchBest: rows saved in undo_
+  std::vector<char> gained_;   // [num_experts] scratch of Publish: experts with a transient
 };
 
 void StepPlanner::Impl::Bind(const Placement& placement, int num_sources) {
@@ -496,6 +597,7 @@ void StepPlanner::Impl::Bind(const Placement& placement, int num_sources) {
   }
   bound_ = true;
   phy2log_ = placement.phy2log();
+  sync_seconds_ = -1;
   num_experts_ = placement.num_experts();
   num_ranks_ = placement.num_ranks();
   num_slots_ = placement.num_slots();
@@ -503,6 +605,8 @@ void StepPlanner::Impl::Bind(const Placement& placement, int num_sources) {
   source_rank_.resize(num_sources);
   for (int s = 0; s < num_sources; ++s) source_rank_[s] = s % num_ranks_;
   source_quads_ = num_sources == num_ranks_ && num_sources % 4 == 0;
+  node_of_.resize(num_ranks_);
+  for (int r = 0; r < num_ranks_; ++r) node_of_[r] = topology_.node_of(r);
 
   std::vector<int>& single_rank = single_rank_;
   single_rank.resize(num_experts_);
@@ -550,18 +654,13 @@ bool StepPlanner::Impl::Scan() {
   const int num_experts = num_experts_;
   const int num_ranks = num_ranks_;
   totals_.resize(num_experts);
-  scanned_.assign(static_cast<size_t>(num_ranks) * num_ranks, 0.0);
   const bool one_pass = source_quads_;
   EntryBits scanned;
   if (one_pass) {
-    scanned = ScanByExpert(by_expert_, num_experts, num_sources_, single_rank_.data(),
-                           scanned_.data(), totals_.data());
+    sent_.assign(num_ranks, 0.0);
+    scanned = ScanByExpert(by_expert_, num_experts, num_sources_, sent_.data(), totals_.data());
   } else {
     scanned = ScanEntries(by_expert_, static_cast<size_t>(num_experts) * num_sources_);
-    for (int rank = 0; rank < num_ranks; ++rank) {
-      AddSingles(rank, scanned_.data() + static_cast<size_t>(rank) * num_ranks,
-                 [](int) { return true; });
-    }
   }
   // Any negative entry (or -0.0, or a NaN with its sign bit) sets the sign bit of the OR; a NaN,
   // an infinity or an entry beyond kMaxTokens makes its expert's total NaN or beyond kMaxTokens,
@@ -581,6 +680,19 @@ bool StepPlanner::Impl::Scan() {
     total = sum_totals();
     whole_ = non_negative && !scanned.fractional && total < 4503599627370496.0;
   }
+  // Rounding is monotone and 2^53 is a double, so a rounded product below 2^53 is exact.
+  fast_ = one_pass && whole_ && total * cost_.token_row_bytes() < 9007199254740992.0;
+  if (fast_) {
+    single_links_.assign(static_cast<size_t>(kLinkSums) * num_ranks, 0.0);
+    AddAllSingleLinkSums(by_expert_, single_rank_.data(), num_experts, num_ranks,
+                         topology_.gpus_per_node(), single_links_.data());
+  } else {
+    scanned_.assign(static_cast<size_t>(num_ranks) * num_ranks, 0.0);
+    for (int rank = 0; rank < num_ranks; ++rank) {
+      AddSingles(rank, scanned_.data() + static_cast<size_t>(rank) * num_ranks,
+                 [](int) { return true; });
+    }
+  }
   bool in_range = non_negative;
   rounded_.resize(num_experts);
   scale_.resize(num_experts);
@@ -599,6 +711,13 @@ bool StepPlanner::Impl::Scan() {
     scale_[e] = rounded_[e] > 0 ? totals_[e] / static_cast<double>(rounded_[e]) : 0.0;
   }
   return in_range;
+}
+
+void StepPlanner::Impl::AddSingleLinks(int expert, int rank, double sign, double* links) const {
+  const int first = node_of_[rank] * topology_.gpus_per_node();
+  AddSingleLinkSums(by_expert_ + static_cast<size_t>(expert) * num_ranks_, rank, first,
+                    std::min(first + topology_.gpus_per_node(), num_ranks_), num_ranks_, sign,
+                    links);
 }
 
 void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double sign,
@@ -770,18 +889,153 @@ void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double
   close();
 }
 
+void StepPlanner::Impl::AssignSpreadWhole(int expert, const QuotaSplit& split, double sign,
+                                          Draft& draft) {
+  const int num_slots = num_slots_;
+  const int num_ranks = num_ranks_;
+  const QuotaSolver& solver = solver_;
+  const int begin = solver.copy_begin(expert);
+  const int count = CopyEnd(expert) - begin;
+  room_.resize(count);
+  double* room = room_.data();
+  for (int i = 0; i < count; ++i) {
+    const int id = solver.copy_id(begin + i);
+    const double quota = static_cast<double>(id < num_slots ? split.slot_quota[id]
+                                                            : split.extra_quota[id - num_slots]);
+    room[i] = quota;
+    (id < num_slots ? draft.slot_tokens[id] : draft.transient_tokens[id - num_slots]) +=
+        sign * quota;
+    draft.rank_tokens[solver.copy_rank(begin + i)] += sign * quota;
+  }
+  // Raw pointers: the stores below are doubles, which could be any vector's elements as far as
+  // the compiler knows.
+  double* remaining = remaining_.data();
+  std::memcpy(remaining, by_expert_ + static_cast<size_t>(expert) * num_ranks,
+              sizeof(double) * num_ranks);
+  double* received = draft.received.data();
+  const bool keep_rows = keep_rows_;
+  double* scratch_row = scratch_row_.data();
+  double* from_node = draft.links.data() + static_cast<size_t>(kFromNode) * num_ranks;
+  double* to_node = draft.links.data() + static_cast<size_t>(kToNode) * num_ranks;
+  double* kept = draft.links.data() + static_cast<size_t>(kKept) * num_ranks;
+  const int* node_of = node_of_.data();
+  const bool record_shares = record_shares_;
+  // One copy at a time: `rank`, `node` and `id` are the copy's, `open` its quota still open (a
+  // local, so that it stays in a register), `row` its rank's row of received tokens. Source
+  // (= rank) s sends it `tokens` > 0.
+  int rank = 0;
+  int node = 0;
+  int id = 0;
+  double open = 0;
+  double* row = received;
+  auto select = [&](int i) KEEL_INLINE {
+    rank = solver.copy_rank(begin + i);
+    node = node_of[rank];
+    id = solver.copy_id(begin + i);
+    open = room[i];
+    row = keep_rows ? received + static_cast<size_t>(rank) * num_ranks : scratch_row;
+  };
+  auto share = [&](int s, double tokens) KEEL_INLINE {
+    if (record_shares && Recorded(s, rank)) draft.shares.push_back({s, expert, id, tokens});
+  };
+  // A share from a source on the copy's node, which the link sums count.
+  auto give_near = [&](int s, double tokens) KEEL_INLINE {
+    open -= tokens;
+    remaining[s] -= tokens;
+    row[s] += sign * tokens;
+    from_node[rank] += sign * tokens;
+    to_node[s] += sign * tokens;
+    if (s == rank) kept[rank] += sign * tokens;
+    share(s, tokens);
+  };
+  // Local: each copy takes what its own rank has.
+  for (int i = 0; i < count; ++i) {
+    select(i);
+    const double tokens = std::min(remaining[rank], open);
+    if (tokens > 0) give_near(rank, tokens);
+    room[i] = open;
+  }
+  // Same node, in source order.
+  const int per_node = topology_.gpus_per_node();
+  for (int i = 0; i < count; ++i) {
+    if (room[i] <= 0) continue;
+    select(i);
+    const int first = node * per_node;
+    const int last = std::min(first + per_node, num_ranks);
+    for (int s = first; s < last && open > 0; ++s) {
+      const double tokens = std::min(remaining[s], open);
+      if (tokens > 0) give_near(s, tokens);
+    }
+    room[i] = open;
+  }
+  // The rest: sources in order fill copies in order, as AssignSpread's last pass does. The
+  // quotas left add up to what the sources have left, so nothing is left over. A copy with
+  // quota left has emptied every source on its node, so these shares come from other nodes and
+  // leave the link sums alone. Four sources that fit the copy go at once.
+  int s = 0;
+  for (int i = 0; i < count; ++i) {
+    if (room[i] <= 0) continue;
+    select(i);
+    while (open > 0 && s < num_ranks) {
+      if (s % 4 == 0 && s + 4 <= num_ranks) {
+        const double l0 = remaining[s], l1 = remaining[s + 1], l2 = remaining[s + 2],
+                     l3 = remaining[s + 3];
+        const double sum = (l0 + l1) + (l2 + l3);
+        if (sum <= open) {
+          // Each cell gets one addition, of +0.0 or -0.0 where the source has nothing left:
+          // neither changes a cell, which is never -0.0.
+          open -= sum;
+          row[s] += sign * l0;
+          row[s + 1] += sign * l1;
+          row[s + 2] += sign * l2;
+          row[s + 3] += sign * l3;
+          if (record_shares) {
+            const double left[4] = {l0, l1, l2, l3};
+            for (int k = 0; k < 4; ++k) {
+              if (left[k] > 0) share(s + k, left[k]);
+            }
+          }
+          s += 4;
+          continue;
+        }
+      }
+      const double tokens = std::min(remaining[s], open);
+      if (tokens > 0) {
+        assert(node_of[s] != node);
+        open -= tokens;
+        remaining[s] -= tokens;
+        row[s] += sign * tokens;
+        share(s, tokens);
+      }
+      if (remaining[s] <= 0) ++s;
+    }
+  }
+}
+
 void StepPlanner::Impl::Assign(size_t num_extras, const QuotaSplit& split, Draft& draft) {
   const int num_ranks = num_ranks_;
   draft.rank_tokens.assign(num_ranks, 0.0);
-  draft.received.assign(scanned_.begin(), scanned_.end());
   draft.slot_tokens.assign(num_slots_, 0.0);
   draft.transient_tokens.assign(num_extras, 0.0);
   draft.shares.clear();
   remaining_.resize(num_sources_);
+  if (fast_) {
+    // Scan has the link sums of every single-rank expert; take out those that gained a copy.
+    draft.received.assign(keep_rows_ ? static_cast<size_t>(num_ranks) * num_ranks : 0, 0.0);
+    draft.links.assign(single_links_.begin(), single_links_.end());
+    for (int e = 0; e < num_experts_; ++e) {
+      if (single_rank_[e] >= 0 && RankCount(e) != 1) {
+        AddSingleLinks(e, single_rank_[e], -1.0, draft.links.data());
+      }
+    }
+  } else {
+    draft.received.assign(scanned_.begin(), scanned_.end());
+  }
 
-  // Scan sent every single-rank expert's tokens to its rank. Redo the rows of ranks that lost
-  // one to a transient, in Scan's order, so the sums are what a fresh pass would give.
-  for (int rank = 0; rank < num_ranks; ++rank) {
+  // Off the fast path, Scan sent every single-rank expert's tokens to its rank. Redo the rows of
+  // ranks that lost one to a transient, in Scan's order, so the sums are what a fresh pass would
+  // give.
+  for (int rank = 0; rank < num_ranks && !fast_; ++rank) {
     bool changed = false;
     for (int i = rank_single_begin_[rank]; i < rank_single_begin_[rank + 1]; ++i) {
       changed |= RankCount(rank_single_[i]) != 1;
@@ -820,7 +1074,11 @@ void StepPlanner::Impl::Assign(size_t num_extras, const QuotaSplit& split, Draft
 void StepPlanner::Impl::AddExpert(int expert, const QuotaSplit& split, double sign, bool single_row,
                                   Draft& draft) {
   if (RankCount(expert) > 1) {
-    AssignSpread(expert, split, sign, draft);
+    if (fast_) {
+      AssignSpreadWhole(expert, split, sign, draft);
+    } else {
+      AssignSpread(expert, split, sign, draft);
+    }
     return;
   }
   const int num_slots = num_slots_;
@@ -843,7 +1101,9 @@ void StepPlanner::Impl::AddExpert(int expert, const QuotaSplit& split, double si
         sign * tokens;
     if (record_shares_) room_[c - begin] = tokens;
   }
-  if (single_row) {
+  if (single_row && fast_) {
+    AddSingleLinks(expert, rank, sign, draft.links.data());
+  } else if (single_row) {
     double* row = draft.received.data() + static_cast<size_t>(rank) * num_ranks_;
     const double* column = by_expert_ + static_cast<size_t>(expert) * num_sources_;
     for (int s = 0; s < num_sources_; ++s) row[source_rank_[s]] += sign * column[s];
@@ -864,30 +1124,50 @@ void StepPlanner::Impl::MarkMovedQuotas() {
   }
 }
 
-void StepPlanner::Impl::PatchTrial(int expert) {
+void StepPlanner::Impl::PatchBest(int expert) {
   const bool record_shares = record_shares_;
-  trial_.rank_tokens.assign(best_.rank_tokens.begin(), best_.rank_tokens.end());
-  trial_.received.assign(best_.received.begin(), best_.received.end());
-  trial_.slot_tokens.assign(best_.slot_tokens.begin(), best_.slot_tokens.end());
-  trial_.transient_tokens.assign(best_.transient_tokens.begin(), best_.transient_tokens.end());
-  trial_.transient_tokens.push_back(0.0);
-  // The new shares of the experts patched, by expert: Assign's order.
-  patched_.clear();
-  moved_shares_.shares.clear();
   MarkMovedQuotas();
+  patched_.clear();
   for (int e = 0; e < num_experts_; ++e) {
-    if (totals_[e] == 0 || (e != expert && !moved_[e])) continue;
-    patched_.push_back(e);
+    if (totals_[e] != 0 && (e == expert || moved_[e])) patched_.push_back(e);
+  }
+  // Only the rows of ranks that hold a patched expert change (on the fast path the rows hold
+  // only experts spread over several ranks, and the link sums the others).
+  const size_t num_ranks = static_cast<size_t>(num_ranks_);
+  undo_.rows.clear();
+  touched_.assign(num_ranks, 0);
+  for (int e : patched_) {
+    if (!keep_rows_) break;
+    for (int c = solver_.copy_begin(e); c < solver_.copy_end(e); ++c) {
+      const int rank = solver_.copy_rank(c);
+      if (!touched_[rank]) undo_.rows.push_back(rank);
+      touched_[rank] = 1;
+    }
+  }
+  undo_.received.resize(undo_.rows.size() * num_ranks);
+  for (size_t i = 0; i < undo_.rows.size(); ++i) {
+    std::memcpy(undo_.received.data() + i * num_ranks,
+                best_.received.data() + undo_.rows[i] * num_ranks, sizeof(double) * num_ranks);
+  }
+  undo_.rank_tokens.assign(best_.rank_tokens.begin(), best_.rank_tokens.end());
+  undo_.slot_tokens.assign(best_.slot_tokens.begin(), best_.slot_tokens.end());
+  undo_.transient_tokens.assign(best_.transient_tokens.begin(), best_.transient_tokens.end());
+  undo_.links.assign(best_.links.begin(), best_.links.end());
+  best_.transient_tokens.push_back(0.0);
+
+  // The new shares of the experts patched, by expert: Assign's order.
+  moved_shares_.shares.clear();
+  for (int e : patched_) {
     // Out under the kept split, without the candidate; back in under the candidate's split.
     record_shares_ = false;
     excluded_expert_ = e == expert ? e : -1;
-    AddExpert(e, split_, -1.0, /*single_row=*/true, trial_);
+    AddExpert(e, split_, -1.0, /*single_row=*/true, best_);
     excluded_expert_ = -1;
     record_shares_ = record_shares;
     // Shares go to moved_shares_, whose sums are never read.
-    std::swap(trial_.shares, moved_shares_.shares);
-    AddExpert(e, trial_split_, 1.0, /*single_row=*/true, trial_);
-    std::swap(trial_.shares, moved_shares_.shares);
+    std::swap(best_.shares, moved_shares_.shares);
+    AddExpert(e, trial_split_, 1.0, /*single_row=*/true, best_);
+    std::swap(best_.shares, moved_shares_.shares);
   }
   // best_'s shares with those of the patched experts replaced, still by expert.
   trial_.shares.clear();
@@ -902,6 +1182,18 @@ void StepPlanner::Impl::PatchTrial(int expert) {
     }
   }
   trial_.shares.insert(trial_.shares.end(), kept, best_.shares.end());
+}
+
+void StepPlanner::Impl::RestoreBest() {
+  const size_t num_ranks = static_cast<size_t>(num_ranks_);
+  for (size_t i = 0; i < undo_.rows.size(); ++i) {
+    std::memcpy(best_.received.data() + undo_.rows[i] * num_ranks,
+                undo_.received.data() + i * num_ranks, sizeof(double) * num_ranks);
+  }
+  best_.rank_tokens.swap(undo_.rank_tokens);
+  best_.slot_tokens.swap(undo_.slot_tokens);
+  best_.transient_tokens.swap(undo_.transient_tokens);
+  best_.links.swap(undo_.links);
 }
 
 void StepPlanner::Impl::ShareInSourceOrder(int expert, Draft& draft) {
@@ -949,18 +1241,35 @@ double StepPlanner::Impl::Seconds(const Draft& draft,
                                   std::span<const TransientReplica> transients) const {
   const double max_rank_tokens =
       *std::max_element(draft.rank_tokens.begin(), draft.rank_tokens.end());
+  if (fast_) {
+    const LinkPeaks peaks = PeaksOf(draft.links.data(), draft.rank_tokens.data(), sent_.data(),
+                                    num_ranks_, cost_.token_row_bytes());
+    return cost_.EstimateFromPeaks(*placement_, max_rank_tokens, peaks, transients, sync_seconds_)
+        .total_seconds();
+  }
   return cost_
       .EstimateParts(*placement_, max_rank_tokens, draft.received, transients, sync_seconds_)
       .total_seconds();
 }
 
 void StepPlanner::Impl::Publish(Draft& draft, const std::vector<TransientReplica>& transients,
-                                StepRouting& routing) const {
+                                bool sent_tokens, StepRouting& routing) {
   const int num_ranks = num_ranks_;
   routing.num_ranks = num_ranks;
   routing.rank_tokens.swap(draft.rank_tokens);
-  routing.sent_tokens.resize(static_cast<size_t>(num_ranks) * num_ranks);
-  Transpose(draft.received.data(), num_ranks, num_ranks, routing.sent_tokens.data());
+  if (sent_tokens && fast_) {
+    // The rows hold the experts spread over several ranks: add those that stayed on one.
+    gained_.assign(num_experts_, 0);
+    for (const TransientReplica& t : transients) gained_[t.expert] = 1;
+    for (int rank = 0; rank < num_ranks; ++rank) {
+      AddSingles(rank, draft.received.data() + static_cast<size_t>(rank) * num_ranks,
+                 [&](int e) { return !gained_[e]; });
+    }
+  }
+  routing.sent_tokens.resize(sent_tokens ? static_cast<size_t>(num_ranks) * num_ranks : 0);
+  if (sent_tokens) {
+    Transpose(draft.received.data(), num_ranks, num_ranks, routing.sent_tokens.data());
+  }
   routing.slot_tokens.swap(draft.slot_tokens);
   routing.transients.assign(transients.begin(), transients.end());
   routing.transient_tokens.swap(draft.transient_tokens);
@@ -977,6 +1286,8 @@ Status StepPlanner::Impl::Plan(const Placement& placement, int num_sources,
   if (!Scan()) {
     return load != nullptr ? TrafficValues(*load) : ByExpertValues(by_expert, num_sources);
   }
+  keep_rows_ = !fast_ || options.sent_tokens;
+  scratch_row_.assign(num_ranks_, 0.0);
   KEEL_RETURN_IF_ERROR(ValidateTopologyAndOptions(placement, topology_, cost_, options));
   const std::span<const long long> tokens = rounded_;
   transients_.clear();
@@ -997,26 +1308,35 @@ Status StepPlanner::Impl::Plan(const Placement& placement, int num_sources,
       transients_.push_back(next);
       solver_.AddCopy(placement, transients_, trial_split_);
       if (trial_split_.max_rank_tokens >= split_.max_rank_tokens) break;
-      if (whole_) {
-        PatchTrial(next.expert);
-      } else {
-        Assign(transients_.size(), trial_split_, trial_);
-      }
       if (best_seconds < 0) {
-        sync_seconds_ = cost_.ReplicaSyncSeconds(placement);
+        if (sync_seconds_ < 0) sync_seconds_ = cost_.ReplicaSyncSeconds(placement);
         best_seconds = Seconds(best_, {transients_.data(), accepted});
       }
-      const double trial_seconds = Seconds(trial_, transients_);
-      if (!(trial_seconds < best_seconds)) break;
+      // On the fast path the candidate patches best_ in place (undone if it does not pay),
+      // otherwise it gets a routing of its own.
+      double trial_seconds;
+      if (fast_) {
+        PatchBest(next.expert);
+        trial_seconds = Seconds(best_, transients_);
+        if (!(trial_seconds < best_seconds)) {
+          RestoreBest();
+          break;
+        }
+        best_.shares.swap(trial_.shares);
+      } else {
+        Assign(transients_.size(), trial_split_, trial_);
+        trial_seconds = Seconds(trial_, transients_);
+        if (!(trial_seconds < best_seconds)) break;
+        std::swap(best_, trial_);
+      }
       ++transients_on_rank_[next.rank];
       best_seconds = trial_seconds;
-      std::swap(best_, trial_);
       std::swap(split_, trial_split_);
       accepted = transients_.size();
     }
   }
   transients_.resize(accepted);
-  Publish(best_, transients_, routing);
+  Publish(best_, transients_, options.sent_tokens, routing);
   return Status::Ok();
 }
 

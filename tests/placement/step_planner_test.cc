@@ -1,6 +1,6 @@
 // StepPlanner: one planner reused over changing placements, loads and options gives what a fresh
-// PlanStepQuotas gives, bit for bit; shares_of_rank keeps exactly one rank's shares; the
-// whole-count shortcuts give the ordered routing; bad input is named.
+// PlanStepQuotas gives, bit for bit; shares_of_rank keeps exactly one rank's shares; the fast
+// path gives the ordered routing; the all-to-all matrix is optional; bad input is named.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -209,10 +209,11 @@ TEST(StepPlannerTest, RoutingAgreesWithItsShares) {
 }
 
 // Case c with `extra` more sources that send nothing: the same routing, as sources without tokens
-// send no share and add only zeros. With one source per rank in quads (4 or 8 ranks) the planner
-// takes its whole-count shortcuts (one pass over the traffic, four sources at a time, a single
-// copy's total at once); with more sources than ranks it takes none, so this compares each
-// shortcut with the ordered arithmetic it replaces.
+// send no share and add only zeros. With whole counts and one source per rank in quads the
+// planner takes its fast path (one pass over the traffic, shares found per copy, candidates
+// patched into the routing kept and priced from link sums); with more sources than ranks it takes
+// none of it, so this compares each shortcut with the ordered arithmetic it replaces, and the
+// link sums' prices with the cost model's pass over the whole all-to-all matrix.
 Case WithSilentSources(const Case& c, int extra) {
   const int num_sources = c.load.num_sources + extra;
   std::vector<double> traffic(static_cast<size_t>(num_sources) * c.load.num_experts, 0.0);
@@ -225,7 +226,8 @@ Case WithSilentSources(const Case& c, int extra) {
 TEST(StepPlannerTest, ShortcutsGiveTheOrderedRouting) {
   std::mt19937 rng(41);
   int with_transients = 0;
-  for (const auto& [nodes, per_node] : std::vector<std::pair<int, int>>{{1, 4}, {2, 4}, {1, 8}}) {
+  for (const auto& [nodes, per_node] :
+       std::vector<std::pair<int, int>>{{1, 4}, {2, 4}, {1, 8}, {4, 4}, {2, 6}}) {
     const Topology topology = MakeTopology(nodes, per_node);
     const int num_ranks = nodes * per_node;
     const CostModel cost(topology, SmallExperts());
@@ -249,6 +251,38 @@ TEST(StepPlannerTest, ShortcutsGiveTheOrderedRouting) {
     }
   }
   EXPECT_GT(with_transients, 20);
+}
+
+// Without the all-to-all matrix (as the engine plans) the routing is the same, sent_tokens left
+// empty, whatever the counts and whichever path the planner takes; one planner switching between
+// the two keeps nothing of one in the other.
+TEST(StepPlannerTest, MatrixIsOptional) {
+  std::mt19937 rng(57);
+  const Topology topology = MakeTopology(2, 4);
+  const CostModel cost(topology, SmallExperts());
+  StepPlanner planner(topology, cost);
+  int with_transients = 0;
+  for (int trial = 0; trial < 80; ++trial) {
+    // Mostly the fast path: whole counts from one source per rank.
+    const int num_sources = trial % 4 == 3 ? 11 : 8;
+    const Case c = RandomCase(rng, 8, 3, 8 + static_cast<int>(rng() % 14), num_sources,
+                              /*fractional=*/trial % 5 == 4);
+    QuotaPlanOptions options;
+    options.transient_per_rank = static_cast<int>(rng() % 3);
+    options.record_shares = rng() % 2 == 0;
+    options.shares_of_rank = options.record_shares && rng() % 2 == 0 ? 3 : -1;
+    StepRouting with, without;
+    ASSERT_TRUE(planner.Plan(c.placement, num_sources, c.by_expert, options, with).ok());
+    options.sent_tokens = false;
+    ASSERT_TRUE(planner.Plan(c.placement, num_sources, c.by_expert, options, without).ok());
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    EXPECT_TRUE(without.sent_tokens.empty());
+    EXPECT_EQ(with.sent_tokens.size(), 64u);
+    without.sent_tokens = with.sent_tokens;
+    ExpectSameRouting(without, with);
+    with_transients += with.transients.empty() ? 0 : 1;
+  }
+  EXPECT_GT(with_transients, 10);
 }
 
 // The status's message contains `expected`.
