@@ -46,6 +46,10 @@ struct StepRouting {
   // Filled only by PlanStepQuotas with record_shares: every (source, copy) pair with tokens, by
   // expert, so each rank can map its own tokens to physical copies.
   std::vector<CopyShare> shares;
+  // Filled by the quota planner (PlanStepQuotas, StepPlanner): the cost model's layer time for
+  // this routing, as it priced its transient replicas (CostModel::Estimate's total without
+  // migration). 0 from RouteEvenly and RouteWithShadows.
+  double predicted_seconds = 0;
 
   double max_rank_tokens() const;
   double mean_rank_tokens() const;

@@ -1296,12 +1296,12 @@ Status StepPlanner::Impl::Plan(const Placement& placement, int num_sources,
   Assign(0, split_, best_);
 
   // Greedy transients: each must lower the max rank load and the cost model's predicted layer
-  // time; the first candidate that does not ends the search. The baseline is priced only once a
-  // candidate gets that far. Each candidate re-solves from the previous flow.
+  // time; the first candidate that does not ends the search. The baseline is priced once a
+  // candidate gets that far, else at the end. Each candidate re-solves from the previous flow.
   size_t accepted = 0;
+  double best_seconds = -1;
   if (options.transient_per_rank > 0) {
     transients_on_rank_.assign(num_ranks_, 0);
-    double best_seconds = -1;
     TransientReplica next;
     while (NextTransient(placement, topology_, solver_, tokens, transients_on_rank_,
                          options.transient_per_rank, holds_, next)) {
@@ -1336,6 +1336,11 @@ Status StepPlanner::Impl::Plan(const Placement& placement, int num_sources,
     }
   }
   transients_.resize(accepted);
+  if (best_seconds < 0) {
+    if (sync_seconds_ < 0) sync_seconds_ = cost_.ReplicaSyncSeconds(placement);
+    best_seconds = Seconds(best_, transients_);
+  }
+  routing.predicted_seconds = best_seconds;
   Publish(best_, transients_, options.sent_tokens, routing);
   return Status::Ok();
 }

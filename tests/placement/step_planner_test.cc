@@ -1,6 +1,7 @@
 // StepPlanner: one planner reused over changing placements, loads and options gives what a fresh
 // PlanStepQuotas gives, bit for bit; shares_of_rank keeps exactly one rank's shares; the fast
-// path gives the ordered routing; the all-to-all matrix is optional; bad input is named.
+// path gives the ordered routing; the routing's price is the cost model's; the all-to-all matrix
+// is optional; bad input is named.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -251,6 +252,38 @@ TEST(StepPlannerTest, ShortcutsGiveTheOrderedRouting) {
     }
   }
   EXPECT_GT(with_transients, 20);
+}
+
+// The price the planner gives its routing is the cost model's estimate of it, bit for bit: on the
+// fast path it comes from link sums, off it from a pass over the whole all-to-all matrix.
+TEST(StepPlannerTest, PredictedSecondsAreTheCostModels) {
+  std::mt19937 rng(61);
+  for (const auto& [nodes, per_node] :
+       std::vector<std::pair<int, int>>{{1, 8}, {2, 4}, {4, 4}, {2, 6}}) {
+    const Topology topology = MakeTopology(nodes, per_node);
+    const int num_ranks = nodes * per_node;
+    for (const CostModelConfig& config : {SmallExperts(), CostModelConfig{}}) {
+      const CostModel cost(topology, config);
+      StepPlanner planner(topology, cost);
+      for (int trial = 0; trial < 30; ++trial) {
+        const int num_sources = trial % 6 == 5 ? num_ranks + 3 : num_ranks;
+        const Case c =
+            RandomCase(rng, num_ranks, 3, num_ranks + static_cast<int>(rng() % num_ranks),
+                       num_sources, /*fractional=*/trial % 5 == 4);
+        QuotaPlanOptions options;
+        options.transient_per_rank = static_cast<int>(rng() % 3);
+        StepRouting routing;
+        ASSERT_TRUE(planner.Plan(c.placement, num_sources, c.by_expert, options, routing).ok());
+        const double expected =
+            cost.EstimateWithSync(c.placement, routing, cost.ReplicaSyncSeconds(c.placement))
+                .total_seconds();
+        SCOPED_TRACE(std::to_string(num_ranks) + " ranks, trial " + std::to_string(trial));
+        EXPECT_GT(routing.predicted_seconds, 0.0);
+        EXPECT_EQ(std::memcmp(&routing.predicted_seconds, &expected, sizeof expected), 0)
+            << routing.predicted_seconds << " vs " << expected;
+      }
+    }
+  }
 }
 
 // Without the all-to-all matrix (as the engine plans) the routing is the same, sent_tokens left
