@@ -1020,14 +1020,11 @@ void StepPlanner::Impl::Assign(size_t num_extras, const QuotaSplit& split, Draft
   draft.shares.clear();
   remaining_.resize(num_sources_);
   if (fast_) {
-    // Scan has the link sums of every single-rank expert; take out those that gained a copy.
+    // Scan has the link sums of every single-rank expert. On the fast path only the routing
+    // without transients is assigned afresh (candidates patch it), so each of them stays single.
+    assert(num_extras == 0);
     draft.received.assign(keep_rows_ ? static_cast<size_t>(num_ranks) * num_ranks : 0, 0.0);
     draft.links.assign(single_links_.begin(), single_links_.end());
-    for (int e = 0; e < num_experts_; ++e) {
-      if (single_rank_[e] >= 0 && RankCount(e) != 1) {
-        AddSingleLinks(e, single_rank_[e], -1.0, draft.links.data());
-      }
-    }
   } else {
     draft.received.assign(scanned_.begin(), scanned_.end());
   }
