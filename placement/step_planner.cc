@@ -991,8 +991,14 @@ void StepPlanner::Impl::AssignSpreadWhole(int expert, const QuotaSplit& split, d
           row[s + 3] += sign * l3;
           if (record_shares) {
             const double left[4] = {l0, l1, l2, l3};
-            for (int k = 0; k < 4; ++k) {
-              if (left[k] > 0) share(s + k, left[k]);
+            // With one rank's shares, a copy elsewhere records only that rank's.
+            const int mine = shares_of_rank_ - s;
+            if (shares_of_rank_ < 0 || rank == shares_of_rank_) {
+              for (int k = 0; k < 4; ++k) {
+                if (left[k] > 0) share(s + k, left[k]);
+              }
+            } else if (mine >= 0 && mine < 4 && left[mine] > 0) {
+              share(shares_of_rank_, left[mine]);
             }
           }
           s += 4;
