@@ -110,7 +110,34 @@ void QuotaSolver::BuildCopies(const Placement& placement,
   arc_flow_.assign(num_arcs, 0);
 }
 
+void QuotaSolver::BuildBaseCopies(const Placement& placement) {
+  if (!base_valid_ || base_.num_ranks != placement.num_ranks() ||
+      base_.copy_begin.size() != static_cast<size_t>(placement.num_experts()) + 1 ||
+      base_.phy2log != placement.phy2log()) {
+    BuildCopies(placement, {});
+    base_ = {placement.phy2log(), placement.num_ranks(),
+             copy_begin_,         copy_id_,
+             copy_rank_,          copy_arc_,
+             arc_begin_,          arc_rank_,
+             arc_expert_,         arc_copies_};
+    base_valid_ = true;
+  } else if (!copies_are_base_) {
+    copy_begin_.assign(base_.copy_begin.begin(), base_.copy_begin.end());
+    copy_id_.assign(base_.copy_id.begin(), base_.copy_id.end());
+    copy_rank_.assign(base_.copy_rank.begin(), base_.copy_rank.end());
+    copy_arc_.assign(base_.copy_arc.begin(), base_.copy_arc.end());
+    arc_begin_.assign(base_.arc_begin.begin(), base_.arc_begin.end());
+    arc_rank_.assign(base_.arc_rank.begin(), base_.arc_rank.end());
+    arc_expert_.assign(base_.arc_expert.begin(), base_.arc_expert.end());
+    arc_copies_.assign(base_.arc_copies.begin(), base_.arc_copies.end());
+  }
+  num_extras_ = 0;
+  arc_flow_.assign(arc_rank_.size(), 0);
+  copies_are_base_ = true;
+}
+
 bool QuotaSolver::InsertCopy(const TransientReplica& extra, int id) {
+  copies_are_base_ = false;
   const int expert = extra.expert;
   int arc = arc_begin_[expert];
   while (arc < arc_begin_[expert + 1] && arc_rank_[arc] != extra.rank) ++arc;
@@ -325,7 +352,12 @@ void QuotaSolver::Solve(const Placement& placement, std::span<const long long> t
   num_experts_ = placement.num_experts();
   num_ranks_ = placement.num_ranks();
   tokens_ = tokens;
-  BuildCopies(placement, extras);
+  if (extras.empty()) {
+    BuildBaseCopies(placement);
+  } else {
+    BuildCopies(placement, extras);
+    copies_are_base_ = false;
+  }
   Prepare();
   for (int e : flexible_) excess_[e] = tokens[e];
   pour_order_.assign(flexible_.begin(), flexible_.end());
@@ -424,6 +456,7 @@ long long QuotaSolver::Resolve(const Placement& placement) {
   previous_arc_rank_.assign(arc_rank_.begin(), arc_rank_.end());
   previous_flow_.assign(arc_flow_.begin(), arc_flow_.end());
   BuildCopies(placement, {});
+  copies_are_base_ = false;
   Prepare();
   // Each expert keeps its flow on the ranks that still hold it; what sat on a rank that lost
   // its copy becomes excess. A single-rank expert's tokens were implicit on its one rank.

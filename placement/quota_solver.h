@@ -63,6 +63,9 @@ class QuotaSolver {
 
  private:
   void BuildCopies(const Placement& placement, std::span<const TransientReplica> extras);
+  // BuildCopies(placement, {}), from base_ when it holds this placement's copies: a planner
+  // solves the same placement at every step.
+  void BuildBaseCopies(const Placement& placement);
   // What BuildCopies with `extra` appended to the extras would give, copies and arcs, from what
   // the last one gave; `id` is the extra's copy id. Flows stay on their arcs; a new arc starts
   // empty. Returns whether the extra's rank is new to its expert (a new arc).
@@ -126,6 +129,17 @@ class QuotaSolver {
   std::vector<int> rank_parent_;    // arc through which a rank was reached
   std::vector<int> queue_;          // experts as e, ranks as num_experts + r
   std::vector<int> reached_ranks_;
+
+  // The copies and arcs BuildBaseCopies built last, and the placement they are for.
+  struct Copies {
+    std::vector<int> phy2log;
+    int num_ranks = 0;
+    std::vector<int> copy_begin, copy_id, copy_rank, copy_arc;
+    std::vector<int> arc_begin, arc_rank, arc_expert, arc_copies;
+  };
+  Copies base_;
+  bool base_valid_ = false;
+  bool copies_are_base_ = false;  // whether copy_* and arc_* are base_'s now
 
   std::vector<int> cut_experts_;  // experts of the last min cut, ascending
   std::vector<char> in_cut_;      // [num_ranks] ranks of the last min cut

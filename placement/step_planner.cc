@@ -39,38 +39,63 @@ struct EntryBits {
 };
 
 // The one pass over the traffic by expert (`num_sources` entries per expert, a multiple of 4):
-// the EntryBits of every entry; lane_totals[e], expert e's sources added four lanes at a time,
-// then the lanes; and sent[s], what source s sends to all experts, added to what `sent` holds.
-// A lane total differs from the sum in source order only in rounding, so it is that sum whenever
-// every partial sum is exact: whole entries whose total stays below 2^53. The same holds for
-// `sent`.
+// the EntryBits of every entry; lane_totals[e], expert e's sources added in lanes and blocks of
+// sources; and sent[s] (set, not added to), what source s sends to all experts. Such a sum
+// differs from the sum in source (or expert) order only in rounding, so it is that sum whenever
+// every partial sum is exact: whole entries whose total stays below 2^53.
+//
+// Sixteen sources at a time go through every expert, so that their sums in `sent` stay in four
+// vector registers.
 KEEL_AVX2_CLONES EntryBits ScanByExpert(const double* by_expert, int num_experts, int num_sources,
                                         double* sent, double* lane_totals) {
   constexpr double kWhole = 4503599627370496.0;  // 2^52
   BitsQuad bits = {};
   BitsQuad fractional = {};
-  for (int e = 0; e < num_experts; ++e) {
-    const double* row = by_expert + static_cast<size_t>(e) * num_sources;
-    // Two sums: one chain of additions per expert would wait on the adder at every step.
-    DoubleQuad even = {}, odd = {};
-    auto visit = [&](int s, DoubleQuad& sum) {
-      DoubleQuad quad, cell;
-      std::memcpy(&quad, row + s, sizeof quad);
-      bits |= (BitsQuad)quad;
-      fractional |= (BitsQuad)((quad + kWhole) - kWhole != quad);
-      sum += quad;
-      std::memcpy(&cell, sent + s, sizeof cell);
-      cell += quad;
-      std::memcpy(sent + s, &cell, sizeof cell);
-    };
-    int s = 0;
-    for (; s + 8 <= num_sources; s += 8) {
-      visit(s, even);
-      visit(s + 4, odd);
+  auto check = [&](const DoubleQuad& quad) {
+    bits |= (BitsQuad)quad;
+    fractional |= (BitsQuad)((quad + kWhole) - kWhole != quad);
+  };
+  auto horizontal = [](const DoubleQuad& lanes) {
+    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  };
+  int block = 0;
+  for (; block + 16 <= num_sources; block += 16) {
+    DoubleQuad s0 = {}, s1 = {}, s2 = {}, s3 = {};
+    for (int e = 0; e < num_experts; ++e) {
+      const double* row = by_expert + static_cast<size_t>(e) * num_sources + block;
+      DoubleQuad q0, q1, q2, q3;
+      std::memcpy(&q0, row, sizeof q0);
+      std::memcpy(&q1, row + 4, sizeof q1);
+      std::memcpy(&q2, row + 8, sizeof q2);
+      std::memcpy(&q3, row + 12, sizeof q3);
+      check(q0);
+      check(q1);
+      check(q2);
+      check(q3);
+      s0 += q0;
+      s1 += q1;
+      s2 += q2;
+      s3 += q3;
+      const double part = horizontal((q0 + q1) + (q2 + q3));
+      lane_totals[e] = block == 0 ? part : lane_totals[e] + part;
     }
-    if (s < num_sources) visit(s, even);
-    const DoubleQuad lanes = even + odd;
-    lane_totals[e] = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    std::memcpy(sent + block, &s0, sizeof s0);
+    std::memcpy(sent + block + 4, &s1, sizeof s1);
+    std::memcpy(sent + block + 8, &s2, sizeof s2);
+    std::memcpy(sent + block + 12, &s3, sizeof s3);
+  }
+  // The last 4, 8 or 12 sources, a quad at a time.
+  for (; block < num_sources; block += 4) {
+    DoubleQuad sum = {};
+    for (int e = 0; e < num_experts; ++e) {
+      DoubleQuad quad;
+      std::memcpy(&quad, by_expert + static_cast<size_t>(e) * num_sources + block, sizeof quad);
+      check(quad);
+      sum += quad;
+      const double part = horizontal(quad);
+      lane_totals[e] = block == 0 ? part : lane_totals[e] + part;
+    }
+    std::memcpy(sent + block, &sum, sizeof sum);
   }
   EntryBits entries;
   entries.bits = bits[0] | bits[1] | bits[2] | bits[3];
@@ -657,7 +682,7 @@ bool StepPlanner::Impl::Scan() {
   const bool one_pass = source_quads_;
   EntryBits scanned;
   if (one_pass) {
-    sent_.assign(num_ranks, 0.0);
+    sent_.resize(num_ranks);
     scanned = ScanByExpert(by_expert_, num_experts, num_sources_, sent_.data(), totals_.data());
   } else {
     scanned = ScanEntries(by_expert_, static_cast<size_t>(num_experts) * num_sources_);
