@@ -111,17 +111,17 @@ void QuotaSolver::BuildCopies(const Placement& placement,
 }
 
 void QuotaSolver::BuildBaseCopies(const Placement& placement) {
-  if (!base_valid_ || base_.num_ranks != placement.num_ranks() ||
-      base_.copy_begin.size() != static_cast<size_t>(placement.num_experts()) + 1 ||
-      base_.phy2log != placement.phy2log()) {
+  if (!has_base_ || base_num_experts_ != placement.num_experts() ||
+      base_num_ranks_ != placement.num_ranks() || base_phy2log_ != placement.phy2log()) {
+    // A new base: the old one is not needed any more.
     BuildCopies(placement, {});
-    base_ = {placement.phy2log(), placement.num_ranks(),
-             copy_begin_,         copy_id_,
-             copy_rank_,          copy_arc_,
-             arc_begin_,          arc_rank_,
-             arc_expert_,         arc_copies_};
-    base_valid_ = true;
+    has_base_ = true;
+    base_phy2log_.assign(placement.phy2log().begin(), placement.phy2log().end());
+    base_num_experts_ = placement.num_experts();
+    base_num_ranks_ = placement.num_ranks();
+    base_saved_ = false;
   } else if (!copies_are_base_) {
+    assert(base_saved_);
     copy_begin_.assign(base_.copy_begin.begin(), base_.copy_begin.end());
     copy_id_.assign(base_.copy_id.begin(), base_.copy_id.end());
     copy_rank_.assign(base_.copy_rank.begin(), base_.copy_rank.end());
@@ -136,8 +136,23 @@ void QuotaSolver::BuildBaseCopies(const Placement& placement) {
   copies_are_base_ = true;
 }
 
-bool QuotaSolver::InsertCopy(const TransientReplica& extra, int id) {
+void QuotaSolver::LeaveBase() {
+  if (copies_are_base_ && !base_saved_) {
+    base_.copy_begin.assign(copy_begin_.begin(), copy_begin_.end());
+    base_.copy_id.assign(copy_id_.begin(), copy_id_.end());
+    base_.copy_rank.assign(copy_rank_.begin(), copy_rank_.end());
+    base_.copy_arc.assign(copy_arc_.begin(), copy_arc_.end());
+    base_.arc_begin.assign(arc_begin_.begin(), arc_begin_.end());
+    base_.arc_rank.assign(arc_rank_.begin(), arc_rank_.end());
+    base_.arc_expert.assign(arc_expert_.begin(), arc_expert_.end());
+    base_.arc_copies.assign(arc_copies_.begin(), arc_copies_.end());
+    base_saved_ = true;
+  }
   copies_are_base_ = false;
+}
+
+bool QuotaSolver::InsertCopy(const TransientReplica& extra, int id) {
+  LeaveBase();
   const int expert = extra.expert;
   int arc = arc_begin_[expert];
   while (arc < arc_begin_[expert + 1] && arc_rank_[arc] != extra.rank) ++arc;
@@ -355,8 +370,8 @@ void QuotaSolver::Solve(const Placement& placement, std::span<const long long> t
   if (extras.empty()) {
     BuildBaseCopies(placement);
   } else {
+    LeaveBase();
     BuildCopies(placement, extras);
-    copies_are_base_ = false;
   }
   Prepare();
   for (int e : flexible_) excess_[e] = tokens[e];
@@ -455,8 +470,8 @@ long long QuotaSolver::Resolve(const Placement& placement) {
   previous_arc_begin_.assign(arc_begin_.begin(), arc_begin_.end());
   previous_arc_rank_.assign(arc_rank_.begin(), arc_rank_.end());
   previous_flow_.assign(arc_flow_.begin(), arc_flow_.end());
+  LeaveBase();
   BuildCopies(placement, {});
-  copies_are_base_ = false;
   Prepare();
   // Each expert keeps its flow on the ranks that still hold it; what sat on a rank that lost
   // its copy becomes excess. A single-rank expert's tokens were implicit on its one rank.

@@ -63,9 +63,12 @@ class QuotaSolver {
 
  private:
   void BuildCopies(const Placement& placement, std::span<const TransientReplica> extras);
-  // BuildCopies(placement, {}), from base_ when it holds this placement's copies: a planner
-  // solves the same placement at every step.
+  // BuildCopies(placement, {}). A planner solves the same placement at every step, so the copies
+  // and arcs of the last placement built this way (the base) are restored rather than built
+  // again when they were overwritten since.
   void BuildBaseCopies(const Placement& placement);
+  // Before the copies and arcs are overwritten: saves them if they are the base, unsaved.
+  void LeaveBase();
   // What BuildCopies with `extra` appended to the extras would give, copies and arcs, from what
   // the last one gave; `id` is the extra's copy id. Flows stay on their arcs; a new arc starts
   // empty. Returns whether the extra's rank is new to its expert (a new arc).
@@ -130,16 +133,18 @@ class QuotaSolver {
   std::vector<int> queue_;          // experts as e, ranks as num_experts + r
   std::vector<int> reached_ranks_;
 
-  // The copies and arcs BuildBaseCopies built last, and the placement they are for.
+  // The base: its placement, and its copies and arcs once LeaveBase saved them.
   struct Copies {
-    std::vector<int> phy2log;
-    int num_ranks = 0;
     std::vector<int> copy_begin, copy_id, copy_rank, copy_arc;
     std::vector<int> arc_begin, arc_rank, arc_expert, arc_copies;
   };
+  bool has_base_ = false;
+  std::vector<int> base_phy2log_;
+  int base_num_experts_ = 0;
+  int base_num_ranks_ = 0;
   Copies base_;
-  bool base_valid_ = false;
-  bool copies_are_base_ = false;  // whether copy_* and arc_* are base_'s now
+  bool base_saved_ = false;
+  bool copies_are_base_ = false;  // whether copy_* and arc_* hold the base now
 
   std::vector<int> cut_experts_;  // experts of the last min cut, ascending
   std::vector<char> in_cut_;      // [num_ranks] ranks of the last min cut
