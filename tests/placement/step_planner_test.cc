@@ -74,6 +74,16 @@ Case RandomCase(std::mt19937& rng, int num_ranks, int slots_per_rank, int num_ex
   return {std::move(placement), std::move(load), std::move(by_expert)};
 }
 
+// Random options: up to `max_transient` transient slots per rank, and shares recorded or not,
+// every one or those of `rank`.
+QuotaPlanOptions RandomOptions(std::mt19937& rng, int max_transient, int rank) {
+  QuotaPlanOptions options;
+  options.transient_per_rank = static_cast<int>(rng() % (max_transient + 1));
+  options.record_shares = rng() % 2 == 0;
+  options.shares_of_rank = options.record_shares && rng() % 2 == 0 ? rank : -1;
+  return options;
+}
+
 void ExpectSameRouting(const StepRouting& a, const StepRouting& b) {
   EXPECT_EQ(a.num_ranks, b.num_ranks);
   // Bit for bit: EXPECT_EQ on doubles would let 0.0 and -0.0 pass.
@@ -238,10 +248,7 @@ TEST(StepPlannerTest, ShortcutsGiveTheOrderedRouting) {
       const Case c = RandomCase(rng, num_ranks, 3, num_ranks + static_cast<int>(rng() % num_ranks),
                                 num_ranks, /*fractional=*/trial % 5 == 4);
       const Case padded = WithSilentSources(c, num_ranks);
-      QuotaPlanOptions options;
-      options.transient_per_rank = static_cast<int>(rng() % 4);
-      options.record_shares = rng() % 2 == 0;
-      options.shares_of_rank = options.record_shares && rng() % 2 == 0 ? 1 : -1;
+      const QuotaPlanOptions options = RandomOptions(rng, 3, 1);
       StepRouting fast, slow;
       ASSERT_TRUE(quick.Plan(c.placement, num_ranks, c.by_expert, options, fast).ok());
       ASSERT_TRUE(
@@ -300,10 +307,7 @@ TEST(StepPlannerTest, MatrixIsOptional) {
     const int num_sources = trial % 4 == 3 ? 11 : 8;
     const Case c = RandomCase(rng, 8, 3, 8 + static_cast<int>(rng() % 14), num_sources,
                               /*fractional=*/trial % 5 == 4);
-    QuotaPlanOptions options;
-    options.transient_per_rank = static_cast<int>(rng() % 3);
-    options.record_shares = rng() % 2 == 0;
-    options.shares_of_rank = options.record_shares && rng() % 2 == 0 ? 3 : -1;
+    QuotaPlanOptions options = RandomOptions(rng, 2, 3);
     StepRouting with, without;
     ASSERT_TRUE(planner.Plan(c.placement, num_sources, c.by_expert, options, with).ok());
     options.sent_tokens = false;
