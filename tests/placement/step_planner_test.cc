@@ -95,6 +95,7 @@ void ExpectSameRouting(const StepRouting& a, const StepRouting& b) {
   EXPECT_TRUE(same_bits(a.sent_tokens, b.sent_tokens));
   EXPECT_TRUE(same_bits(a.slot_tokens, b.slot_tokens));
   EXPECT_TRUE(same_bits(a.transient_tokens, b.transient_tokens));
+  EXPECT_EQ(std::memcmp(&a.predicted_seconds, &b.predicted_seconds, sizeof(double)), 0);
   ASSERT_EQ(a.transients.size(), b.transients.size());
   for (size_t i = 0; i < a.transients.size(); ++i) {
     EXPECT_EQ(a.transients[i].expert, b.transients[i].expert);
