@@ -483,7 +483,7 @@ Result<LayerRoute> Engine::Impl::PlanLayer(int layer, std::span<const int32_t> m
   quota_options.transient_per_rank = transients_planned_;
   quota_options.record_shares = true;
   quota_options.shares_of_rank = rank_;  // the loop below reads nothing else
-  quota_options.sent_tokens = false;      // nor does anything read the all-to-all matrix
+  quota_options.sent_tokens = false;     // nor does anything read the all-to-all matrix
   StepRouting& routing = plan_scratch_;
   KEEL_RETURN_IF_ERROR(
       planners_[layer]->Plan(placement, num_ranks_, by_expert_, quota_options, routing));
