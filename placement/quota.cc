@@ -122,14 +122,7 @@ void QuotaSolver::BuildBaseCopies(const Placement& placement) {
     base_saved_ = false;
   } else if (!copies_are_base_) {
     assert(base_saved_);
-    copy_begin_.assign(base_.copy_begin.begin(), base_.copy_begin.end());
-    copy_id_.assign(base_.copy_id.begin(), base_.copy_id.end());
-    copy_rank_.assign(base_.copy_rank.begin(), base_.copy_rank.end());
-    copy_arc_.assign(base_.copy_arc.begin(), base_.copy_arc.end());
-    arc_begin_.assign(base_.arc_begin.begin(), base_.arc_begin.end());
-    arc_rank_.assign(base_.arc_rank.begin(), base_.arc_rank.end());
-    arc_expert_.assign(base_.arc_expert.begin(), base_.arc_expert.end());
-    arc_copies_.assign(base_.arc_copies.begin(), base_.arc_copies.end());
+    TieCopies() = base_.Tie();
   }
   num_extras_ = 0;
   arc_flow_.assign(arc_rank_.size(), 0);
@@ -138,14 +131,7 @@ void QuotaSolver::BuildBaseCopies(const Placement& placement) {
 
 void QuotaSolver::LeaveBase() {
   if (copies_are_base_ && !base_saved_) {
-    base_.copy_begin.assign(copy_begin_.begin(), copy_begin_.end());
-    base_.copy_id.assign(copy_id_.begin(), copy_id_.end());
-    base_.copy_rank.assign(copy_rank_.begin(), copy_rank_.end());
-    base_.copy_arc.assign(copy_arc_.begin(), copy_arc_.end());
-    base_.arc_begin.assign(arc_begin_.begin(), arc_begin_.end());
-    base_.arc_rank.assign(arc_rank_.begin(), arc_rank_.end());
-    base_.arc_expert.assign(arc_expert_.begin(), arc_expert_.end());
-    base_.arc_copies.assign(arc_copies_.begin(), arc_copies_.end());
+    base_.Tie() = TieCopies();
     base_saved_ = true;
   }
   copies_are_base_ = false;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <span>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -133,11 +134,21 @@ class QuotaSolver {
   std::vector<int> queue_;          // experts as e, ranks as num_experts + r
   std::vector<int> reached_ranks_;
 
-  // The base: its placement, and its copies and arcs once LeaveBase saved them.
+  // The base: its placement, and its copies and arcs once LeaveBase saved them. Tie() and
+  // TieCopies() give the saved and the current ones as tuples of references, so that one
+  // assignment copies all eight vectors (each keeping its capacity).
   struct Copies {
     std::vector<int> copy_begin, copy_id, copy_rank, copy_arc;
     std::vector<int> arc_begin, arc_rank, arc_expert, arc_copies;
+    auto Tie() {
+      return std::tie(copy_begin, copy_id, copy_rank, copy_arc, arc_begin, arc_rank, arc_expert,
+                      arc_copies);
+    }
   };
+  auto TieCopies() {
+    return std::tie(copy_begin_, copy_id_, copy_rank_, copy_arc_, arc_begin_, arc_rank_,
+                    arc_expert_, arc_copies_);
+  }
   bool has_base_ = false;
   std::vector<int> base_phy2log_;
   int base_num_experts_ = 0;
