@@ -455,6 +455,44 @@ bool NextTransient(const Placement& placement, const Topology& topology, const Q
   return found;
 }
 
+// Shares as a draft writes them: room is made once per expert, and an append is then a store (in
+// the loops here std::vector::push_back stays a call). The buffer only grows; the entries past
+// size() are left over.
+class ShareList {
+ public:
+  size_t size() const { return size_; }
+  const CopyShare* begin() const { return buffer_.data(); }
+  const CopyShare* end() const { return buffer_.data() + size_; }
+  void clear() { size_ = 0; }
+  // Room for `count` more appends.
+  void Reserve(size_t count) {
+    if (buffer_.size() < size_ + count) buffer_.resize(size_ + count);
+  }
+  void Append(const CopyShare& share) {
+    assert(size_ < buffer_.size());
+    buffer_[size_++] = share;
+  }
+  void Append(const CopyShare* first, const CopyShare* last) {
+    Reserve(static_cast<size_t>(last - first));
+    std::copy(first, last, buffer_.data() + size_);
+    size_ += static_cast<size_t>(last - first);
+  }
+  void swap(ShareList& other) {
+    buffer_.swap(other.buffer_);
+    std::swap(size_, other.size_);
+  }
+  // Moves the shares into `out`, whose old buffer this list takes (its entries left over).
+  void MoveTo(std::vector<CopyShare>& out) {
+    buffer_.resize(size_);
+    out.swap(buffer_);
+    size_ = 0;
+  }
+
+ private:
+  std::vector<CopyShare> buffer_;
+  size_t size_ = 0;
+};
+
 }  // namespace
 
 class StepPlanner::Impl {
@@ -477,7 +515,7 @@ class StepPlanner::Impl {
     std::vector<double> received;     // [num_ranks * num_ranks]
     std::vector<double> slot_tokens;  // [num_slots]
     std::vector<double> transient_tokens;
-    std::vector<CopyShare> shares;
+    ShareList shares;
     std::vector<double> links;  // [kLinkSums * num_ranks], fast path only
   };
   // What PatchBest overwrote in best_.
@@ -537,6 +575,9 @@ class StepPlanner::Impl {
   // Shares of an expert whose copies sit on one rank: sources in ascending order fill the copies
   // in copy order up to the quotas in room_.
   void ShareInSourceOrder(int expert, Draft& draft);
+  // The most shares that the routing of an expert with `count` copies makes: each share empties
+  // its source or fills its copy, and each source may send rounding dust once more.
+  size_t MaxShares(int count) const { return 2 * static_cast<size_t>(num_sources_) + count; }
   // Whether a share from `source_rank` to a copy on `rank` is recorded (given record_shares_).
   bool Recorded(int source_rank, int rank) const {
     return shares_of_rank_ < 0 || source_rank == shares_of_rank_ || rank == shares_of_rank_;
@@ -762,6 +803,7 @@ void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double
     room_[i] = static_cast<double>(quota) * scale;
   }
   if (rounded_[expert] == 0) room_[0] = totals_[expert];  // under half a token: first copy
+  if (record_shares_) draft.shares.Reserve(MaxShares(count));
   // Raw pointers: the loops below store doubles, which could be any of these vectors' elements
   // as far as the compiler knows, so through the vectors it would reload every pointer.
   double* remaining = remaining_.data();
@@ -810,7 +852,7 @@ void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double
   // Source s sends `tokens` to the open copy (the caller takes them off what s has left).
   auto send = [&](int s, double tokens) {
     if (record_shares_ && Recorded(source_rank[s], rank)) {
-      draft.shares.push_back({source_rank[s], expert, id, tokens});
+      draft.shares.Append({source_rank[s], expert, id, tokens});
     }
     // sign is 1 except where PatchTrial takes a routing out, and x * 1.0 is x.
     slot_sum += sign * tokens;
@@ -843,7 +885,7 @@ void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double
       const double left[4] = {l0, l1, l2, l3};
       for (int k = 0; k < 4; ++k) {
         if (left[k] > 0 && Recorded(s + k, rank)) {
-          draft.shares.push_back({s + k, expert, id, left[k]});
+          draft.shares.Append({s + k, expert, id, left[k]});
         }
       }
     }
@@ -945,6 +987,7 @@ void StepPlanner::Impl::AssignSpreadWhole(int expert, const QuotaSplit& split, d
   double* kept = draft.links.data() + static_cast<size_t>(kKept) * num_ranks;
   const int* node_of = node_of_.data();
   const bool record_shares = record_shares_;
+  if (record_shares) draft.shares.Reserve(MaxShares(count));
   // One copy at a time: `rank`, `node` and `id` are the copy's, `open` its quota still open (a
   // local, so that it stays in a register), `row` its rank's row of received tokens. Source
   // (= rank) s sends it `tokens` > 0.
@@ -961,7 +1004,7 @@ void StepPlanner::Impl::AssignSpreadWhole(int expert, const QuotaSplit& split, d
     row = keep_rows ? received + static_cast<size_t>(rank) * num_ranks : scratch_row;
   };
   auto share = [&](int s, double tokens) KEEL_INLINE {
-    if (record_shares && Recorded(s, rank)) draft.shares.push_back({s, expert, id, tokens});
+    if (record_shares && Recorded(s, rank)) draft.shares.Append({s, expert, id, tokens});
   };
   // A share from a source on the copy's node, which the link sums count.
   auto give_near = [&](int s, double tokens) KEEL_INLINE {
@@ -1193,23 +1236,25 @@ void StepPlanner::Impl::PatchBest(int expert) {
     excluded_expert_ = -1;
     record_shares_ = record_shares;
     // Shares go to moved_shares_, whose sums are never read.
-    std::swap(best_.shares, moved_shares_.shares);
+    best_.shares.swap(moved_shares_.shares);
     AddExpert(e, trial_split_, 1.0, /*single_row=*/true, best_);
-    std::swap(best_.shares, moved_shares_.shares);
+    best_.shares.swap(moved_shares_.shares);
   }
   // best_'s shares with those of the patched experts replaced, still by expert.
   trial_.shares.clear();
   if (!record_shares) return;
-  auto kept = best_.shares.begin();
-  auto fresh = moved_shares_.shares.begin();
+  const CopyShare* kept = best_.shares.begin();
+  const CopyShare* fresh = moved_shares_.shares.begin();
   for (int e : patched_) {
-    for (; kept != best_.shares.end() && kept->expert < e; ++kept) trial_.shares.push_back(*kept);
+    const CopyShare* from = kept;
+    while (kept != best_.shares.end() && kept->expert < e) ++kept;
+    trial_.shares.Append(from, kept);
     while (kept != best_.shares.end() && kept->expert == e) ++kept;
-    for (; fresh != moved_shares_.shares.end() && fresh->expert == e; ++fresh) {
-      trial_.shares.push_back(*fresh);
-    }
+    from = fresh;
+    while (fresh != moved_shares_.shares.end() && fresh->expert == e) ++fresh;
+    trial_.shares.Append(from, fresh);
   }
-  trial_.shares.insert(trial_.shares.end(), kept, best_.shares.end());
+  trial_.shares.Append(kept, best_.shares.end());
 }
 
 void StepPlanner::Impl::RestoreBest() {
@@ -1228,13 +1273,14 @@ void StepPlanner::Impl::ShareInSourceOrder(int expert, Draft& draft) {
   const int begin = solver_.copy_begin(expert);
   const int count = CopyEnd(expert) - begin;
   const double* column = by_expert_ + static_cast<size_t>(expert) * num_sources_;
+  draft.shares.Reserve(MaxShares(count));
   if (count == 1 && whole_) {
     // One copy, exact sums: its quota is the expert's total, so each source sends all it has in
     // one share, as the loop below would. Only the shares to record are looked at.
     const int id = solver_.copy_id(begin);
     const int rank = solver_.copy_rank(begin);
     auto share = [&](int s) {
-      if (column[s] > 0) draft.shares.push_back({source_rank_[s], expert, id, column[s]});
+      if (column[s] > 0) draft.shares.Append({source_rank_[s], expert, id, column[s]});
     };
     if (shares_of_rank_ < 0 || shares_of_rank_ == rank) {
       for (int s = 0; s < num_sources_; ++s) share(s);
@@ -1250,7 +1296,7 @@ void StepPlanner::Impl::ShareInSourceOrder(int expert, Draft& draft) {
       const double tokens = std::min(remaining, room_[open]);
       if (tokens > 0) {
         if (Recorded(source_rank_[s], solver_.copy_rank(begin + open))) {
-          draft.shares.push_back({source_rank_[s], expert, solver_.copy_id(begin + open), tokens});
+          draft.shares.Append({source_rank_[s], expert, solver_.copy_id(begin + open), tokens});
         }
         remaining -= tokens;
         room_[open] -= tokens;
@@ -1260,7 +1306,7 @@ void StepPlanner::Impl::ShareInSourceOrder(int expert, Draft& draft) {
     // Rounding dust goes to the copy last used.
     const int last = begin + std::min(open, count - 1);
     if (remaining > 0 && Recorded(source_rank_[s], solver_.copy_rank(last))) {
-      draft.shares.push_back({source_rank_[s], expert, solver_.copy_id(last), remaining});
+      draft.shares.Append({source_rank_[s], expert, solver_.copy_id(last), remaining});
     }
   }
 }
@@ -1301,7 +1347,7 @@ void StepPlanner::Impl::Publish(Draft& draft, const std::vector<TransientReplica
   routing.slot_tokens.swap(draft.slot_tokens);
   routing.transients.assign(transients.begin(), transients.end());
   routing.transient_tokens.swap(draft.transient_tokens);
-  routing.shares.swap(draft.shares);
+  draft.shares.MoveTo(routing.shares);
 }
 
 Status StepPlanner::Impl::Plan(const Placement& placement, int num_sources,
