@@ -1127,6 +1127,9 @@ void StepPlanner::Impl::Assign(size_t num_extras, const QuotaSplit& split, Draft
   // shares are ShareInSourceOrder's, as in AddExpert.
   double* rank_tokens = draft.rank_tokens.data();
   double* slot_tokens = draft.slot_tokens.data();
+  // With one source per rank and one rank's shares, a copy elsewhere gets that rank's tokens
+  // alone: ShareInSourceOrder's one share, without the call.
+  const int mine = num_sources_ == num_ranks ? shares_of_rank_ : -1;
   for (int e = 0; e < num_experts_; ++e) {
     const double total = totals_[e];
     if (total == 0) continue;
@@ -1136,9 +1139,19 @@ void StepPlanner::Impl::Assign(size_t num_extras, const QuotaSplit& split, Draft
       continue;
     }
     const int id = solver_.copy_id(begin);
-    rank_tokens[solver_.copy_rank(begin)] += total;
+    const int rank = solver_.copy_rank(begin);
+    rank_tokens[rank] += total;
     (id < num_slots_ ? slot_tokens[id] : draft.transient_tokens[id - num_slots_]) += total;
-    if (record_shares_) ShareInSourceOrder(e, draft);
+    if (!record_shares_) continue;
+    if (mine < 0 || rank == mine) {
+      ShareInSourceOrder(e, draft);
+      continue;
+    }
+    const double tokens = by_expert_[static_cast<size_t>(e) * num_ranks + mine];
+    if (tokens > 0) {
+      draft.shares.Reserve(1);
+      draft.shares.Append({mine, e, id, tokens});
+    }
   }
 }
 
