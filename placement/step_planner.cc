@@ -39,15 +39,16 @@ struct EntryBits {
 };
 
 // The one pass over the traffic by expert (`num_sources` entries per expert, a multiple of 4):
-// the EntryBits of every entry; lane_totals[e], expert e's sources added in lanes and blocks of
-// sources; and sent[s] (set, not added to), what source s sends to all experts. Such a sum
+// the EntryBits of every entry; lane_totals[e], expert e's sources added in four lanes (kept in
+// lanes[4 * e, 4 * e + 4) until the end) and then across them; and sent[s] (set, not added to),
+// what source s sends to all experts. Such a sum
 // differs from the sum in source (or expert) order only in rounding, so it is that sum whenever
 // every partial sum is exact: whole entries whose total stays below 2^53.
 //
 // Sixteen sources at a time go through every expert, so that their sums in `sent` stay in four
 // vector registers.
 KEEL_AVX2_CLONES EntryBits ScanByExpert(const double* by_expert, int num_experts, int num_sources,
-                                        double* sent, double* lane_totals) {
+                                        double* sent, double* lanes, double* lane_totals) {
   constexpr double kWhole = 4503599627370496.0;  // 2^52
   BitsQuad bits = {};
   BitsQuad fractional = {};
@@ -55,8 +56,14 @@ KEEL_AVX2_CLONES EntryBits ScanByExpert(const double* by_expert, int num_experts
     bits |= (BitsQuad)quad;
     fractional |= (BitsQuad)((quad + kWhole) - kWhole != quad);
   };
-  auto horizontal = [](const DoubleQuad& lanes) {
-    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  // Expert e's lanes plus `part`; its first block sets them.
+  auto add_lanes = [&](int block, int e, const DoubleQuad& part) {
+    DoubleQuad sum = part;
+    if (block > 0) {
+      std::memcpy(&sum, lanes + 4 * static_cast<size_t>(e), sizeof sum);
+      sum += part;
+    }
+    std::memcpy(lanes + 4 * static_cast<size_t>(e), &sum, sizeof sum);
   };
   int block = 0;
   for (; block + 16 <= num_sources; block += 16) {
@@ -76,8 +83,7 @@ KEEL_AVX2_CLONES EntryBits ScanByExpert(const double* by_expert, int num_experts
       s1 += q1;
       s2 += q2;
       s3 += q3;
-      const double part = horizontal((q0 + q1) + (q2 + q3));
-      lane_totals[e] = block == 0 ? part : lane_totals[e] + part;
+      add_lanes(block, e, (q0 + q1) + (q2 + q3));
     }
     std::memcpy(sent + block, &s0, sizeof s0);
     std::memcpy(sent + block + 4, &s1, sizeof s1);
@@ -92,10 +98,13 @@ KEEL_AVX2_CLONES EntryBits ScanByExpert(const double* by_expert, int num_experts
       std::memcpy(&quad, by_expert + static_cast<size_t>(e) * num_sources + block, sizeof quad);
       check(quad);
       sum += quad;
-      const double part = horizontal(quad);
-      lane_totals[e] = block == 0 ? part : lane_totals[e] + part;
+      add_lanes(block, e, quad);
     }
     std::memcpy(sent + block, &sum, sizeof sum);
+  }
+  for (int e = 0; e < num_experts; ++e) {
+    const double* lane = lanes + 4 * static_cast<size_t>(e);
+    lane_totals[e] = (lane[0] + lane[1]) + (lane[2] + lane[3]);
   }
   EntryBits entries;
   entries.bits = bits[0] | bits[1] | bits[2] | bits[3];
@@ -620,7 +629,8 @@ class StepPlanner::Impl {
   // cost model's bytes per token row exact, so that link sums price a routing (PeaksOf). A
   // routing is then patched in place and found per copy; sums are exact in any order.
   bool fast_ = false;
-  std::vector<double> sent_;  // [num_ranks] what each source sends in all
+  std::vector<double> sent_;   // [num_ranks] what each source sends in all
+  std::vector<double> lanes_;  // [4 * num_experts] scratch of ScanByExpert
   // Whether drafts keep their rows of received tokens: off the fast path, or when the caller
   // wants the all-to-all matrix. Otherwise the rows' additions go to scratch_row_, never read.
   bool keep_rows_ = true;
@@ -724,7 +734,9 @@ bool StepPlanner::Impl::Scan() {
   EntryBits scanned;
   if (one_pass) {
     sent_.resize(num_ranks);
-    scanned = ScanByExpert(by_expert_, num_experts, num_sources_, sent_.data(), totals_.data());
+    lanes_.resize(4 * static_cast<size_t>(num_experts));
+    scanned = ScanByExpert(by_expert_, num_experts, num_sources_, sent_.data(), lanes_.data(),
+                           totals_.data());
   } else {
     scanned = ScanEntries(by_expert_, static_cast<size_t>(num_experts) * num_sources_);
   }
