@@ -339,17 +339,42 @@ inline void AddSingleLinkSums(const double* column, int rank, int first, int las
   links[static_cast<size_t>(kKept) * num_ranks + rank] += sign * column[rank];
 }
 
-// AddSingleLinkSums, sign 1, for every expert e with single_rank[e] >= 0, the traffic by expert
-// `by_expert` [num_experts * num_ranks] holding their columns.
-KEEL_AVX2_CLONES void AddAllSingleLinkSums(const double* by_expert, const int* single_rank,
-                                           int num_experts, int num_ranks, int per_node,
-                                           double* links) {
-  for (int e = 0; e < num_experts; ++e) {
-    const int rank = single_rank[e];
-    if (rank < 0) continue;
-    const int first = rank / per_node * per_node;
-    AddSingleLinkSums(by_expert + static_cast<size_t>(e) * num_ranks, rank, first,
-                      std::min(first + per_node, num_ranks), num_ranks, 1.0, links);
+// An expert whose copies all sit on `rank`, whose node's ranks are [first, last).
+struct SingleExpert {
+  int expert = 0;
+  int rank = 0;
+  int first = 0;
+  int last = 0;
+};
+
+// AddSingleLinkSums, sign 1, for each of `singles`, the traffic by expert `by_expert`
+// [num_experts * num_ranks] holding their columns. The sums are exact (the fast path), so a
+// node's sources go four at a time wherever the node starts.
+KEEL_AVX2_CLONES void AddAllSingleLinkSums(const double* by_expert, const SingleExpert* singles,
+                                           int count, int num_ranks, double* links) {
+  double* from_node = links + static_cast<size_t>(kFromNode) * num_ranks;
+  double* to_node = links + static_cast<size_t>(kToNode) * num_ranks;
+  double* kept = links + static_cast<size_t>(kKept) * num_ranks;
+  for (int i = 0; i < count; ++i) {
+    const SingleExpert& single = singles[i];
+    const double* column = by_expert + static_cast<size_t>(single.expert) * num_ranks;
+    DoubleQuad lanes = {};
+    int s = single.first;
+    for (; s + 4 <= single.last; s += 4) {
+      DoubleQuad tokens, cell;
+      std::memcpy(&tokens, column + s, sizeof tokens);
+      lanes += tokens;
+      std::memcpy(&cell, to_node + s, sizeof cell);
+      cell += tokens;
+      std::memcpy(to_node + s, &cell, sizeof cell);
+    }
+    double sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    for (; s < single.last; ++s) {
+      sum += column[s];
+      to_node[s] += column[s];
+    }
+    from_node[single.rank] += sum;
+    kept[single.rank] += column[single.rank];
   }
 }
 
@@ -615,7 +640,8 @@ class StepPlanner::Impl {
   // One source per rank, a multiple of 4 of them: source s is rank s, a rank's row of received
   // tokens lines up with an expert's sources, and both go four at a time.
   bool source_quads_ = false;
-  std::vector<int> single_rank_;  // [num_experts] the one rank holding the expert, else -1
+  std::vector<int> single_rank_;       // [num_experts] the one rank holding the expert, else -1
+  std::vector<SingleExpert> singles_;  // the experts on one rank, ascending
   // Experts on one rank in the placement, grouped by that rank, ascending.
   std::vector<int> rank_single_begin_;  // [num_ranks + 1]
   std::vector<int> rank_single_;
@@ -695,6 +721,14 @@ void StepPlanner::Impl::Bind(const Placement& placement, int num_sources) {
     if (single) ++rank_single_begin_[ranks[0] + 1];
   }
   for (int r = 0; r < num_ranks_; ++r) rank_single_begin_[r + 1] += rank_single_begin_[r];
+  singles_.clear();
+  const int per_node = topology_.gpus_per_node();
+  for (int e = 0; e < num_experts_; ++e) {
+    const int rank = single_rank[e];
+    if (rank < 0) continue;
+    const int first = node_of_[rank] * per_node;
+    singles_.push_back({e, rank, first, std::min(first + per_node, num_ranks_)});
+  }
   rank_single_.resize(rank_single_begin_[num_ranks_]);
   std::vector<int> fill(rank_single_begin_.begin(), rank_single_begin_.end() - 1);
   for (int e = 0; e < num_experts_; ++e) {
@@ -762,8 +796,8 @@ bool StepPlanner::Impl::Scan() {
   fast_ = one_pass && whole_ && total * cost_.token_row_bytes() < 9007199254740992.0;
   if (fast_) {
     single_links_.assign(static_cast<size_t>(kLinkSums) * num_ranks, 0.0);
-    AddAllSingleLinkSums(by_expert_, single_rank_.data(), num_experts, num_ranks,
-                         topology_.gpus_per_node(), single_links_.data());
+    AddAllSingleLinkSums(by_expert_, singles_.data(), static_cast<int>(singles_.size()), num_ranks,
+                         single_links_.data());
   } else {
     scanned_.assign(static_cast<size_t>(num_ranks) * num_ranks, 0.0);
     for (int rank = 0; rank < num_ranks; ++rank) {
