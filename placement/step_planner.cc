@@ -598,6 +598,9 @@ class StepPlanner::Impl {
   // the link sums. Every copy gets its whole quota (the quotas add up to the expert's total), so
   // the slot and rank sums take the quotas at once.
   void AssignSpreadWhole(int expert, const QuotaSplit& split, double sign, Draft& draft);
+  // AssignSpreadWhole with (kRows) or without the rows of received tokens.
+  template <bool kRows>
+  void AssignSpreadWholeRows(int expert, const QuotaSplit& split, double sign, Draft& draft);
   // moved_[e]: whether any copy of expert e has a different quota in trial_split_ than in split_.
   void MarkMovedQuotas();
   // On the fast path: turns best_ into the routing for the candidate transient of `expert` in
@@ -658,9 +661,8 @@ class StepPlanner::Impl {
   std::vector<double> sent_;   // [num_ranks] what each source sends in all
   std::vector<double> lanes_;  // [4 * num_experts] scratch of ScanByExpert
   // Whether drafts keep their rows of received tokens: off the fast path, or when the caller
-  // wants the all-to-all matrix. Otherwise the rows' additions go to scratch_row_, never read.
+  // wants the all-to-all matrix.
   bool keep_rows_ = true;
-  std::vector<double> scratch_row_;   // [num_ranks]
   std::vector<double> single_links_;  // [kLinkSums * num_ranks] fast path: single-rank experts
   // The bound placement's replica sync, once a candidate needs it; -1 until then.
   double sync_seconds_ = -1;
@@ -1004,6 +1006,16 @@ void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double
 
 void StepPlanner::Impl::AssignSpreadWhole(int expert, const QuotaSplit& split, double sign,
                                           Draft& draft) {
+  if (keep_rows_) {
+    AssignSpreadWholeRows<true>(expert, split, sign, draft);
+  } else {
+    AssignSpreadWholeRows<false>(expert, split, sign, draft);
+  }
+}
+
+template <bool kRows>
+void StepPlanner::Impl::AssignSpreadWholeRows(int expert, const QuotaSplit& split, double sign,
+                                              Draft& draft) {
   const int num_slots = num_slots_;
   const int num_ranks = num_ranks_;
   const QuotaSolver& solver = solver_;
@@ -1026,8 +1038,6 @@ void StepPlanner::Impl::AssignSpreadWhole(int expert, const QuotaSplit& split, d
   std::memcpy(remaining, by_expert_ + static_cast<size_t>(expert) * num_ranks,
               sizeof(double) * num_ranks);
   double* received = draft.received.data();
-  const bool keep_rows = keep_rows_;
-  double* scratch_row = scratch_row_.data();
   double* from_node = draft.links.data() + static_cast<size_t>(kFromNode) * num_ranks;
   double* to_node = draft.links.data() + static_cast<size_t>(kToNode) * num_ranks;
   double* kept = draft.links.data() + static_cast<size_t>(kKept) * num_ranks;
@@ -1035,8 +1045,8 @@ void StepPlanner::Impl::AssignSpreadWhole(int expert, const QuotaSplit& split, d
   const bool record_shares = record_shares_;
   if (record_shares) draft.shares.Reserve(MaxShares(count));
   // One copy at a time: `rank`, `node` and `id` are the copy's, `open` its quota still open (a
-  // local, so that it stays in a register), `row` its rank's row of received tokens. Source
-  // (= rank) s sends it `tokens` > 0.
+  // local, so that it stays in a register), `row` its rank's row of received tokens (with kRows).
+  // Source (= rank) s sends it `tokens` > 0.
   int rank = 0;
   int node = 0;
   int id = 0;
@@ -1047,26 +1057,34 @@ void StepPlanner::Impl::AssignSpreadWhole(int expert, const QuotaSplit& split, d
     node = node_of[rank];
     id = solver.copy_id(begin + i);
     open = room[i];
-    row = keep_rows ? received + static_cast<size_t>(rank) * num_ranks : scratch_row;
+    if constexpr (kRows) row = received + static_cast<size_t>(rank) * num_ranks;
+  };
+  auto add_row = [&](int s, double tokens) KEEL_INLINE {
+    if constexpr (kRows) row[s] += sign * tokens;
   };
   auto share = [&](int s, double tokens) KEEL_INLINE {
     if (record_shares && Recorded(s, rank)) draft.shares.Append({s, expert, id, tokens});
   };
-  // A share from a source on the copy's node, which the link sums count.
+  // A share from a source on the copy's node, which the link sums count (the copy's from_node
+  // once its pass is done: `near` adds up its shares).
+  double near = 0;
   auto give_near = [&](int s, double tokens) KEEL_INLINE {
     open -= tokens;
     remaining[s] -= tokens;
-    row[s] += sign * tokens;
-    from_node[rank] += sign * tokens;
+    add_row(s, tokens);
+    near += tokens;
     to_node[s] += sign * tokens;
-    if (s == rank) kept[rank] += sign * tokens;
     share(s, tokens);
   };
   // Local: each copy takes what its own rank has.
   for (int i = 0; i < count; ++i) {
     select(i);
     const double tokens = std::min(remaining[rank], open);
-    if (tokens > 0) give_near(rank, tokens);
+    if (tokens > 0) {
+      give_near(rank, tokens);
+      kept[rank] += sign * tokens;
+      from_node[rank] += sign * tokens;
+    }
     room[i] = open;
   }
   // Same node, in source order.
@@ -1076,12 +1094,16 @@ void StepPlanner::Impl::AssignSpreadWhole(int expert, const QuotaSplit& split, d
     select(i);
     const int first = node * per_node;
     const int last = std::min(first + per_node, num_ranks);
+    near = 0;
     for (int s = first; s < last && open > 0; ++s) {
       const double tokens = std::min(remaining[s], open);
       if (tokens > 0) give_near(s, tokens);
     }
+    from_node[rank] += sign * near;
     room[i] = open;
   }
+  // The rest moves no link sum: without rows or shares to write, nothing is left to do.
+  if (!kRows && !record_shares) return;
   // The rest: sources in order fill copies in order, as AssignSpread's last pass does. The
   // quotas left add up to what the sources have left, so nothing is left over. A copy with
   // quota left has emptied every source on its node, so these shares come from other nodes and
@@ -1099,10 +1121,10 @@ void StepPlanner::Impl::AssignSpreadWhole(int expert, const QuotaSplit& split, d
           // Each cell gets one addition, of +0.0 or -0.0 where the source has nothing left:
           // neither changes a cell, which is never -0.0.
           open -= sum;
-          row[s] += sign * l0;
-          row[s + 1] += sign * l1;
-          row[s + 2] += sign * l2;
-          row[s + 3] += sign * l3;
+          add_row(s, l0);
+          add_row(s + 1, l1);
+          add_row(s + 2, l2);
+          add_row(s + 3, l3);
           if (record_shares) {
             const double left[4] = {l0, l1, l2, l3};
             // With one rank's shares, a copy elsewhere records only that rank's.
@@ -1124,7 +1146,7 @@ void StepPlanner::Impl::AssignSpreadWhole(int expert, const QuotaSplit& split, d
         assert(node_of[s] != node);
         open -= tokens;
         remaining[s] -= tokens;
-        row[s] += sign * tokens;
+        add_row(s, tokens);
         share(s, tokens);
       }
       if (remaining[s] <= 0) ++s;
@@ -1420,7 +1442,6 @@ Status StepPlanner::Impl::Plan(const Placement& placement, int num_sources,
     return load != nullptr ? TrafficValues(*load) : ByExpertValues(by_expert, num_sources);
   }
   keep_rows_ = !fast_ || options.sent_tokens;
-  scratch_row_.assign(num_ranks_, 0.0);
   KEEL_RETURN_IF_ERROR(ValidateTopologyAndOptions(placement, topology_, cost_, options));
   const std::span<const long long> tokens = rounded_;
   transients_.clear();
