@@ -137,7 +137,7 @@ void QuotaSolver::LeaveBase() {
   copies_are_base_ = false;
 }
 
-bool QuotaSolver::InsertCopy(const TransientReplica& extra, int id) {
+void QuotaSolver::InsertCopy(const TransientReplica& extra, int id) {
   LeaveBase();
   const int expert = extra.expert;
   int arc = arc_begin_[expert];
@@ -158,7 +158,6 @@ bool QuotaSolver::InsertCopy(const TransientReplica& extra, int id) {
   copy_arc_.insert(copy_arc_.begin() + copy, arc);
   for (int e = expert + 1; e <= num_experts_; ++e) ++copy_begin_[e];
   ++num_extras_;
-  return new_arc;
 }
 
 // Water-fills each flexible expert, heaviest first, onto its least-loaded ranks up to `bound`.
@@ -314,6 +313,7 @@ void QuotaSolver::Prepare() {
   const int* arc_begin = arc_begin_.data();
   const int* arc_rank = arc_rank_.data();
   const long long* tokens = tokens_.data();
+  long long* arc_flow = arc_flow_.data();
   fixed_.assign(num_ranks, 0);
   excess_.assign(num_experts, 0);
   flexible_.resize(num_experts);
@@ -328,6 +328,7 @@ void QuotaSolver::Prepare() {
     if (tokens[e] == 0) continue;
     if (arc_begin[e + 1] - arc_begin[e] == 1) {
       fixed[arc_rank[arc_begin[e]]] += tokens[e];
+      arc_flow[arc_begin[e]] = tokens[e];
     } else {
       flexible[num_flexible++] = e;
       for (int a = arc_begin[e]; a < arc_begin[e + 1]; ++a) ++rank_arc_begin[arc_rank[a] + 1];
@@ -383,12 +384,8 @@ void QuotaSolver::Solve(const Placement& placement, std::span<const long long> t
 void QuotaSolver::AddCopy(const Placement& placement, std::span<const TransientReplica> extras,
                           QuotaSplit& split) {
   // The new copy's arc, if its rank is new to the expert, comes last among the expert's arcs;
-  // every other arc keeps its flow. A single-rank expert's tokens were implicit: put them on its
-  // one old arc.
-  const int expert = extras.back().expert;
-  const bool was_single = rank_count(expert) == 1;
-  const bool new_arc = InsertCopy(extras.back(), placement.num_slots() + num_extras_);
-  if (was_single && new_arc) arc_flow_[arc_begin_[expert]] = tokens_[expert];
+  // every other arc keeps its flow (a single-rank expert's tokens sit on its one arc).
+  InsertCopy(extras.back(), placement.num_slots() + num_extras_);
   Prepare();
 
   // The previous cut (S, X) with the new copy's rank joined to S: the experts with every copy in
@@ -517,7 +514,6 @@ long long QuotaSolver::RouteAtLowestBound(long long bound, bool cut_found) {
 
 void QuotaSolver::Finish(const Placement& placement, long long bound, bool cut_found,
                          QuotaSplit& split) {
-  const std::span<const long long> tokens = tokens_;
   RouteAtLowestBound(bound, cut_found);
   RecordBottleneck();
 
@@ -538,20 +534,18 @@ void QuotaSolver::Finish(const Placement& placement, long long bound, bool cut_f
   const int* copy_begin = copy_begin_.data();
   const int* copy_arc = copy_arc_.data();
   const int* copy_id = copy_id_.data();
-  for (int e = 0; e < num_experts_; ++e) {
-    const bool single = arc_begin[e + 1] - arc_begin[e] == 1;
-    for (int c = copy_begin[e]; c < copy_begin[e + 1]; ++c) {
-      const int a = copy_arc[c];
-      const long long flow = single ? tokens[e] : arc_flow[a];
-      const int on_rank = arc_copies[a];  // almost always 1: skip the slow 64-bit division
-      const long long share =
-          on_rank == 1 ? flow : flow / on_rank + (arc_given[a]++ < flow % on_rank ? 1 : 0);
-      const int id = copy_id[c];
-      (id < num_slots ? slot_quota[id] : extra_quota[id - num_slots]) = share;
-    }
-    if (!single) {
-      for (int a = arc_begin[e]; a < arc_begin[e + 1]; ++a) rank_load[arc_rank[a]] += arc_flow[a];
-    }
+  const int num_copies = copy_begin[num_experts_];
+  for (int c = 0; c < num_copies; ++c) {
+    const int a = copy_arc[c];
+    const long long flow = arc_flow[a];
+    const int on_rank = arc_copies[a];  // almost always 1: skip the slow 64-bit division
+    const long long share =
+        on_rank == 1 ? flow : flow / on_rank + (arc_given[a]++ < flow % on_rank ? 1 : 0);
+    const int id = copy_id[c];
+    (id < num_slots ? slot_quota[id] : extra_quota[id - num_slots]) = share;
+  }
+  for (int e : flexible_) {
+    for (int a = arc_begin[e]; a < arc_begin[e + 1]; ++a) rank_load[arc_rank[a]] += arc_flow[a];
   }
   split.max_rank_tokens = *std::max_element(rank_load_.begin(), rank_load_.end());
 }

@@ -72,9 +72,10 @@ class QuotaSolver {
   void LeaveBase();
   // What BuildCopies with `extra` appended to the extras would give, copies and arcs, from what
   // the last one gave; `id` is the extra's copy id. Flows stay on their arcs; a new arc starts
-  // empty. Returns whether the extra's rank is new to its expert (a new arc).
-  bool InsertCopy(const TransientReplica& extra, int id);
+  // empty.
+  void InsertCopy(const TransientReplica& extra, int id);
   // Fixed loads, flexible experts and the arcs into each rank, for the current copies; no excess.
+  // An expert on one rank gets its tokens as the flow of its one arc.
   void Prepare();
   void Pour(long long bound);
   // Once the previous flow sits on the current arcs (excess for what found no arc): the bound of
