@@ -305,6 +305,7 @@ void QuotaSolver::RecordBottleneck() {
     }
   }
   bottleneck_experts_.resize(count);
+  bottleneck_found_ = true;
 }
 
 void QuotaSolver::Prepare() {
@@ -450,6 +451,8 @@ long long QuotaSolver::WarmStart(bool& cut_found) {
 }
 
 long long QuotaSolver::Resolve(const Placement& placement) {
+  // Its cut would replace the last solve's, whose bottleneck experts stay.
+  if (!bottleneck_found_) RecordBottleneck();
   previous_arc_begin_.assign(arc_begin_.begin(), arc_begin_.end());
   previous_arc_rank_.assign(arc_rank_.begin(), arc_rank_.end());
   previous_flow_.assign(arc_flow_.begin(), arc_flow_.end());
@@ -515,7 +518,7 @@ long long QuotaSolver::RouteAtLowestBound(long long bound, bool cut_found) {
 void QuotaSolver::Finish(const Placement& placement, long long bound, bool cut_found,
                          QuotaSplit& split) {
   RouteAtLowestBound(bound, cut_found);
-  RecordBottleneck();
+  bottleneck_found_ = false;
 
   // Flows to per-copy quotas.
   const int num_slots = placement.num_slots();

@@ -59,8 +59,12 @@ class QuotaSolver {
   // [num_ranks] load of each rank under the split.
   std::span<const long long> rank_load() const { return rank_load_; }
   // Experts that pin the max rank load: every split needs max load >= max_rank_tokens unless one
-  // of them gets a copy outside the ranks they fill. Ascending ids.
-  const std::vector<int>& bottleneck_experts() const { return bottleneck_experts_; }
+  // of them gets a copy outside the ranks they fill. Ascending ids. Found on the first call after
+  // a solve, from its last min cut: a caller that does not ask does not pay.
+  const std::vector<int>& bottleneck_experts() {
+    if (!bottleneck_found_) RecordBottleneck();
+    return bottleneck_experts_;
+  }
 
  private:
   void BuildCopies(const Placement& placement, std::span<const TransientReplica> extras);
@@ -161,6 +165,7 @@ class QuotaSolver {
   std::vector<int> cut_experts_;  // experts of the last min cut, ascending
   std::vector<char> in_cut_;      // [num_ranks] ranks of the last min cut
   std::vector<int> bottleneck_experts_;
+  bool bottleneck_found_ = false;  // whether bottleneck_experts_ is the last solve's
   std::vector<std::pair<long long, int>> pour_ranks_;
 };
 

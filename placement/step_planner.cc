@@ -453,7 +453,7 @@ Status ValidateTopologyAndOptions(const Placement& placement, const Topology& to
 // The next transient replica to try: the hottest expert per copy among those that pin the max
 // rank load, on the least-loaded rank that has a free transient slot and no copy of it, fed from
 // a holder on that rank's node, else from the home. False when there is none.
-bool NextTransient(const Placement& placement, const Topology& topology, const QuotaSolver& solver,
+bool NextTransient(const Placement& placement, const Topology& topology, QuotaSolver& solver,
                    std::span<const long long> tokens, const std::vector<int>& transients_on_rank,
                    int transient_per_rank, std::vector<char>& holds, TransientReplica& next) {
   const auto rank_load = solver.rank_load();
