@@ -1102,12 +1102,42 @@ void StepPlanner::Impl::AssignSpreadWholeRows(int expert, const QuotaSplit& spli
     from_node[rank] += sign * near;
     room[i] = open;
   }
-  // The rest moves no link sum: without rows or shares to write, nothing is left to do.
-  if (!kRows && !record_shares) return;
   // The rest: sources in order fill copies in order, as AssignSpread's last pass does. The
   // quotas left add up to what the sources have left, so nothing is left over. A copy with
   // quota left has emptied every source on its node, so these shares come from other nodes and
-  // leave the link sums alone. Four sources that fit the copy go at once.
+  // leave the link sums alone: without rows or shares to write, nothing is left to do.
+  if (!kRows && !record_shares) return;
+  if (!kRows && shares_of_rank_ >= 0) {
+    // Only the shares of one rank: laid end to end in that order, the sources' tokens and the
+    // copies' open quotas cover the same span, and a share is where a source's stretch meets a
+    // copy's (exact sums). A copy elsewhere takes that rank's stretch alone; a copy on it, every
+    // source's, in order.
+    const int mine = shares_of_rank_;
+    double mine_begin = 0;
+    for (int k = 0; k < mine; ++k) mine_begin += remaining[k];
+    const double mine_end = mine_begin + remaining[mine];
+    double copy_begin = 0;
+    for (int i = 0; i < count; ++i) {
+      if (room[i] <= 0) continue;
+      select(i);
+      const double copy_end = copy_begin + open;
+      if (rank != mine) {
+        const double tokens = std::min(copy_end, mine_end) - std::max(copy_begin, mine_begin);
+        if (tokens > 0) share(mine, tokens);
+      } else {
+        double at = 0;
+        for (int k = 0; k < num_ranks && at < copy_end; ++k) {
+          const double next = at + remaining[k];
+          const double tokens = std::min(copy_end, next) - std::max(copy_begin, at);
+          if (tokens > 0) share(k, tokens);
+          at = next;
+        }
+      }
+      copy_begin = copy_end;
+    }
+    return;
+  }
+  // Four sources that fit the copy go at once.
   int s = 0;
   for (int i = 0; i < count; ++i) {
     if (room[i] <= 0) continue;

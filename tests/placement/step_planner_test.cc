@@ -142,36 +142,45 @@ TEST(StepPlannerTest, ReusedPlannerMatchesFreshPlans) {
 }
 
 // shares_of_rank r keeps exactly the shares that rank r sends or receives, in the full list's
-// order, for whole and fractional counts; the rest of the routing does not change.
+// order, for whole and fractional counts, with and without the all-to-all matrix; the rest of the
+// routing does not change. Six ranks take the general path; eight and twelve (nodes of four and
+// of six ranks) take the fast path with whole counts from one source per rank.
 TEST(StepPlannerTest, SharesOfRankAreThatRanksSubset) {
   std::mt19937 rng(5);
-  const Topology topology = MakeTopology(2, 3);
-  const CostModel cost(topology, CostModelConfig{});
-  StepPlanner planner(topology, cost);
-  for (int trial = 0; trial < 40; ++trial) {
-    Case c = RandomCase(rng, 6, 3, 5 + static_cast<int>(rng() % 12), trial % 4 == 3 ? 13 : 6,
-                        trial % 2 == 1);
-    QuotaPlanOptions all;
-    all.record_shares = true;
-    all.transient_per_rank = trial % 2;
-    StepRouting full;
-    ASSERT_TRUE(planner.Plan(c.placement, c.load.num_sources, c.by_expert, all, full).ok());
-    for (int r = 0; r < 6; ++r) {
-      QuotaPlanOptions mine = all;
-      mine.shares_of_rank = r;
-      StepRouting part;
-      ASSERT_TRUE(planner.Plan(c.placement, c.load.num_sources, c.by_expert, mine, part).ok());
-      StepRouting expected = full;
-      expected.shares.clear();
-      for (const CopyShare& share : full.shares) {
-        const int copy_rank = share.copy < c.placement.num_slots()
-                                  ? c.placement.rank_of_slot(share.copy)
-                                  : full.transients[share.copy - c.placement.num_slots()].rank;
-        if (share.source == r || copy_rank == r) expected.shares.push_back(share);
+  for (const auto& [nodes, per_node] : {std::pair{2, 3}, std::pair{2, 4}, std::pair{2, 6}}) {
+    const Topology topology = MakeTopology(nodes, per_node);
+    const int num_ranks = nodes * per_node;
+    for (const CostModelConfig& config : {CostModelConfig{}, SmallExperts()}) {
+      const CostModel cost(topology, config);
+      StepPlanner planner(topology, cost);
+      for (int trial = 0; trial < 40; ++trial) {
+        Case c = RandomCase(rng, num_ranks, 3, 5 + static_cast<int>(rng() % 12),
+                            trial % 4 == 3 ? 2 * num_ranks + 1 : num_ranks, trial % 2 == 1);
+        QuotaPlanOptions all;
+        all.record_shares = true;
+        all.transient_per_rank = trial % 3;
+        all.sent_tokens = trial / 2 % 2 == 0;
+        StepRouting full;
+        ASSERT_TRUE(planner.Plan(c.placement, c.load.num_sources, c.by_expert, all, full).ok());
+        for (int r = 0; r < num_ranks; ++r) {
+          QuotaPlanOptions mine = all;
+          mine.shares_of_rank = r;
+          StepRouting part;
+          ASSERT_TRUE(planner.Plan(c.placement, c.load.num_sources, c.by_expert, mine, part).ok());
+          StepRouting expected = full;
+          expected.shares.clear();
+          for (const CopyShare& share : full.shares) {
+            const int copy_rank = share.copy < c.placement.num_slots()
+                                      ? c.placement.rank_of_slot(share.copy)
+                                      : full.transients[share.copy - c.placement.num_slots()].rank;
+            if (share.source == r || copy_rank == r) expected.shares.push_back(share);
+          }
+          SCOPED_TRACE("ranks " + std::to_string(num_ranks) + " trial " + std::to_string(trial) +
+                       " rank " + std::to_string(r));
+          EXPECT_LT(expected.shares.size(), full.shares.size());
+          ExpectSameRouting(part, expected);
+        }
       }
-      SCOPED_TRACE("trial " + std::to_string(trial) + " rank " + std::to_string(r));
-      EXPECT_LT(expected.shares.size(), full.shares.size());
-      ExpectSameRouting(part, expected);
     }
   }
 }
