@@ -41,9 +41,9 @@ struct EntryBits {
 // The one pass over the traffic by expert (`num_sources` entries per expert, a multiple of 4):
 // the EntryBits of every entry; lane_totals[e], expert e's sources added in four lanes (kept in
 // lanes[4 * e, 4 * e + 4) until the end) and then across them; and sent[s] (set, not added to),
-// what source s sends to all experts. Such a sum
-// differs from the sum in source (or expert) order only in rounding, so it is that sum whenever
-// every partial sum is exact: whole entries whose total stays below 2^53.
+// what source s sends to all experts. Such a sum differs from the sum in source (or expert) order
+// only in rounding, so it is that sum whenever every partial sum is exact: whole entries whose
+// total stays below 2^53.
 //
 // Sixteen sources at a time go through every expert, so that their sums in `sent` stay in four
 // vector registers.
