@@ -2,6 +2,7 @@
 #include "placement/cost_model.h"
 
 #include <algorithm>
+#include <array>
 #include <cassert>
 #include <cstring>
 #include <span>
@@ -276,6 +277,7 @@ double CostModel::TransientSeconds(const Placement& placement,
   if (transients.empty()) return 0;
   // Transient replicas of one expert are filled by a pipelined chain from the source through
   // the receivers in the order they were added, and return their gradients along the reverse chain.
+  if (transients.size() <= kFewTransients) return FewTransientSeconds(transients);
   LinkLoad fill(topology_, rank_node_);
   std::vector<int> chain_end(placement.num_experts(), -1);  // last rank of each expert's chain
   for (const TransientReplica& t : transients) {
@@ -285,6 +287,44 @@ double CostModel::TransientSeconds(const Placement& placement,
     chain_end[t.expert] = t.rank;
   }
   return fill.SlowestRankSeconds();
+}
+
+double CostModel::FewTransientSeconds(std::span<const TransientReplica> transients) const {
+  // LinkLoad's sums for the few (rank, link class, direction) entries that the chains touch,
+  // added in the same order, in a short list instead of a table of every rank.
+  std::array<std::pair<int, double>, 4 * kFewTransients> touched;
+  size_t num_touched = 0;
+  auto add = [&](size_t entry, double bytes) {
+    size_t i = 0;
+    while (i < num_touched && touched[i].first != static_cast<int>(entry)) ++i;
+    if (i == num_touched) touched[num_touched++] = {static_cast<int>(entry), 0.0};
+    touched[i].second += bytes;
+  };
+  const double bytes = expert_weight_bytes();
+  auto edge = [&](int src, int dst) {
+    if (src == dst || bytes <= 0) return;
+    const int link = rank_node_[src] == rank_node_[dst] ? 0 : 1;
+    add(static_cast<size_t>(src) * 4 + link, bytes);      // send
+    add(static_cast<size_t>(dst) * 4 + 2 + link, bytes);  // receive
+  };
+  for (size_t i = 0; i < transients.size(); ++i) {
+    const TransientReplica& t = transients[i];
+    int previous = t.source_rank;  // the chain's last rank so far
+    for (size_t j = i; j-- > 0;) {
+      if (transients[j].expert == t.expert) {
+        previous = transients[j].rank;
+        break;
+      }
+    }
+    edge(previous, t.rank);
+    edge(t.rank, previous);
+  }
+  double most[2] = {0, 0};
+  for (size_t i = 0; i < num_touched; ++i) {
+    most[touched[i].first % 2] = std::max(most[touched[i].first % 2], touched[i].second);
+  }
+  return std::max({0.0, most[0] / topology_.intra_node_bytes_per_second(),
+                   most[1] / topology_.inter_node_bytes_per_second()});
 }
 
 MigrationCost CostModel::Migration(const Placement& from, const Placement& to) const {

@@ -97,6 +97,11 @@ class CostModel {
                           std::span<const TransientReplica> transients) const;
 
  private:
+  // TransientSeconds for this many transients or fewer (a step planner's usual count) skips the
+  // table of every rank.
+  static constexpr size_t kFewTransients = 8;
+  double FewTransientSeconds(std::span<const TransientReplica> transients) const;
+
   Topology topology_;
   CostModelConfig config_;
   std::vector<int> rank_node_;  // [num_ranks] node of each rank, so hot loops need not divide

@@ -55,6 +55,7 @@ void QuotaSolver::BuildCopies(const Placement& placement,
       copy_rank_[pos] = extras[i].rank;
     }
   }
+  copies_extend_base_ = false;
   const int* copy_begin = copy_begin_.data();
   const int* copy_rank = copy_rank_.data();
   const int num_copies = copy_begin[num_experts];
@@ -115,6 +116,7 @@ void QuotaSolver::BuildBaseCopies(const Placement& placement) {
       base_num_ranks_ != placement.num_ranks() || base_phy2log_ != placement.phy2log()) {
     // A new base: the old one is not needed any more.
     BuildCopies(placement, {});
+    RecordBaseSingles();
     has_base_ = true;
     base_phy2log_.assign(placement.phy2log().begin(), placement.phy2log().end());
     base_num_experts_ = placement.num_experts();
@@ -127,6 +129,23 @@ void QuotaSolver::BuildBaseCopies(const Placement& placement) {
   num_extras_ = 0;
   arc_flow_.assign(arc_rank_.size(), 0);
   copies_are_base_ = true;
+  copies_extend_base_ = true;
+}
+
+void QuotaSolver::RecordBaseSingles() {
+  auto single_rank = [&](int e) {
+    return arc_begin_[e + 1] - arc_begin_[e] == 1 ? arc_rank_[arc_begin_[e]] : -1;
+  };
+  base_single_begin_.assign(num_ranks_ + 1, 0);
+  for (int e = 0; e < num_experts_; ++e) {
+    if (single_rank(e) >= 0) ++base_single_begin_[single_rank(e) + 1];
+  }
+  for (int r = 0; r < num_ranks_; ++r) base_single_begin_[r + 1] += base_single_begin_[r];
+  base_single_.resize(base_single_begin_[num_ranks_]);
+  rank_fill_.assign(base_single_begin_.begin(), base_single_begin_.end() - 1);
+  for (int e = 0; e < num_experts_; ++e) {
+    if (single_rank(e) >= 0) base_single_[rank_fill_[single_rank(e)]++] = e;
+  }
 }
 
 void QuotaSolver::LeaveBase() {
@@ -284,6 +303,21 @@ bool QuotaSolver::RouteExcess() {
 // Experts that pin the bound: those of the last min cut (`cut_experts_`), plus the experts whose
 // copies all sit on one of the cut's ranks (`in_cut_`).
 void QuotaSolver::RecordBottleneck() {
+  bottleneck_found_ = true;
+  if (copies_extend_base_) {
+    // The base's single-rank experts of the cut's ranks (a copy added since may have spread one):
+    // a cut holds a few ranks, so this skips the pass over every expert.
+    bottleneck_experts_.assign(cut_experts_.begin(), cut_experts_.end());
+    for (int r = 0; r < num_ranks_; ++r) {
+      if (!in_cut_[r]) continue;
+      for (int i = base_single_begin_[r]; i < base_single_begin_[r + 1]; ++i) {
+        const int e = base_single_[i];
+        if (tokens_[e] != 0 && rank_count(e) == 1) bottleneck_experts_.push_back(e);
+      }
+    }
+    std::sort(bottleneck_experts_.begin(), bottleneck_experts_.end());
+    return;
+  }
   // Written to a buffer sized for every expert: push_back would make the compiler reload each
   // member the loop reads after every store.
   const int num_experts = num_experts_;
@@ -305,7 +339,6 @@ void QuotaSolver::RecordBottleneck() {
     }
   }
   bottleneck_experts_.resize(count);
-  bottleneck_found_ = true;
 }
 
 void QuotaSolver::Prepare() {

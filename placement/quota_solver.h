@@ -98,6 +98,8 @@ class QuotaSolver {
   void Search();
   long long Augment(int rank);
   void RecordBottleneck();
+  // The base's experts on one rank, by rank: base_single_begin_ / base_single_.
+  void RecordBaseSingles();
 
   int num_experts_ = 0;
   int num_ranks_ = 0;
@@ -161,6 +163,11 @@ class QuotaSolver {
   Copies base_;
   bool base_saved_ = false;
   bool copies_are_base_ = false;  // whether copy_* and arc_* hold the base now
+  // Whether they hold the base plus the copies AddCopy added since: an expert on one rank now
+  // was one on that rank in the base.
+  bool copies_extend_base_ = false;
+  std::vector<int> base_single_begin_;  // [num_ranks + 1]
+  std::vector<int> base_single_;        // the base's experts on one rank, by rank, ascending
 
   std::vector<int> cut_experts_;  // experts of the last min cut, ascending
   std::vector<char> in_cut_;      // [num_ranks] ranks of the last min cut

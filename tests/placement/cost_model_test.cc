@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <random>
+#include <utility>
 #include <vector>
 
 namespace keel {
@@ -160,6 +162,40 @@ TEST(CostModelTest, TransientReplicasArePricedAsAChainFromTheSource) {
   routing.transients.push_back({0, 2, 0});
   routing.transient_tokens.push_back(5);
   EXPECT_DOUBLE_EQ(cost.Estimate(p, routing).transient_seconds, 128 / 10e9);
+}
+
+// Up to 8 transients are priced from a short list, more from a table of every rank: both must
+// give the chain's fills. The reference counts fills per (rank, link class, direction); every
+// fill carries W = 128 bytes, so the sums are exact.
+TEST(CostModelTest, FewAndManyTransientsArePricedAlike) {
+  CostModel cost(TwoNodesOfTwo(), SmallModel());
+  auto p = Placement::Contiguous(4, 4, 1).value();
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int count = 1 + trial % 12;
+    std::vector<TransientReplica> transients;
+    for (int i = 0; i < count; ++i) {
+      // Few experts, so that chains grow; a source may be the receiving rank itself.
+      transients.push_back(
+          {static_cast<int>(rng() % 3), static_cast<int>(rng() % 4), static_cast<int>(rng() % 4)});
+    }
+    std::vector<int> fills(4 * 4, 0);  // [rank][send intra, send inter, recv intra, recv inter]
+    std::vector<int> chain_end(4, -1);
+    for (const TransientReplica& t : transients) {
+      const int from = chain_end[t.expert] >= 0 ? chain_end[t.expert] : t.source_rank;
+      chain_end[t.expert] = t.rank;
+      if (from == t.rank) continue;
+      const int link = from / 2 == t.rank / 2 ? 0 : 1;  // two ranks per node
+      for (const auto& [src, dst] : {std::pair{from, t.rank}, std::pair{t.rank, from}}) {
+        ++fills[src * 4 + link];
+        ++fills[dst * 4 + 2 + link];
+      }
+    }
+    int most[2] = {0, 0};
+    for (int i = 0; i < 16; ++i) most[i % 2] = std::max(most[i % 2], fills[i]);
+    const double expected = std::max(most[0] * 128 / 100e9, most[1] * 128 / 10e9);
+    EXPECT_EQ(cost.TransientSeconds(p, transients), expected) << "trial " << trial;
+  }
 }
 
 TEST(CostModelTest, OnlyMigrationBeyondOneForwardBackwardIsExposed) {
