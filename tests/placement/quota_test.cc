@@ -6,9 +6,11 @@
 #include <cmath>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "placement/cost_model.h"
+#include "placement/quota_solver.h"
 #include "placement/routing.h"
 #include "tests/common/test_util.h"
 
@@ -211,6 +213,96 @@ TEST(QuotaSplitterTest, MatchesSplitQuotasAlongRandomSlotChanges) {
       phy2log = std::move(next);
     }
   }
+}
+
+// The solver's bottleneck experts, after a solve and after each copy added to one of them, as
+// the per-step planner adds transients. B must be ascending with tokens, and pin the max load T:
+//  - a copy of an expert outside B, or of one in B on a rank that holds B, leaves T as it is;
+//  - B is the last min cut's experts plus those on one of its ranks alone, so with S the ranks
+//    that hold B, T = ceil(tokens(B) / |S|).
+TEST(QuotaSolverTest, BottleneckExpertsPinTheMaxLoad) {
+  std::mt19937 rng(23);
+  int pinned = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const int num_ranks = 2 + static_cast<int>(rng() % 4);
+    const int slots_per_rank = 2;
+    const int num_experts = 2 + static_cast<int>(rng() % (num_ranks * slots_per_rank - 1));
+    std::vector<int> phy2log(num_ranks * slots_per_rank, kEmptySlot);
+    for (size_t s = 0; s < phy2log.size(); ++s) {
+      phy2log[s] = s < static_cast<size_t>(num_experts) ? static_cast<int>(s)
+                                                        : static_cast<int>(rng() % num_experts);
+    }
+    std::shuffle(phy2log.begin(), phy2log.end(), rng);
+    auto created = Placement::Create(num_experts, num_ranks, phy2log);
+    if (!created.ok()) continue;  // two copies of an expert on one rank
+    const Placement& p = *created;
+    std::vector<long long> tokens(num_experts);
+    for (auto& t : tokens) t = rng() % 5 == 0 ? 0 : static_cast<long long>(rng() % 40);
+
+    std::vector<TransientReplica> extras;
+    // Checks `solver` after its last call, which solved for `extras`.
+    auto check = [&](QuotaSolver& solver, const QuotaSplit& split, const std::string& where) {
+      const long long max_load = split.max_rank_tokens;
+      ASSERT_EQ(max_load, SplitQuotas(p, tokens, extras).max_rank_tokens) << where;
+      const std::vector<int> bottleneck = solver.bottleneck_experts();
+      ASSERT_TRUE(std::is_sorted(bottleneck.begin(), bottleneck.end())) << where;
+      auto holds = [&](int expert, int rank) {
+        for (int c = solver.copy_begin(expert); c < solver.copy_end(expert); ++c) {
+          if (solver.copy_rank(c) == rank) return true;
+        }
+        return false;
+      };
+      std::vector<char> in_bottleneck(num_experts, 0), pinning_rank(num_ranks, 0);
+      long long pinned_tokens = 0;
+      for (int e : bottleneck) {
+        EXPECT_GT(tokens[e], 0) << where;
+        in_bottleneck[e] = 1;
+        pinned_tokens += tokens[e];
+        for (int r = 0; r < num_ranks; ++r) pinning_rank[r] |= holds(e, r);
+      }
+      const long long pinning_ranks = std::count(pinning_rank.begin(), pinning_rank.end(), 1);
+      if (!bottleneck.empty()) {
+        ++pinned;
+        EXPECT_EQ(max_load, (pinned_tokens + pinning_ranks - 1) / pinning_ranks) << where;
+      }
+      for (int e = 0; e < num_experts; ++e) {
+        for (int r = 0; r < num_ranks; ++r) {
+          if (tokens[e] == 0 || holds(e, r) || (in_bottleneck[e] && !pinning_rank[r])) continue;
+          std::vector<TransientReplica> more = extras;
+          more.push_back({e, r, 0});
+          EXPECT_EQ(SplitQuotas(p, tokens, more).max_rank_tokens, max_load)
+              << where << ": a copy of expert " << e << " on rank " << r;
+        }
+      }
+    };
+    QuotaSolver solver;
+    QuotaSplit split;
+    solver.Solve(p, tokens, extras, split);
+    for (;;) {
+      const std::string where =
+          "trial " + std::to_string(trial) + " extras " + std::to_string(extras.size());
+      check(solver, split, where + " (re-solved)");
+      // The same copies solved afresh.
+      QuotaSolver fresh;
+      QuotaSplit fresh_split;
+      fresh.Solve(p, tokens, extras, fresh_split);
+      check(fresh, fresh_split, where + " (fresh)");
+      // The next transient: a bottleneck expert on a rank without it, as the planner adds one.
+      const std::vector<int>& bottleneck = solver.bottleneck_experts();
+      if (extras.size() == 2 || bottleneck.empty()) break;
+      const int expert = bottleneck[rng() % bottleneck.size()];
+      std::vector<char> holder(num_ranks, 0);
+      for (int c = solver.copy_begin(expert); c < solver.copy_end(expert); ++c) {
+        holder[solver.copy_rank(c)] = 1;
+      }
+      int rank = static_cast<int>(rng() % num_ranks);
+      for (int tries = 0; tries < num_ranks && holder[rank]; ++tries) rank = (rank + 1) % num_ranks;
+      if (holder[rank]) break;
+      extras.push_back({expert, rank, 0});
+      solver.AddCopy(p, extras, split);
+    }
+  }
+  EXPECT_GT(pinned, 200);  // the cases exercise the bound, not only empty lists
 }
 
 // --- PlanStepQuotas ---------------------------------------------------------------------------
