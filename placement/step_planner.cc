@@ -606,8 +606,12 @@ class StepPlanner::Impl {
   void MarkMovedQuotas();
   // On the fast path: turns best_ into the routing for the candidate transient of `expert` in
   // place, taking out and putting back the routing of each expert whose quotas moved: the same
-  // bits as a fresh Assign, its shares in trial_.shares. What it overwrites goes to undo_.
+  // bits as a fresh Assign. What it overwrites goes to undo_; the patched experts' new shares
+  // wait in moved_shares_ until the candidate is kept.
   void PatchBest(int expert);
+  // Once the candidate is kept: the new shares of the experts PatchBest patched replace theirs
+  // in best_.
+  void KeepPatchedShares();
   // Takes best_ back to what it was before PatchBest.
   void RestoreBest();
   // Shares of an expert whose copies sit on one rank: sources in ascending order fill the copies
@@ -684,10 +688,12 @@ class StepPlanner::Impl {
   std::vector<int> transients_on_rank_;
   std::vector<char> holds_;
   Draft best_;
-  Draft trial_;  // the candidate's routing where best_ is not patched in place
+  // The candidate's routing where best_ is not patched in place; else the shares that
+  // KeepPatchedShares builds.
+  Draft trial_;
   Undo undo_;
   std::vector<int> patched_;   // scratch of PatchBest: the experts it patched, ascending
-  Draft moved_shares_;         // scratch of PatchBest: their new shares
+  Draft moved_shares_;         // scratch of PatchBest: their new shares, until kept
   std::vector<char> moved_;    // [num_experts] scratch of PatchBest: see MarkMovedQuotas
   std::vector<char> touched_;  // [num_ranks] scratch of PatchBest: rows saved in undo_
   std::vector<char> gained_;   // [num_experts] scratch of Publish: experts with a transient
@@ -1350,9 +1356,12 @@ void StepPlanner::Impl::PatchBest(int expert) {
     AddExpert(e, trial_split_, 1.0, /*single_row=*/true, best_);
     best_.shares.swap(moved_shares_.shares);
   }
+}
+
+void StepPlanner::Impl::KeepPatchedShares() {
   // best_'s shares with those of the patched experts replaced, still by expert.
   trial_.shares.clear();
-  if (!record_shares) return;
+  if (!record_shares_) return;
   const CopyShare* kept = best_.shares.begin();
   const CopyShare* fresh = moved_shares_.shares.begin();
   for (int e : patched_) {
@@ -1365,6 +1374,7 @@ void StepPlanner::Impl::PatchBest(int expert) {
     trial_.shares.Append(from, fresh);
   }
   trial_.shares.Append(kept, best_.shares.end());
+  best_.shares.swap(trial_.shares);
 }
 
 void StepPlanner::Impl::RestoreBest() {
@@ -1505,7 +1515,7 @@ Status StepPlanner::Impl::Plan(const Placement& placement, int num_sources,
           RestoreBest();
           break;
         }
-        best_.shares.swap(trial_.shares);
+        KeepPatchedShares();
       } else {
         Assign(transients_.size(), trial_split_, trial_);
         trial_seconds = Seconds(trial_, transients_);
