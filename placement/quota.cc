@@ -156,7 +156,7 @@ void QuotaSolver::LeaveBase() {
   copies_are_base_ = false;
 }
 
-void QuotaSolver::InsertCopy(const TransientReplica& extra, int id) {
+int QuotaSolver::InsertCopy(const TransientReplica& extra, int id) {
   LeaveBase();
   const int expert = extra.expert;
   int arc = arc_begin_[expert];
@@ -177,6 +177,29 @@ void QuotaSolver::InsertCopy(const TransientReplica& extra, int id) {
   copy_arc_.insert(copy_arc_.begin() + copy, arc);
   for (int e = expert + 1; e <= num_experts_; ++e) ++copy_begin_[e];
   ++num_extras_;
+  return new_arc ? arc : -1;
+}
+
+void QuotaSolver::PrepareNewArc(int expert, int arc, bool was_single) {
+  assert(std::all_of(excess_.begin(), excess_.end(), [](long long x) { return x == 0; }));
+  for (int& a : rank_arcs_) a += a >= arc ? 1 : 0;
+  if (tokens_[expert] == 0) return;  // neither fixed nor flexible
+  // Each rank lists its flexible arcs in ascending order, as Prepare does.
+  auto enter = [&](int a) {
+    const int rank = arc_rank_[a];
+    const auto first = rank_arcs_.begin() + rank_arc_begin_[rank];
+    const auto last = rank_arcs_.begin() + rank_arc_begin_[rank + 1];
+    rank_arcs_.insert(std::upper_bound(first, last, a), a);
+    for (int r = rank + 1; r <= num_ranks_; ++r) ++rank_arc_begin_[r];
+  };
+  if (was_single) {
+    // Its tokens leave its rank's fixed load and stay on its first arc as flow.
+    const int first_arc = arc_begin_[expert];
+    fixed_[arc_rank_[first_arc]] -= tokens_[expert];
+    flexible_.insert(std::upper_bound(flexible_.begin(), flexible_.end(), expert), expert);
+    enter(first_arc);
+  }
+  enter(arc);
 }
 
 // Water-fills each flexible expert, heaviest first, onto its least-loaded ranks up to `bound`.
@@ -419,8 +442,10 @@ void QuotaSolver::AddCopy(const Placement& placement, std::span<const TransientR
                           QuotaSplit& split) {
   // The new copy's arc, if its rank is new to the expert, comes last among the expert's arcs;
   // every other arc keeps its flow (a single-rank expert's tokens sit on its one arc).
-  InsertCopy(extras.back(), placement.num_slots() + num_extras_);
-  Prepare();
+  const int expert = extras.back().expert;
+  const bool was_single = rank_count(expert) == 1;
+  const int arc = InsertCopy(extras.back(), placement.num_slots() + num_extras_);
+  if (arc >= 0) PrepareNewArc(expert, arc, was_single);
 
   // The previous cut (S, X) with the new copy's rank joined to S: the experts with every copy in
   // that S' load it with at least their tokens.

@@ -77,10 +77,15 @@ class QuotaSolver {
   // What BuildCopies with `extra` appended to the extras would give, copies and arcs, from what
   // the last one gave; `id` is the extra's copy id. Flows stay on their arcs; a new arc starts
   // empty.
-  void InsertCopy(const TransientReplica& extra, int id);
+  // Returns the new arc, or -1 when the extra's rank already held the expert.
+  int InsertCopy(const TransientReplica& extra, int id);
   // Fixed loads, flexible experts and the arcs into each rank, for the current copies; no excess.
   // An expert on one rank gets its tokens as the flow of its one arc.
   void Prepare();
+  // What Prepare would give after InsertCopy added `arc` to `expert`, from what it gave before
+  // (all tokens routed, as a solve leaves them); `was_single`: whether the expert sat on one
+  // rank before.
+  void PrepareNewArc(int expert, int arc, bool was_single);
   void Pour(long long bound);
   // Once the previous flow sits on the current arcs (excess for what found no arc): the bound of
   // the cold start or of the previous cut, in_cut_ (which the caller widened by every rank that

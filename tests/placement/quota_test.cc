@@ -244,6 +244,19 @@ TEST(QuotaSolverTest, BottleneckExpertsPinTheMaxLoad) {
     auto check = [&](QuotaSolver& solver, const QuotaSplit& split, const std::string& where) {
       const long long max_load = split.max_rank_tokens;
       ASSERT_EQ(max_load, SplitQuotas(p, tokens, extras).max_rank_tokens) << where;
+      // A split of every expert's tokens among its copies, whose max rank load is max_load.
+      const std::vector<long long> loads = RankLoads(p, extras, split);
+      EXPECT_EQ(*std::max_element(loads.begin(), loads.end()), max_load) << where;
+      std::vector<long long> sums(num_experts, 0);
+      for (int s = 0; s < p.num_slots(); ++s) {
+        EXPECT_GE(split.slot_quota[s], 0) << where;
+        if (p.expert_at(s) != kEmptySlot) sums[p.expert_at(s)] += split.slot_quota[s];
+      }
+      for (size_t i = 0; i < extras.size(); ++i) {
+        EXPECT_GE(split.extra_quota[i], 0) << where;
+        sums[extras[i].expert] += split.extra_quota[i];
+      }
+      EXPECT_EQ(sums, tokens) << where;
       const std::vector<int> bottleneck = solver.bottleneck_experts();
       ASSERT_TRUE(std::is_sorted(bottleneck.begin(), bottleneck.end())) << where;
       auto holds = [&](int expert, int rank) {
@@ -287,17 +300,22 @@ TEST(QuotaSolverTest, BottleneckExpertsPinTheMaxLoad) {
       QuotaSplit fresh_split;
       fresh.Solve(p, tokens, extras, fresh_split);
       check(fresh, fresh_split, where + " (fresh)");
-      // The next transient: a bottleneck expert on a rank without it, as the planner adds one.
+      // The next copy: mostly a bottleneck expert on a rank without it, as the planner adds
+      // one; else any expert (with tokens or not) on any rank (holding it or not).
       const std::vector<int>& bottleneck = solver.bottleneck_experts();
-      if (extras.size() == 2 || bottleneck.empty()) break;
-      const int expert = bottleneck[rng() % bottleneck.size()];
-      std::vector<char> holder(num_ranks, 0);
-      for (int c = solver.copy_begin(expert); c < solver.copy_end(expert); ++c) {
-        holder[solver.copy_rank(c)] = 1;
-      }
+      if (extras.size() == 3) break;
+      int expert = static_cast<int>(rng() % num_experts);
       int rank = static_cast<int>(rng() % num_ranks);
-      for (int tries = 0; tries < num_ranks && holder[rank]; ++tries) rank = (rank + 1) % num_ranks;
-      if (holder[rank]) break;
+      if (rng() % 3 != 0 && !bottleneck.empty()) {
+        expert = bottleneck[rng() % bottleneck.size()];
+        std::vector<char> holder(num_ranks, 0);
+        for (int c = solver.copy_begin(expert); c < solver.copy_end(expert); ++c) {
+          holder[solver.copy_rank(c)] = 1;
+        }
+        for (int tries = 0; tries < num_ranks && holder[rank]; ++tries) {
+          rank = (rank + 1) % num_ranks;
+        }
+      }
       extras.push_back({expert, rank, 0});
       solver.AddCopy(p, extras, split);
     }
