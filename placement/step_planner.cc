@@ -604,10 +604,18 @@ class StepPlanner::Impl {
   void AssignSpreadWholeRows(int expert, const QuotaSplit& split, double sign, Draft& draft);
   // moved_[e]: whether any copy of expert e has a different quota in trial_split_ than in split_.
   void MarkMovedQuotas();
-  // On the fast path: turns best_ into the routing for the candidate transient of `expert` in
-  // place, taking out and putting back the routing of each expert whose quotas moved: the same
-  // bits as a fresh Assign. What it overwrites goes to undo_; the patched experts' new shares
-  // wait in moved_shares_ until the candidate is kept.
+  // patched_: the experts with tokens whose routing the candidate transient of `expert` changes,
+  // ascending: those whose quotas moved, and `expert`.
+  void ListPatched(int expert);
+  // On the fast path, after ListPatched: a floor under the candidate's price. Its max rank load
+  // is the solver's (exact there), and a rank that holds no copy of a patched expert receives
+  // what it received before, so those ranks' receive sums floor the all-to-all's peaks. Every
+  // term of the price grows with its inputs.
+  double FloorSeconds();
+  // On the fast path, after ListPatched: turns best_ into the routing for the candidate
+  // transient of `expert` in place, taking out and putting back the routing of each patched
+  // expert: the same bits as a fresh Assign. What it overwrites goes to undo_; the patched
+  // experts' new shares wait in moved_shares_ until the candidate is kept.
   void PatchBest(int expert);
   // Once the candidate is kept: the new shares of the experts PatchBest patched replace theirs
   // in best_.
@@ -692,11 +700,13 @@ class StepPlanner::Impl {
   // KeepPatchedShares builds.
   Draft trial_;
   Undo undo_;
-  std::vector<int> patched_;   // scratch of PatchBest: the experts it patched, ascending
-  Draft moved_shares_;         // scratch of PatchBest: their new shares, until kept
-  std::vector<char> moved_;    // [num_experts] scratch of PatchBest: see MarkMovedQuotas
-  std::vector<char> touched_;  // [num_ranks] scratch of PatchBest: rows saved in undo_
-  std::vector<char> gained_;   // [num_experts] scratch of Publish: experts with a transient
+  std::vector<int> patched_;  // see ListPatched
+  Draft moved_shares_;        // scratch of PatchBest: their new shares, until kept
+  std::vector<char> moved_;   // [num_experts] scratch of PatchBest: see MarkMovedQuotas
+  // [num_ranks] scratch of FloorSeconds (ranks that hold a patched expert) and of PatchBest
+  // (rows saved in undo_).
+  std::vector<char> touched_;
+  std::vector<char> gained_;  // [num_experts] scratch of Publish: experts with a transient
 };
 
 void StepPlanner::Impl::Bind(const Placement& placement, int num_sources) {
@@ -1311,13 +1321,41 @@ void StepPlanner::Impl::MarkMovedQuotas() {
   }
 }
 
-void StepPlanner::Impl::PatchBest(int expert) {
-  const bool record_shares = record_shares_;
+void StepPlanner::Impl::ListPatched(int expert) {
   MarkMovedQuotas();
   patched_.clear();
   for (int e = 0; e < num_experts_; ++e) {
     if (totals_[e] != 0 && (e == expert || moved_[e])) patched_.push_back(e);
   }
+}
+
+double StepPlanner::Impl::FloorSeconds() {
+  const size_t num_ranks = static_cast<size_t>(num_ranks_);
+  touched_.assign(num_ranks, 0);
+  for (int e : patched_) {
+    for (int c = solver_.copy_begin(e); c < solver_.copy_end(e); ++c) {
+      touched_[solver_.copy_rank(c)] = 1;
+    }
+  }
+  const double* from_node = best_.links.data() + kFromNode * num_ranks;
+  const double* kept = best_.links.data() + kKept * num_ranks;
+  double intra = 0;
+  double inter = 0;
+  for (size_t r = 0; r < num_ranks; ++r) {
+    if (touched_[r]) continue;
+    intra = std::max(intra, from_node[r] - kept[r]);
+    inter = std::max(inter, best_.rank_tokens[r] - from_node[r]);
+  }
+  const double bytes_per_row = cost_.token_row_bytes();
+  const LinkPeaks peaks{intra * bytes_per_row, inter * bytes_per_row};
+  return cost_
+      .EstimateFromPeaks(*placement_, static_cast<double>(trial_split_.max_rank_tokens), peaks,
+                         transients_, sync_seconds_)
+      .total_seconds();
+}
+
+void StepPlanner::Impl::PatchBest(int expert) {
+  const bool record_shares = record_shares_;
   // Only the rows of ranks that hold a patched expert change (on the fast path the rows hold
   // only experts spread over several ranks, and the link sums the others).
   const size_t num_ranks = static_cast<size_t>(num_ranks_);
@@ -1509,6 +1547,8 @@ Status StepPlanner::Impl::Plan(const Placement& placement, int num_sources,
       // otherwise it gets a routing of its own.
       double trial_seconds;
       if (fast_) {
+        ListPatched(next.expert);
+        if (FloorSeconds() >= best_seconds) break;  // it cannot pay: no patch to make
         PatchBest(next.expert);
         trial_seconds = Seconds(best_, transients_);
         if (!(trial_seconds < best_seconds)) {
