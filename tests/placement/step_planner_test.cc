@@ -271,6 +271,56 @@ TEST(StepPlannerTest, ShortcutsGiveTheOrderedRouting) {
   EXPECT_GT(with_transients, 20);
 }
 
+// On the fast path a candidate transient whose price floor already misses is dropped unpriced.
+// Near the break-even of a transient (found by bisection on the experts' FLOP/s, the ordered
+// path deciding), the candidate's price and the kept one's differ in their last bits: a floor
+// above the candidate's price would drop a transient that pays.
+TEST(StepPlannerTest, PriceFloorDropsNoTransientThatPays) {
+  std::mt19937 rng(43);
+  int boundaries = 0;
+  for (const auto& [nodes, per_node] : std::vector<std::pair<int, int>>{{4, 4}, {8, 4}}) {
+    const Topology topology = MakeTopology(nodes, per_node);
+    const int num_ranks = nodes * per_node;
+    for (int trial = 0; trial < 6; ++trial) {
+      const Case c = RandomCase(rng, num_ranks, 3, num_ranks + static_cast<int>(rng() % num_ranks),
+                                num_ranks, /*fractional=*/false);
+      const Case padded = WithSilentSources(c, num_ranks);
+      const QuotaPlanOptions options{.transient_per_rank = 1};
+      auto plan = [&](double tflops, bool fast) {
+        CostModelConfig config = SmallExperts();
+        config.expert_tflops = tflops;
+        const CostModel cost(topology, config);
+        StepPlanner planner(topology, cost);
+        StepRouting routing;
+        const Case& input = fast ? c : padded;
+        EXPECT_TRUE(
+            planner.Plan(input.placement, input.load.num_sources, input.by_expert, options, routing)
+                .ok());
+        return routing;
+      };
+      // Slow experts: more transients pay than for fast ones. Between the two, a candidate's
+      // price crosses the kept one's where the number of transients kept changes.
+      auto kept = [&](double tflops) { return plan(tflops, false).transients.size(); };
+      double slow = 1e-3;
+      double quick = 1e6;
+      const size_t slow_kept = kept(slow);
+      if (slow_kept == kept(quick)) continue;
+      for (int step = 0; step < 200; ++step) {
+        const double middle = slow + (quick - slow) / 2;
+        if (middle == slow || middle == quick) break;
+        (kept(middle) == slow_kept ? slow : quick) = middle;
+      }
+      ++boundaries;
+      for (const double tflops : {slow, quick}) {
+        SCOPED_TRACE(std::to_string(num_ranks) + " ranks, trial " + std::to_string(trial) +
+                     ", tflops " + std::to_string(tflops));
+        ExpectSameRouting(plan(tflops, true), plan(tflops, false));
+      }
+    }
+  }
+  EXPECT_GE(boundaries, 8);
+}
+
 // The price the planner gives its routing is the cost model's estimate of it, bit for bit: on the
 // fast path it comes from link sums, off it from a pass over the whole all-to-all matrix.
 TEST(StepPlannerTest, PredictedSecondsAreTheCostModels) {
