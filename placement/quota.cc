@@ -116,8 +116,8 @@ void QuotaSolver::BuildBaseCopies(const Placement& placement) {
       base_num_ranks_ != placement.num_ranks() || base_phy2log_ != placement.phy2log()) {
     // A new base: the old one is not needed any more.
     BuildCopies(placement, {});
-    RecordBaseSingles();
     has_base_ = true;
+    base_singles_found_ = false;
     base_phy2log_.assign(placement.phy2log().begin(), placement.phy2log().end());
     base_num_experts_ = placement.num_experts();
     base_num_ranks_ = placement.num_ranks();
@@ -133,8 +133,11 @@ void QuotaSolver::BuildBaseCopies(const Placement& placement) {
 }
 
 void QuotaSolver::RecordBaseSingles() {
+  // The base's arcs: the current ones, or those LeaveBase saved.
+  const std::vector<int>& arc_begin = copies_are_base_ ? arc_begin_ : base_.arc_begin;
+  const std::vector<int>& arc_rank = copies_are_base_ ? arc_rank_ : base_.arc_rank;
   auto single_rank = [&](int e) {
-    return arc_begin_[e + 1] - arc_begin_[e] == 1 ? arc_rank_[arc_begin_[e]] : -1;
+    return arc_begin[e + 1] - arc_begin[e] == 1 ? arc_rank[arc_begin[e]] : -1;
   };
   base_single_begin_.assign(num_ranks_ + 1, 0);
   for (int e = 0; e < num_experts_; ++e) {
@@ -146,6 +149,7 @@ void QuotaSolver::RecordBaseSingles() {
   for (int e = 0; e < num_experts_; ++e) {
     if (single_rank(e) >= 0) base_single_[rank_fill_[single_rank(e)]++] = e;
   }
+  base_singles_found_ = true;
 }
 
 void QuotaSolver::LeaveBase() {
@@ -328,18 +332,25 @@ bool QuotaSolver::RouteExcess() {
 void QuotaSolver::RecordBottleneck() {
   bottleneck_found_ = true;
   if (copies_extend_base_) {
-    // The base's single-rank experts of the cut's ranks (a copy added since may have spread one):
-    // a cut holds a few ranks, so this skips the pass over every expert.
-    bottleneck_experts_.assign(cut_experts_.begin(), cut_experts_.end());
+    // The base's single-rank experts of the cut's ranks (a copy added since may have spread
+    // one). A cut usually holds a few ranks, and then this skips the pass over every expert.
+    if (!base_singles_found_) RecordBaseSingles();
+    size_t listed = cut_experts_.size();
     for (int r = 0; r < num_ranks_; ++r) {
-      if (!in_cut_[r]) continue;
-      for (int i = base_single_begin_[r]; i < base_single_begin_[r + 1]; ++i) {
-        const int e = base_single_[i];
-        if (tokens_[e] != 0 && rank_count(e) == 1) bottleneck_experts_.push_back(e);
-      }
+      if (in_cut_[r]) listed += base_single_begin_[r + 1] - base_single_begin_[r];
     }
-    std::sort(bottleneck_experts_.begin(), bottleneck_experts_.end());
-    return;
+    if (listed <= static_cast<size_t>(num_experts_) / 8) {
+      bottleneck_experts_.assign(cut_experts_.begin(), cut_experts_.end());
+      for (int r = 0; r < num_ranks_; ++r) {
+        if (!in_cut_[r]) continue;
+        for (int i = base_single_begin_[r]; i < base_single_begin_[r + 1]; ++i) {
+          const int e = base_single_[i];
+          if (tokens_[e] != 0 && rank_count(e) == 1) bottleneck_experts_.push_back(e);
+        }
+      }
+      std::sort(bottleneck_experts_.begin(), bottleneck_experts_.end());
+      return;
+    }
   }
   // Written to a buffer sized for every expert: push_back would make the compiler reload each
   // member the loop reads after every store.

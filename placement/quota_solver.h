@@ -103,7 +103,9 @@ class QuotaSolver {
   void Search();
   long long Augment(int rank);
   void RecordBottleneck();
-  // The base's experts on one rank, by rank: base_single_begin_ / base_single_.
+  // The base's experts on one rank, by rank: base_single_begin_ / base_single_. Found when the
+  // transient search first asks for bottleneck experts on a base: a caller that does not ask
+  // does not pay.
   void RecordBaseSingles();
 
   int num_experts_ = 0;
@@ -171,6 +173,7 @@ class QuotaSolver {
   // Whether they hold the base plus the copies AddCopy added since: an expert on one rank now
   // was one on that rank in the base.
   bool copies_extend_base_ = false;
+  bool base_singles_found_ = false;     // whether the two below are the base's
   std::vector<int> base_single_begin_;  // [num_ranks + 1]
   std::vector<int> base_single_;        // the base's experts on one rank, by rank, ascending
 

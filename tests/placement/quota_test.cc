@@ -224,9 +224,13 @@ TEST(QuotaSolverTest, BottleneckExpertsPinTheMaxLoad) {
   std::mt19937 rng(23);
   int pinned = 0;
   for (int trial = 0; trial < 200; ++trial) {
-    const int num_ranks = 2 + static_cast<int>(rng() % 4);
-    const int slots_per_rank = 2;
-    const int num_experts = 2 + static_cast<int>(rng() % (num_ranks * slots_per_rank - 1));
+    // Small cases, and larger ones where a cut's experts are few against all of them (the
+    // solver then lists them from the cut's ranks instead of passing over every expert).
+    const bool large = trial % 2 == 1;
+    const int num_ranks = (large ? 6 : 2) + static_cast<int>(rng() % 4);
+    const int slots_per_rank = large ? 3 : 2;
+    const int num_experts = large ? num_ranks * 2 + static_cast<int>(rng() % num_ranks)
+                                  : 2 + static_cast<int>(rng() % (num_ranks * slots_per_rank - 1));
     std::vector<int> phy2log(num_ranks * slots_per_rank, kEmptySlot);
     for (size_t s = 0; s < phy2log.size(); ++s) {
       phy2log[s] = s < static_cast<size_t>(num_experts) ? static_cast<int>(s)
