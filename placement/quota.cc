@@ -339,7 +339,7 @@ void QuotaSolver::RecordBottleneck() {
     for (int r = 0; r < num_ranks_; ++r) {
       if (in_cut_[r]) listed += base_single_begin_[r + 1] - base_single_begin_[r];
     }
-    if (listed <= static_cast<size_t>(num_experts_) / 8) {
+    if (listed <= static_cast<size_t>(num_experts_) / 4) {
       bottleneck_experts_.assign(cut_experts_.begin(), cut_experts_.end());
       for (int r = 0; r < num_ranks_; ++r) {
         if (!in_cut_[r]) continue;
