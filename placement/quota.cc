@@ -329,9 +329,9 @@ bool QuotaSolver::RouteExcess() {
 
 // Experts that pin the bound: those of the last min cut (`cut_experts_`), plus the experts whose
 // copies all sit on one of the cut's ranks (`in_cut_`).
-void QuotaSolver::RecordBottleneck() {
+void QuotaSolver::RecordBottleneck(bool from_cut_ranks) {
   bottleneck_found_ = true;
-  if (copies_extend_base_) {
+  if (from_cut_ranks && copies_extend_base_) {
     // The base's single-rank experts of the cut's ranks (a copy added since may have spread
     // one). A cut usually holds a few ranks, and then this skips the pass over every expert.
     if (!base_singles_found_) RecordBaseSingles();
@@ -520,8 +520,10 @@ long long QuotaSolver::WarmStart(bool& cut_found) {
 }
 
 long long QuotaSolver::Resolve(const Placement& placement) {
-  // Its cut would replace the last solve's, whose bottleneck experts stay.
-  if (!bottleneck_found_) RecordBottleneck();
+  // Its cut would replace the last solve's, whose bottleneck experts stay. A replan resolves
+  // many placements, each once, and never asks for them: listing the base's single-rank experts
+  // would not pay.
+  if (!bottleneck_found_) RecordBottleneck(/*from_cut_ranks=*/false);
   previous_arc_begin_.assign(arc_begin_.begin(), arc_begin_.end());
   previous_arc_rank_.assign(arc_rank_.begin(), arc_rank_.end());
   previous_flow_.assign(arc_flow_.begin(), arc_flow_.end());

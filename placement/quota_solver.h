@@ -62,7 +62,7 @@ class QuotaSolver {
   // of them gets a copy outside the ranks they fill. Ascending ids. Found on the first call after
   // a solve, from its last min cut: a caller that does not ask does not pay.
   const std::vector<int>& bottleneck_experts() {
-    if (!bottleneck_found_) RecordBottleneck();
+    if (!bottleneck_found_) RecordBottleneck(/*from_cut_ranks=*/true);
     return bottleneck_experts_;
   }
 
@@ -102,10 +102,11 @@ class QuotaSolver {
   bool RouteExcess();
   void Search();
   long long Augment(int rank);
-  void RecordBottleneck();
-  // The base's experts on one rank, by rank: base_single_begin_ / base_single_. Found when the
-  // transient search first asks for bottleneck experts on a base: a caller that does not ask
-  // does not pay.
+  // `from_cut_ranks`: on copies that extend the base, list the base's single-rank experts of the
+  // cut's ranks (found once per base) instead of passing over every expert, when they are few.
+  // That pays for the transient search, which asks once per candidate on one base.
+  void RecordBottleneck(bool from_cut_ranks);
+  // The base's experts on one rank, by rank: base_single_begin_ / base_single_.
   void RecordBaseSingles();
 
   int num_experts_ = 0;
