@@ -134,6 +134,7 @@ void QuotaSolver::BuildBaseCopies(const Placement& placement) {
 
 void QuotaSolver::RecordBaseSingles() {
   // The base's arcs: the current ones, or those LeaveBase saved.
+  assert(copies_are_base_ || base_saved_);
   const std::vector<int>& arc_begin = copies_are_base_ ? arc_begin_ : base_.arc_begin;
   const std::vector<int>& arc_rank = copies_are_base_ ? arc_rank_ : base_.arc_rank;
   auto single_rank = [&](int e) {
