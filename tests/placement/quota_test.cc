@@ -215,8 +215,9 @@ TEST(QuotaSplitterTest, MatchesSplitQuotasAlongRandomSlotChanges) {
   }
 }
 
-// The solver's bottleneck experts, after a solve and after each copy added to one of them, as
-// the per-step planner adds transients. B must be ascending with tokens, and pin the max load T:
+// The solver's bottleneck experts, after a solve, after each copy added (mostly to one of them,
+// as the per-step planner adds transients), and after a fresh solve with the same copies. B must
+// be ascending with tokens, and pin the max load T:
 //  - a copy of an expert outside B, or of one in B on a rank that holds B, leaves T as it is;
 //  - B is the last min cut's experts plus those on one of its ranks alone, so with S the ranks
 //    that hold B, T = ceil(tokens(B) / |S|).
