@@ -296,6 +296,9 @@ constexpr int kLinkSums = 3;
 // The all-to-all's peaks (AllToAllPeaks's bytes) from the link sums `links`, the ranks' loads
 // `rank_tokens` and what each source sends in all, `sent`: every product with bytes_per_row is
 // exact (the caller's condition), so the largest sum times bytes_per_row is the largest product.
+//
+// Rank r receives from_node[r] - kept[r] over its node's links and rank_tokens[r] - from_node[r]
+// from other nodes (ReceivePeaks); it sends to_node[r] - kept[r] and sent[r] - to_node[r].
 LinkPeaks PeaksOf(const double* links, const double* rank_tokens, const double* sent, int num_ranks,
                   double bytes_per_row) {
   const double* from_node = links + static_cast<size_t>(kFromNode) * num_ranks;
@@ -306,6 +309,22 @@ LinkPeaks PeaksOf(const double* links, const double* rank_tokens, const double* 
   for (int r = 0; r < num_ranks; ++r) {
     intra = std::max({intra, from_node[r] - kept[r], to_node[r] - kept[r]});
     inter = std::max({inter, rank_tokens[r] - from_node[r], sent[r] - to_node[r]});
+  }
+  return {intra * bytes_per_row, inter * bytes_per_row};
+}
+
+// PeaksOf's receive side alone, over the ranks that `skip` does not mark: a floor under the
+// peaks of any routing in which those ranks receive what they receive here.
+LinkPeaks ReceivePeaks(const double* links, const double* rank_tokens, const char* skip,
+                       int num_ranks, double bytes_per_row) {
+  const double* from_node = links + static_cast<size_t>(kFromNode) * num_ranks;
+  const double* kept = links + static_cast<size_t>(kKept) * num_ranks;
+  double intra = 0;
+  double inter = 0;
+  for (int r = 0; r < num_ranks; ++r) {
+    if (skip[r]) continue;
+    intra = std::max(intra, from_node[r] - kept[r]);
+    inter = std::max(inter, rank_tokens[r] - from_node[r]);
   }
   return {intra * bytes_per_row, inter * bytes_per_row};
 }
@@ -605,13 +624,14 @@ class StepPlanner::Impl {
   // moved_[e]: whether any copy of expert e has a different quota in trial_split_ than in split_.
   void MarkMovedQuotas();
   // patched_: the experts with tokens whose routing the candidate transient of `expert` changes,
-  // ascending: those whose quotas moved, and `expert`.
+  // ascending: those whose quotas moved, and `expert`; touched_: the ranks that hold a copy of
+  // one of them.
   void ListPatched(int expert);
   // On the fast path, after ListPatched: a floor under the candidate's price. Its max rank load
   // is the solver's (exact there), and a rank that holds no copy of a patched expert receives
   // what it received before, so those ranks' receive sums floor the all-to-all's peaks. Every
   // term of the price grows with its inputs.
-  double FloorSeconds();
+  double FloorSeconds() const;
   // On the fast path, after ListPatched: turns best_ into the routing for the candidate
   // transient of `expert` in place, taking out and putting back the routing of each patched
   // expert: the same bits as a fresh Assign. What it overwrites goes to undo_; the patched
@@ -700,13 +720,11 @@ class StepPlanner::Impl {
   // KeepPatchedShares builds.
   Draft trial_;
   Undo undo_;
-  std::vector<int> patched_;  // see ListPatched
-  Draft moved_shares_;        // scratch of PatchBest: their new shares, until kept
-  std::vector<char> moved_;   // [num_experts] scratch of PatchBest: see MarkMovedQuotas
-  // [num_ranks] scratch of FloorSeconds (ranks that hold a patched expert) and of PatchBest
-  // (rows saved in undo_).
-  std::vector<char> touched_;
-  std::vector<char> gained_;  // [num_experts] scratch of Publish: experts with a transient
+  std::vector<int> patched_;   // see ListPatched
+  Draft moved_shares_;         // scratch of PatchBest: their new shares, until kept
+  std::vector<char> moved_;    // [num_experts] scratch of PatchBest: see MarkMovedQuotas
+  std::vector<char> touched_;  // [num_ranks] see ListPatched
+  std::vector<char> gained_;   // [num_experts] scratch of Publish: experts with a transient
 };
 
 void StepPlanner::Impl::Bind(const Placement& placement, int num_sources) {
@@ -1327,27 +1345,17 @@ void StepPlanner::Impl::ListPatched(int expert) {
   for (int e = 0; e < num_experts_; ++e) {
     if (totals_[e] != 0 && (e == expert || moved_[e])) patched_.push_back(e);
   }
-}
-
-double StepPlanner::Impl::FloorSeconds() {
-  const size_t num_ranks = static_cast<size_t>(num_ranks_);
-  touched_.assign(num_ranks, 0);
+  touched_.assign(num_ranks_, 0);
   for (int e : patched_) {
     for (int c = solver_.copy_begin(e); c < solver_.copy_end(e); ++c) {
       touched_[solver_.copy_rank(c)] = 1;
     }
   }
-  const double* from_node = best_.links.data() + kFromNode * num_ranks;
-  const double* kept = best_.links.data() + kKept * num_ranks;
-  double intra = 0;
-  double inter = 0;
-  for (size_t r = 0; r < num_ranks; ++r) {
-    if (touched_[r]) continue;
-    intra = std::max(intra, from_node[r] - kept[r]);
-    inter = std::max(inter, best_.rank_tokens[r] - from_node[r]);
-  }
-  const double bytes_per_row = cost_.token_row_bytes();
-  const LinkPeaks peaks{intra * bytes_per_row, inter * bytes_per_row};
+}
+
+double StepPlanner::Impl::FloorSeconds() const {
+  const LinkPeaks peaks = ReceivePeaks(best_.links.data(), best_.rank_tokens.data(),
+                                       touched_.data(), num_ranks_, cost_.token_row_bytes());
   return cost_
       .EstimateFromPeaks(*placement_, static_cast<double>(trial_split_.max_rank_tokens), peaks,
                          transients_, sync_seconds_)
@@ -1360,14 +1368,8 @@ void StepPlanner::Impl::PatchBest(int expert) {
   // only experts spread over several ranks, and the link sums the others).
   const size_t num_ranks = static_cast<size_t>(num_ranks_);
   undo_.rows.clear();
-  touched_.assign(num_ranks, 0);
-  for (int e : patched_) {
-    if (!keep_rows_) break;
-    for (int c = solver_.copy_begin(e); c < solver_.copy_end(e); ++c) {
-      const int rank = solver_.copy_rank(c);
-      if (!touched_[rank]) undo_.rows.push_back(rank);
-      touched_[rank] = 1;
-    }
+  for (size_t r = 0; r < num_ranks && keep_rows_; ++r) {
+    if (touched_[r]) undo_.rows.push_back(static_cast<int>(r));
   }
   undo_.received.resize(undo_.rows.size() * num_ranks);
   for (size_t i = 0; i < undo_.rows.size(); ++i) {
