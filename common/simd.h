@@ -17,6 +17,10 @@ using BitsQuad = std::uint64_t __attribute__((vector_size(32)));
 
 }  // namespace keel
 
+// On a lambda that must be inlined: one that is not keeps the variables it shares with its caller
+// in memory, where every addition waits on a store.
+#define KEEL_INLINE __attribute__((always_inline))
+
 // Before a function definition: compile it for AVX2 and for the baseline, and pick one when the
 // program loads (function multi-versioning). Only on x86-64; elsewhere the function is compiled
 // once for the target.
@@ -24,4 +28,23 @@ using BitsQuad = std::uint64_t __attribute__((vector_size(32)));
 #define KEEL_AVX2_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define KEEL_AVX2_CLONES
+#endif
+
+// AVX-512 (F, DQ and VL) code paths: a function marked KEEL_AVX512 may use their intrinsics and
+// must only run when CpuHasAvx512() says so. Only on x86-64 with GCC or Clang.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define KEEL_HAVE_AVX512 1
+#define KEEL_AVX512 __attribute__((target("avx512f,avx512dq,avx512vl")))
+namespace keel {
+// Whether the CPU (and the OS, which must save the wider registers) supports AVX-512 F, DQ and
+// VL. Checked once.
+inline bool CpuHasAvx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512vl");
+  return has;
+}
+}  // namespace keel
+#else
+#define KEEL_HAVE_AVX512 0
 #endif

@@ -18,121 +18,13 @@
 #include "placement/cost_model.h"
 #include "placement/quota_solver.h"
 #include "placement/routing.h"
+#include "placement/traffic_scan.h"
 
 namespace keel {
 namespace {
 
-// On a lambda that must be inlined: one that is not keeps the variables it shares with its caller
-// in memory, where every addition waits on a store.
-#define KEEL_INLINE __attribute__((always_inline))
-
 // Token counts beyond this are input errors (and would overflow the integer quotas).
 constexpr double kMaxTokens = 1e15;
-
-// What one pass over the traffic tells: `bits`, the OR of the entries' bit patterns, whose sign
-// bit is set when some entry is negative, -0.0 or a NaN with its sign bit; `fractional`, whether
-// some entry below 2^52 is not a whole number ((x + 2^52) - 2^52 rounds x to a whole number
-// there; a NaN counts as fractional).
-struct EntryBits {
-  std::uint64_t bits = 0;
-  bool fractional = false;
-};
-
-// The one pass over the traffic by expert (`num_sources` entries per expert, a multiple of 4):
-// the EntryBits of every entry; lane_totals[e], expert e's sources added in four lanes (kept in
-// lanes[4 * e, 4 * e + 4) until the end) and then across them; and sent[s] (set, not added to),
-// what source s sends to all experts. Such a sum differs from the sum in source (or expert) order
-// only in rounding, so it is that sum whenever every partial sum is exact: whole entries whose
-// total stays below 2^53.
-//
-// Sixteen sources at a time go through every expert, so that their sums in `sent` stay in four
-// vector registers.
-KEEL_AVX2_CLONES EntryBits ScanByExpert(const double* by_expert, int num_experts, int num_sources,
-                                        double* sent, double* lanes, double* lane_totals) {
-  constexpr double kWhole = 4503599627370496.0;  // 2^52
-  BitsQuad bits = {};
-  BitsQuad fractional = {};
-  auto check = [&](const DoubleQuad& quad) {
-    bits |= (BitsQuad)quad;
-    fractional |= (BitsQuad)((quad + kWhole) - kWhole != quad);
-  };
-  // Expert e's lanes plus `part`; its first block sets them.
-  auto add_lanes = [&](int block, int e, const DoubleQuad& part) {
-    DoubleQuad sum = part;
-    if (block > 0) {
-      std::memcpy(&sum, lanes + 4 * static_cast<size_t>(e), sizeof sum);
-      sum += part;
-    }
-    std::memcpy(lanes + 4 * static_cast<size_t>(e), &sum, sizeof sum);
-  };
-  int block = 0;
-  for (; block + 16 <= num_sources; block += 16) {
-    DoubleQuad s0 = {}, s1 = {}, s2 = {}, s3 = {};
-    for (int e = 0; e < num_experts; ++e) {
-      const double* row = by_expert + static_cast<size_t>(e) * num_sources + block;
-      DoubleQuad q0, q1, q2, q3;
-      std::memcpy(&q0, row, sizeof q0);
-      std::memcpy(&q1, row + 4, sizeof q1);
-      std::memcpy(&q2, row + 8, sizeof q2);
-      std::memcpy(&q3, row + 12, sizeof q3);
-      check(q0);
-      check(q1);
-      check(q2);
-      check(q3);
-      s0 += q0;
-      s1 += q1;
-      s2 += q2;
-      s3 += q3;
-      add_lanes(block, e, (q0 + q1) + (q2 + q3));
-    }
-    std::memcpy(sent + block, &s0, sizeof s0);
-    std::memcpy(sent + block + 4, &s1, sizeof s1);
-    std::memcpy(sent + block + 8, &s2, sizeof s2);
-    std::memcpy(sent + block + 12, &s3, sizeof s3);
-  }
-  // The last 4, 8 or 12 sources, a quad at a time.
-  for (; block < num_sources; block += 4) {
-    DoubleQuad sum = {};
-    for (int e = 0; e < num_experts; ++e) {
-      DoubleQuad quad;
-      std::memcpy(&quad, by_expert + static_cast<size_t>(e) * num_sources + block, sizeof quad);
-      check(quad);
-      sum += quad;
-      add_lanes(block, e, quad);
-    }
-    std::memcpy(sent + block, &sum, sizeof sum);
-  }
-  for (int e = 0; e < num_experts; ++e) {
-    const double* lane = lanes + 4 * static_cast<size_t>(e);
-    lane_totals[e] = (lane[0] + lane[1]) + (lane[2] + lane[3]);
-  }
-  EntryBits entries;
-  entries.bits = bits[0] | bits[1] | bits[2] | bits[3];
-  entries.fractional = (fractional[0] | fractional[1] | fractional[2] | fractional[3]) != 0;
-  return entries;
-}
-
-// EntryBits of values[0, n), where ScanByExpert does not apply.
-KEEL_AVX2_CLONES EntryBits ScanEntries(const double* values, size_t n) {
-  constexpr double kWhole = 4503599627370496.0;  // 2^52
-  BitsQuad bits = {};
-  BitsQuad fractional = {};
-  size_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    DoubleQuad quad;
-    std::memcpy(&quad, values + i, sizeof quad);
-    bits |= (BitsQuad)quad;
-    fractional |= (BitsQuad)((quad + kWhole) - kWhole != quad);
-  }
-  EntryBits entries;
-  entries.bits = bits[0] | bits[1] | bits[2] | bits[3];
-  entries.fractional = (fractional[0] | fractional[1] | fractional[2] | fractional[3]) != 0;
-  for (; i < n; ++i) {
-    entries.bits |= std::bit_cast<std::uint64_t>(values[i]);
-    entries.fractional |= (values[i] + kWhole) - kWhole != values[i];
-  }
-  return entries;
-}
 
 // sum[i] = ((sum[i] + rows[list[0]][i]) + rows[list[1]][i]) + ... for i < n, where row k starts at
 // rows + k * stride: per entry the additions of one loop over the list after another, so the
