@@ -164,6 +164,7 @@ void QuotaSolver::LeaveBase() {
 int QuotaSolver::InsertCopy(const TransientReplica& extra, int id) {
   LeaveBase();
   const int expert = extra.expert;
+  MarkChanged(expert);
   int arc = arc_begin_[expert];
   while (arc < arc_begin_[expert + 1] && arc_rank_[arc] != extra.rank) ++arc;
   const bool new_arc = arc == arc_begin_[expert + 1];
@@ -245,6 +246,7 @@ void QuotaSolver::Pour(long long bound) {
       arc_flow_[a] += give;
       spare_[arc_rank_[a]] -= give;
       excess_[e] -= give;
+      MarkChanged(e);
     }
   }
 }
@@ -303,6 +305,7 @@ long long QuotaSolver::Augment(int rank) {
     const int a = rank_parent_[r];
     arc_flow_[a] += amount;
     const int e = arc_expert_[a];
+    MarkChanged(e);
     const int back = expert_parent_[e];
     if (back < 0) {
       excess_[e] -= amount;
@@ -423,6 +426,8 @@ void QuotaSolver::Solve(const Placement& placement, std::span<const long long> t
   num_experts_ = placement.num_experts();
   num_ranks_ = placement.num_ranks();
   tokens_ = tokens;
+  ClearChanged();
+  solved_valid_ = false;  // every quota is written afresh
   if (extras.empty()) {
     BuildBaseCopies(placement);
   } else {
@@ -455,6 +460,7 @@ void QuotaSolver::AddCopy(const Placement& placement, std::span<const TransientR
   // The new copy's arc, if its rank is new to the expert, comes last among the expert's arcs;
   // every other arc keeps its flow (a single-rank expert's tokens sit on its one arc).
   const int expert = extras.back().expert;
+  ClearChanged();
   const bool was_single = rank_count(expert) == 1;
   const int arc = InsertCopy(extras.back(), placement.num_slots() + num_extras_);
   if (arc >= 0) PrepareNewArc(expert, arc, was_single);
@@ -505,6 +511,7 @@ long long QuotaSolver::WarmStart(bool& cut_found) {
       const long long take = std::min(arc_flow_[a], -spare_[r]);
       arc_flow_[a] -= take;
       excess_[arc_expert_[a]] += take;
+      if (take > 0) MarkChanged(arc_expert_[a]);
       spare_[r] += take;
     }
   }
@@ -525,6 +532,8 @@ long long QuotaSolver::Resolve(const Placement& placement) {
   // many placements, each once, and never asks for them: listing the base's single-rank experts
   // would not pay.
   if (!bottleneck_found_) RecordBottleneck(/*from_cut_ranks=*/false);
+  solved_valid_ = false;
+  ClearChanged();
   previous_arc_begin_.assign(arc_begin_.begin(), arc_begin_.end());
   previous_arc_rank_.assign(arc_rank_.begin(), arc_rank_.end());
   previous_flow_.assign(arc_flow_.begin(), arc_flow_.end());
@@ -587,30 +596,24 @@ long long QuotaSolver::RouteAtLowestBound(long long bound, bool cut_found) {
   return bound;
 }
 
-void QuotaSolver::Finish(const Placement& placement, long long bound, bool cut_found,
-                         QuotaSplit& split) {
-  RouteAtLowestBound(bound, cut_found);
-  bottleneck_found_ = false;
+void QuotaSolver::ClearChanged() {
+  for (int e : changed_list_) changed_[e] = 0;
+  changed_list_.clear();
+  changed_.resize(num_experts_, 0);
+}
 
-  // Flows to per-copy quotas.
-  const int num_slots = placement.num_slots();
-  split.slot_quota.assign(num_slots, 0);
-  split.extra_quota.assign(num_extras_, 0);
-  rank_load_.assign(fixed_.begin(), fixed_.end());
-  arc_given_.assign(arc_rank_.size(), 0);
-  long long* slot_quota = split.slot_quota.data();
-  long long* extra_quota = split.extra_quota.data();
-  long long* rank_load = rank_load_.data();
-  int* arc_given = arc_given_.data();
-  const int* arc_begin = arc_begin_.data();
-  const int* arc_rank = arc_rank_.data();
+void QuotaSolver::WriteQuotas(int expert) {
+  const int num_slots = static_cast<int>(solved_.slot_quota.size());
+  long long* slot_quota = solved_.slot_quota.data();
+  long long* extra_quota = solved_.extra_quota.data();
   const int* arc_copies = arc_copies_.data();
   const long long* arc_flow = arc_flow_.data();
-  const int* copy_begin = copy_begin_.data();
   const int* copy_arc = copy_arc_.data();
   const int* copy_id = copy_id_.data();
-  const int num_copies = copy_begin[num_experts_];
-  for (int c = 0; c < num_copies; ++c) {
+  arc_given_.resize(arc_rank_.size());
+  int* arc_given = arc_given_.data();
+  for (int a = arc_begin_[expert]; a < arc_begin_[expert + 1]; ++a) arc_given[a] = 0;
+  for (int c = copy_begin_[expert]; c < copy_begin_[expert + 1]; ++c) {
     const int a = copy_arc[c];
     const long long flow = arc_flow[a];
     const int on_rank = arc_copies[a];  // almost always 1: skip the slow 64-bit division
@@ -619,10 +622,55 @@ void QuotaSolver::Finish(const Placement& placement, long long bound, bool cut_f
     const int id = copy_id[c];
     (id < num_slots ? slot_quota[id] : extra_quota[id - num_slots]) = share;
   }
+}
+
+void QuotaSolver::Finish(const Placement& placement, long long bound, bool cut_found,
+                         QuotaSplit& split) {
+  RouteAtLowestBound(bound, cut_found);
+  bottleneck_found_ = false;
+
+  // Flows to per-copy quotas: every expert's, or after AddCopy those of the experts whose flows
+  // moved (an expert's copies share its arcs alone, so its quotas depend on its flows alone).
+  if (solved_valid_) {
+    solved_.extra_quota.resize(num_extras_, 0);
+    for (int e : changed_list_) WriteQuotas(e);
+  } else {
+    // WriteQuotas for every expert, in one loop.
+    const int num_slots = placement.num_slots();
+    solved_.slot_quota.assign(num_slots, 0);
+    solved_.extra_quota.assign(num_extras_, 0);
+    arc_given_.assign(arc_rank_.size(), 0);
+    long long* slot_quota = solved_.slot_quota.data();
+    long long* extra_quota = solved_.extra_quota.data();
+    int* arc_given = arc_given_.data();
+    const int* arc_copies = arc_copies_.data();
+    const long long* arc_flow = arc_flow_.data();
+    const int* copy_arc = copy_arc_.data();
+    const int* copy_id = copy_id_.data();
+    const int num_copies = copy_begin_[num_experts_];
+    for (int c = 0; c < num_copies; ++c) {
+      const int a = copy_arc[c];
+      const long long flow = arc_flow[a];
+      const int on_rank = arc_copies[a];
+      const long long share =
+          on_rank == 1 ? flow : flow / on_rank + (arc_given[a]++ < flow % on_rank ? 1 : 0);
+      const int id = copy_id[c];
+      (id < num_slots ? slot_quota[id] : extra_quota[id - num_slots]) = share;
+    }
+  }
+  solved_valid_ = true;
+  rank_load_.assign(fixed_.begin(), fixed_.end());
+  long long* rank_load = rank_load_.data();
+  const int* arc_begin = arc_begin_.data();
+  const int* arc_rank = arc_rank_.data();
+  const long long* arc_flow = arc_flow_.data();
   for (int e : flexible_) {
     for (int a = arc_begin[e]; a < arc_begin[e + 1]; ++a) rank_load[arc_rank[a]] += arc_flow[a];
   }
-  split.max_rank_tokens = *std::max_element(rank_load_.begin(), rank_load_.end());
+  solved_.max_rank_tokens = *std::max_element(rank_load_.begin(), rank_load_.end());
+  split.slot_quota.assign(solved_.slot_quota.begin(), solved_.slot_quota.end());
+  split.extra_quota.assign(solved_.extra_quota.begin(), solved_.extra_quota.end());
+  split.max_rank_tokens = solved_.max_rank_tokens;
 }
 
 QuotaSplit SplitQuotas(const Placement& placement, const std::vector<long long>& expert_tokens,

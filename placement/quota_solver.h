@@ -55,6 +55,9 @@ class QuotaSolver {
   int copy_rank(int copy) const { return copy_rank_[copy]; }
   // Number of distinct ranks that hold `expert`.
   int rank_count(int expert) const { return arc_begin_[expert + 1] - arc_begin_[expert]; }
+  // After AddCopy: the experts whose flows it moved, the new copy's expert among them, in no
+  // order. Every other expert's quotas are what the previous call gave them.
+  std::span<const int> changed_experts() const { return changed_list_; }
 
   // [num_ranks] load of each rank under the split.
   std::span<const long long> rank_load() const { return rank_load_; }
@@ -95,8 +98,19 @@ class QuotaSolver {
   // Raises `bound` at each min cut until every token is routed; returns the final bound.
   // `cut_found`: the bound already comes from the cut in in_cut_ / cut_experts_.
   long long RouteAtLowestBound(long long bound, bool cut_found);
-  // RouteAtLowestBound, then writes the quotas.
+  // RouteAtLowestBound, then writes the quotas into `split`: after AddCopy only those of the
+  // changed experts are computed (the rest are the previous call's, kept in solved_).
   void Finish(const Placement& placement, long long bound, bool cut_found, QuotaSplit& split);
+  // Writes the quotas of `expert`'s copies from its flows into solved_.
+  void WriteQuotas(int expert);
+  // Notes that `expert`'s flows moved (changed_experts()).
+  void MarkChanged(int expert) {
+    if (changed_[expert]) return;
+    changed_[expert] = 1;
+    changed_list_.push_back(expert);
+  }
+  // Starts a solve's list of changed experts afresh.
+  void ClearChanged();
   // Routes remaining excess with augmenting paths; false when some is stuck (the last search's
   // marks then describe the min cut).
   bool RouteExcess();
@@ -177,6 +191,13 @@ class QuotaSolver {
   bool base_singles_found_ = false;     // whether the two below are the base's
   std::vector<int> base_single_begin_;  // [num_ranks + 1]
   std::vector<int> base_single_;        // the base's experts on one rank, by rank, ascending
+
+  // The quotas of the last Finish, and whether they still describe the flows (Resolve moves
+  // them without writing quotas).
+  QuotaSplit solved_;
+  bool solved_valid_ = false;
+  std::vector<char> changed_;      // [num_experts] see changed_experts()
+  std::vector<int> changed_list_;  // the experts marked in changed_
 
   std::vector<int> cut_experts_;  // experts of the last min cut, ascending
   std::vector<char> in_cut_;      // [num_ranks] ranks of the last min cut

@@ -540,7 +540,9 @@ class StepPlanner::Impl {
   // AssignSpreadWhole with (kRows) or without the rows of received tokens.
   template <bool kRows>
   void AssignSpreadWholeRows(int expert, const QuotaSplit& split, double sign, Draft& draft);
-  // moved_[e]: whether any copy of expert e has a different quota in trial_split_ than in split_.
+  // moved_[e]: whether any copy of expert e has a different quota in trial_split_ than in split_
+  // (split_ must be the solver's previous split, as it is when a candidate follows the base or
+  // a kept candidate).
   void MarkMovedQuotas();
   // patched_: the experts with tokens whose routing the candidate transient of `expert` changes,
   // ascending: those whose quotas moved, and `expert`; touched_: the ranks that hold a copy of
@@ -1246,24 +1248,30 @@ void StepPlanner::Impl::AddExpert(int expert, const QuotaSplit& split, double si
 }
 
 void StepPlanner::Impl::MarkMovedQuotas() {
+  // Only the experts whose flows the candidate's solve moved can have new quotas.
   moved_.assign(num_experts_, 0);
-  const long long* kept = split_.slot_quota.data();
-  const long long* trial = trial_split_.slot_quota.data();
-  for (int slot = 0; slot < num_slots_; ++slot) {
-    if (kept[slot] != trial[slot] && phy2log_[slot] >= 0) moved_[phy2log_[slot]] = 1;
-  }
-  // The candidate's own quota is new; the transients before it are in both splits.
-  for (size_t i = 0; i < split_.extra_quota.size(); ++i) {
-    if (split_.extra_quota[i] != trial_split_.extra_quota[i]) moved_[transients_[i].expert] = 1;
+  const size_t kept_extras = split_.extra_quota.size();
+  for (int e : solver_.changed_experts()) {
+    for (int c = solver_.copy_begin(e); c < solver_.copy_end(e); ++c) {
+      const int id = solver_.copy_id(c);
+      // The candidate's own quota is new; the transients before it are in both splits.
+      const size_t extra = static_cast<size_t>(id - num_slots_);
+      const bool moved = id < num_slots_ ? split_.slot_quota[id] != trial_split_.slot_quota[id]
+                         : extra < kept_extras
+                             ? split_.extra_quota[extra] != trial_split_.extra_quota[extra]
+                             : false;
+      if (moved) moved_[e] = 1;
+    }
   }
 }
 
 void StepPlanner::Impl::ListPatched(int expert) {
   MarkMovedQuotas();
   patched_.clear();
-  for (int e = 0; e < num_experts_; ++e) {
+  for (int e : solver_.changed_experts()) {
     if (totals_[e] != 0 && (e == expert || moved_[e])) patched_.push_back(e);
   }
+  std::sort(patched_.begin(), patched_.end());
   touched_.assign(num_ranks_, 0);
   for (int e : patched_) {
     for (int c = solver_.copy_begin(e); c < solver_.copy_end(e); ++c) {
