@@ -246,7 +246,6 @@ void QuotaSolver::Pour(long long bound) {
       arc_flow_[a] += give;
       spare_[arc_rank_[a]] -= give;
       excess_[e] -= give;
-      MarkChanged(e);
     }
   }
 }
@@ -511,6 +510,7 @@ long long QuotaSolver::WarmStart(bool& cut_found) {
       const long long take = std::min(arc_flow_[a], -spare_[r]);
       arc_flow_[a] -= take;
       excess_[arc_expert_[a]] += take;
+      // Pour and Augment move only the flows of experts with excess (this one) or on a path.
       if (take > 0) MarkChanged(arc_expert_[a]);
       spare_[r] += take;
     }

@@ -221,6 +221,30 @@ TEST(QuotaSplitterTest, MatchesSplitQuotasAlongRandomSlotChanges) {
 //  - a copy of an expert outside B, or of one in B on a rank that holds B, leaves T as it is;
 //  - B is the last min cut's experts plus those on one of its ranks alone, so with S the ranks
 //    that hold B, T = ceil(tokens(B) / |S|).
+// Copies of one expert on one rank share that rank's tokens evenly, lower slots (then extra
+// copies in their given order) taking the remainder.
+void ExpectEvenOnEachRank(const Placement& p, const std::vector<TransientReplica>& extras,
+                          const QuotaSplit& split, const std::string& where) {
+  for (int e = 0; e < p.num_experts(); ++e) {
+    for (int r = 0; r < p.num_ranks(); ++r) {
+      std::vector<long long> quotas;  // in that order
+      for (int s = 0; s < p.num_slots(); ++s) {
+        if (p.expert_at(s) == e && p.rank_of_slot(s) == r) quotas.push_back(split.slot_quota[s]);
+      }
+      for (size_t i = 0; i < extras.size(); ++i) {
+        if (extras[i].expert == e && extras[i].rank == r) quotas.push_back(split.extra_quota[i]);
+      }
+      if (quotas.size() < 2) continue;
+      const long long count = static_cast<long long>(quotas.size());
+      const long long sum = std::accumulate(quotas.begin(), quotas.end(), 0LL);
+      for (long long i = 0; i < count; ++i) {
+        EXPECT_EQ(quotas[i], sum / count + (i < sum % count ? 1 : 0))
+            << where << ": copy " << i << " of expert " << e << " on rank " << r;
+      }
+    }
+  }
+}
+
 TEST(QuotaSolverTest, BottleneckExpertsPinTheMaxLoad) {
   std::mt19937 rng(23);
   int pinned = 0;
@@ -260,6 +284,7 @@ TEST(QuotaSolverTest, BottleneckExpertsPinTheMaxLoad) {
         sums[extras[i].expert] += split.extra_quota[i];
       }
       EXPECT_EQ(sums, tokens) << where;
+      ExpectEvenOnEachRank(p, extras, split, where);
       const std::vector<int> bottleneck = solver.bottleneck_experts();
       ASSERT_TRUE(std::is_sorted(bottleneck.begin(), bottleneck.end())) << where;
       auto holds = [&](int expert, int rank) {
@@ -324,6 +349,45 @@ TEST(QuotaSolverTest, BottleneckExpertsPinTheMaxLoad) {
     }
   }
   EXPECT_GT(pinned, 200);  // the cases exercise the bound, not only empty lists
+}
+
+// A solver that last resolved another placement adds a copy to that one: its flows, not the
+// quotas of its last solve, are where AddCopy starts.
+TEST(QuotaSolverTest, AddCopyAfterResolve) {
+  std::mt19937 rng(29);
+  for (int trial = 0; trial < 100; ++trial) {
+    const int num_ranks = 3 + static_cast<int>(rng() % 4);
+    const int num_experts = num_ranks + static_cast<int>(rng() % num_ranks);
+    auto random_placement = [&] {
+      std::vector<int> phy2log(num_ranks * 3);
+      for (size_t s = 0; s < phy2log.size(); ++s) {
+        phy2log[s] = s < static_cast<size_t>(num_experts) ? static_cast<int>(s)
+                                                          : static_cast<int>(rng() % num_experts);
+      }
+      std::shuffle(phy2log.begin(), phy2log.end(), rng);
+      return MakePlacement(num_experts, num_ranks, phy2log);
+    };
+    const Placement first = random_placement();
+    const Placement second = random_placement();
+    std::vector<long long> tokens(num_experts);
+    for (auto& t : tokens) t = static_cast<long long>(rng() % 50);
+    QuotaSolver solver;
+    QuotaSplit split;
+    solver.Solve(first, tokens, {}, split);
+    EXPECT_EQ(solver.Resolve(second), SplitQuotas(second, tokens, {}).max_rank_tokens);
+    const std::vector<TransientReplica> extras = {
+        {static_cast<int>(rng() % num_experts), static_cast<int>(rng() % num_ranks), 0}};
+    solver.AddCopy(second, extras, split);
+    const std::string where = "trial " + std::to_string(trial);
+    EXPECT_EQ(split.max_rank_tokens, SplitQuotas(second, tokens, extras).max_rank_tokens) << where;
+    const std::vector<long long> loads = RankLoads(second, extras, split);
+    EXPECT_EQ(*std::max_element(loads.begin(), loads.end()), split.max_rank_tokens) << where;
+    std::vector<long long> sums(num_experts, 0);
+    for (int s = 0; s < second.num_slots(); ++s) sums[second.expert_at(s)] += split.slot_quota[s];
+    sums[extras[0].expert] += split.extra_quota[0];
+    EXPECT_EQ(sums, tokens) << where;
+    ExpectEvenOnEachRank(second, extras, split, where);
+  }
 }
 
 // --- PlanStepQuotas ---------------------------------------------------------------------------
