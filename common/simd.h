@@ -1,4 +1,5 @@
-// Four-lane vectors for the planner's hot loops, and AVX2 dispatch where the CPU has it.
+// Four-lane vectors for the planner's hot loops, AVX2 dispatch where the CPU has it, and the
+// check for AVX-512.
 //
 // DoubleQuad holds four doubles as one value: GCC and Clang keep it in one AVX register or two
 // SSE2 registers (every x86-64 CPU has SSE2; other targets use what they have) and apply + * |
@@ -30,10 +31,9 @@ using BitsQuad = std::uint64_t __attribute__((vector_size(32)));
 #define KEEL_AVX2_CLONES
 #endif
 
-// AVX-512 (F, DQ and VL) code paths: a function marked KEEL_AVX512 may use their intrinsics and
-// must only run when CpuHasAvx512() says so. Only on x86-64 with GCC or Clang.
+// AVX-512 (F, DQ and VL) code paths: a function marked KEEL_AVX512 may use their intrinsics
+// (<immintrin.h>) and must only run when CpuHasAvx512() says so. Only on x86-64 with GCC or Clang.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
 #define KEEL_HAVE_AVX512 1
 #define KEEL_AVX512 __attribute__((target("avx512f,avx512dq,avx512vl")))
 namespace keel {

@@ -14,6 +14,13 @@ namespace {
 
 long long CeilDiv(long long a, long long b) { return (a + b - 1) / b; }
 
+// The quota of the next copy on an arc with `flow` shared by `on_rank` copies, of which `given`
+// came before: an even share, the first flow % on_rank copies one more.
+long long CopyQuota(long long flow, int on_rank, int& given) {
+  // Almost always one copy: skip the slow 64-bit division.
+  return on_rank == 1 ? flow : flow / on_rank + (given++ < flow % on_rank ? 1 : 0);
+}
+
 }  // namespace
 
 void QuotaSolver::BuildCopies(const Placement& placement,
@@ -615,10 +622,7 @@ void QuotaSolver::WriteQuotas(int expert) {
   for (int a = arc_begin_[expert]; a < arc_begin_[expert + 1]; ++a) arc_given[a] = 0;
   for (int c = copy_begin_[expert]; c < copy_begin_[expert + 1]; ++c) {
     const int a = copy_arc[c];
-    const long long flow = arc_flow[a];
-    const int on_rank = arc_copies[a];  // almost always 1: skip the slow 64-bit division
-    const long long share =
-        on_rank == 1 ? flow : flow / on_rank + (arc_given[a]++ < flow % on_rank ? 1 : 0);
+    const long long share = CopyQuota(arc_flow[a], arc_copies[a], arc_given[a]);
     const int id = copy_id[c];
     (id < num_slots ? slot_quota[id] : extra_quota[id - num_slots]) = share;
   }
@@ -650,10 +654,7 @@ void QuotaSolver::Finish(const Placement& placement, long long bound, bool cut_f
     const int num_copies = copy_begin_[num_experts_];
     for (int c = 0; c < num_copies; ++c) {
       const int a = copy_arc[c];
-      const long long flow = arc_flow[a];
-      const int on_rank = arc_copies[a];
-      const long long share =
-          on_rank == 1 ? flow : flow / on_rank + (arc_given[a]++ < flow % on_rank ? 1 : 0);
+      const long long share = CopyQuota(arc_flow[a], arc_copies[a], arc_given[a]);
       const int id = copy_id[c];
       (id < num_slots ? slot_quota[id] : extra_quota[id - num_slots]) = share;
     }

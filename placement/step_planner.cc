@@ -3,10 +3,8 @@
 // model says the layer gets faster. StepPlanner keeps its buffers between steps; PlanStepQuotas
 // runs a fresh one.
 #include <algorithm>
-#include <bit>
 #include <cassert>
 #include <cmath>
-#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <span>

@@ -6,6 +6,10 @@
 
 #include "common/simd.h"
 
+#if KEEL_HAVE_AVX512
+#include <immintrin.h>
+#endif
+
 namespace keel {
 namespace {
 
