@@ -15,6 +15,7 @@ namespace keel {
 
 using DoubleQuad = double __attribute__((vector_size(32)));
 using BitsQuad = std::uint64_t __attribute__((vector_size(32)));
+using IntQuad = std::int32_t __attribute__((vector_size(16)));  // one SSE2 register
 
 }  // namespace keel
 
