@@ -215,12 +215,6 @@ TEST(QuotaSplitterTest, MatchesSplitQuotasAlongRandomSlotChanges) {
   }
 }
 
-// The solver's bottleneck experts, after a solve, after each copy added (mostly to one of them,
-// as the per-step planner adds transients), and after a fresh solve with the same copies. B must
-// be ascending with tokens, and pin the max load T:
-//  - a copy of an expert outside B, or of one in B on a rank that holds B, leaves T as it is;
-//  - B is the last min cut's experts plus those on one of its ranks alone, so with S the ranks
-//    that hold B, T = ceil(tokens(B) / |S|).
 // Copies of one expert on one rank share that rank's tokens evenly, lower slots (then extra
 // copies in their given order) taking the remainder.
 void ExpectEvenOnEachRank(const Placement& p, const std::vector<TransientReplica>& extras,
@@ -245,6 +239,13 @@ void ExpectEvenOnEachRank(const Placement& p, const std::vector<TransientReplica
   }
 }
 
+// The solver's bottleneck experts, after a solve, after each copy added (mostly to one of them,
+// as the per-step planner adds transients), and after a fresh solve with the same copies. B must
+// be ascending with tokens, and pin the max load T:
+//  - a copy of an expert outside B, or of one in B on a rank that holds B, leaves T as it is;
+//  - B is the last min cut's experts plus those on one of its ranks alone, so with S the ranks
+//    that hold B, T = ceil(tokens(B) / |S|).
+// Each split is also checked as a split, even on each rank (ExpectEvenOnEachRank).
 TEST(QuotaSolverTest, BottleneckExpertsPinTheMaxLoad) {
   std::mt19937 rng(23);
   int pinned = 0;
