@@ -626,18 +626,16 @@ void QuotaSolver::ClearChanged() {
   changed_.resize(num_experts_, 0);
 }
 
-void QuotaSolver::WriteQuotas(int expert) {
+void QuotaSolver::WriteQuotas(int first_copy, int last_copy) {
   const int num_slots = static_cast<int>(solved_.slot_quota.size());
   long long* slot_quota = solved_.slot_quota.data();
   long long* extra_quota = solved_.extra_quota.data();
+  int* arc_given = arc_given_.data();
   const int* arc_copies = arc_copies_.data();
   const long long* arc_flow = arc_flow_.data();
   const int* copy_arc = copy_arc_.data();
   const int* copy_id = copy_id_.data();
-  arc_given_.resize(arc_rank_.size());
-  int* arc_given = arc_given_.data();
-  for (int a = arc_begin_[expert]; a < arc_begin_[expert + 1]; ++a) arc_given[a] = 0;
-  for (int c = copy_begin_[expert]; c < copy_begin_[expert + 1]; ++c) {
+  for (int c = first_copy; c < last_copy; ++c) {
     const int a = copy_arc[c];
     const long long share = CopyQuota(arc_flow[a], arc_copies[a], arc_given[a]);
     const int id = copy_id[c];
@@ -654,27 +652,16 @@ void QuotaSolver::Finish(const Placement& placement, long long bound, bool cut_f
   // moved (an expert's copies share its arcs alone, so its quotas depend on its flows alone).
   if (solved_valid_) {
     solved_.extra_quota.resize(num_extras_, 0);
-    for (int e : changed_list_) WriteQuotas(e);
+    arc_given_.resize(arc_rank_.size());
+    for (int e : changed_list_) {
+      for (int a = arc_begin_[e]; a < arc_begin_[e + 1]; ++a) arc_given_[a] = 0;
+      WriteQuotas(copy_begin_[e], copy_begin_[e + 1]);
+    }
   } else {
-    // WriteQuotas for every expert, in one loop.
-    const int num_slots = placement.num_slots();
-    solved_.slot_quota.assign(num_slots, 0);
+    solved_.slot_quota.assign(placement.num_slots(), 0);
     solved_.extra_quota.assign(num_extras_, 0);
     arc_given_.assign(arc_rank_.size(), 0);
-    long long* slot_quota = solved_.slot_quota.data();
-    long long* extra_quota = solved_.extra_quota.data();
-    int* arc_given = arc_given_.data();
-    const int* arc_copies = arc_copies_.data();
-    const long long* arc_flow = arc_flow_.data();
-    const int* copy_arc = copy_arc_.data();
-    const int* copy_id = copy_id_.data();
-    const int num_copies = copy_begin_[num_experts_];
-    for (int c = 0; c < num_copies; ++c) {
-      const int a = copy_arc[c];
-      const long long share = CopyQuota(arc_flow[a], arc_copies[a], arc_given[a]);
-      const int id = copy_id[c];
-      (id < num_slots ? slot_quota[id] : extra_quota[id - num_slots]) = share;
-    }
+    WriteQuotas(0, copy_begin_[num_experts_]);
   }
   solved_valid_ = true;
   rank_load_.assign(fixed_.begin(), fixed_.end());

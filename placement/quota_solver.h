@@ -101,8 +101,9 @@ class QuotaSolver {
   // RouteAtLowestBound, then writes the quotas into `split`: after AddCopy only those of the
   // changed experts are computed (the rest are the previous call's, kept in solved_).
   void Finish(const Placement& placement, long long bound, bool cut_found, QuotaSplit& split);
-  // Writes the quotas of `expert`'s copies from its flows into solved_.
-  void WriteQuotas(int expert);
+  // Writes the quotas of copies [first_copy, last_copy) (whole experts) from their flows into
+  // solved_; arc_given_ must be 0 for their arcs.
+  void WriteQuotas(int first_copy, int last_copy);
   // Notes that `expert`'s flows moved (changed_experts()).
   void MarkChanged(int expert) {
     if (changed_[expert]) return;

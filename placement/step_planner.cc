@@ -538,10 +538,10 @@ class StepPlanner::Impl {
   // AssignSpreadWhole with (kRows) or without the rows of received tokens.
   template <bool kRows>
   void AssignSpreadWholeRows(int expert, const QuotaSplit& split, double sign, Draft& draft);
-  // moved_[e]: whether any copy of expert e has a different quota in trial_split_ than in split_
-  // (split_ must be the solver's previous split, as it is when a candidate follows the base or
-  // a kept candidate).
-  void MarkMovedQuotas();
+  // Whether any copy of `expert` has a different quota in trial_split_ than in split_ (split_
+  // must be the solver's previous split, as it is when a candidate follows the base or a kept
+  // candidate).
+  bool QuotasMoved(int expert) const;
   // patched_: the experts with tokens whose routing the candidate transient of `expert` changes,
   // ascending: those whose quotas moved, and `expert`; touched_: the ranks that hold a copy of
   // one of them.
@@ -641,7 +641,6 @@ class StepPlanner::Impl {
   Undo undo_;
   std::vector<int> patched_;   // see ListPatched
   Draft moved_shares_;         // scratch of PatchBest: their new shares, until kept
-  std::vector<char> moved_;    // [num_experts] scratch of PatchBest: see MarkMovedQuotas
   std::vector<char> touched_;  // [num_ranks] see ListPatched
   std::vector<char> gained_;   // [num_experts] scratch of Publish: experts with a transient
 };
@@ -1245,29 +1244,28 @@ void StepPlanner::Impl::AddExpert(int expert, const QuotaSplit& split, double si
   if (record_shares_) ShareInSourceOrder(expert, draft);
 }
 
-void StepPlanner::Impl::MarkMovedQuotas() {
-  // Only the experts whose flows the candidate's solve moved can have new quotas.
-  moved_.assign(num_experts_, 0);
+bool StepPlanner::Impl::QuotasMoved(int expert) const {
+  // The candidate's own quota is new; the transients before it are in both splits.
   const size_t kept_extras = split_.extra_quota.size();
-  for (int e : solver_.changed_experts()) {
-    for (int c = solver_.copy_begin(e); c < solver_.copy_end(e); ++c) {
-      const int id = solver_.copy_id(c);
-      // The candidate's own quota is new; the transients before it are in both splits.
-      const size_t extra = static_cast<size_t>(id - num_slots_);
-      const bool moved = id < num_slots_ ? split_.slot_quota[id] != trial_split_.slot_quota[id]
-                         : extra < kept_extras
-                             ? split_.extra_quota[extra] != trial_split_.extra_quota[extra]
-                             : false;
-      if (moved) moved_[e] = 1;
+  for (int c = solver_.copy_begin(expert); c < solver_.copy_end(expert); ++c) {
+    const int id = solver_.copy_id(c);
+    if (id < num_slots_) {
+      if (split_.slot_quota[id] != trial_split_.slot_quota[id]) return true;
+      continue;
+    }
+    const size_t extra = static_cast<size_t>(id - num_slots_);
+    if (extra < kept_extras && split_.extra_quota[extra] != trial_split_.extra_quota[extra]) {
+      return true;
     }
   }
+  return false;
 }
 
 void StepPlanner::Impl::ListPatched(int expert) {
-  MarkMovedQuotas();
+  // Only the experts whose flows the candidate's solve moved can have new quotas.
   patched_.clear();
   for (int e : solver_.changed_experts()) {
-    if (totals_[e] != 0 && (e == expert || moved_[e])) patched_.push_back(e);
+    if (totals_[e] != 0 && (e == expert || QuotasMoved(e))) patched_.push_back(e);
   }
   std::sort(patched_.begin(), patched_.end());
   touched_.assign(num_ranks_, 0);
