@@ -166,8 +166,8 @@ BENCHMARK(BM_PlanStepQuotas)
 // The planner a trainer keeps per layer (StepPlanner): the same routing as PlanStepQuotas, from
 // traffic by expert (what the engine all-reduces), with its buffers kept between steps.
 // Args: transient slots per rank, small experts (0/1), shares recorded (0: none, 1: all, 2: those
-// of rank 0), and the all-to-all matrix filled (1) or not (0). The engine on rank 0 asks for
-// shares 2 and no matrix.
+// of rank 0), the all-to-all matrix filled (1) or not (0), and the traffic as doubles (0) or as
+// 32-bit counts (1). The engine on rank 0 asks for shares 2, no matrix, and gives counts.
 void BM_StepPlanner(benchmark::State& state) {
   const Scenario& s = GetScenario();
   const CostModel cost(s.topology, CostConfig(state.range(1) != 0));
@@ -177,10 +177,14 @@ void BM_StepPlanner(benchmark::State& state) {
                                  .sent_tokens = state.range(3) != 0};
   std::vector<double> by_expert;
   TrafficByExpert(s.load.traffic, kRanks, kExperts, by_expert);
+  const std::vector<std::int32_t> counts(by_expert.begin(), by_expert.end());
   StepPlanner planner(s.topology, cost);
   StepRouting routing;
+  const bool as_counts = state.range(4) != 0;
   for (auto _ : state) {
-    const Status status = planner.Plan(s.placement, kRanks, by_expert, options, routing);
+    const Status status = as_counts
+                              ? planner.Plan(s.placement, kRanks, counts, options, routing)
+                              : planner.Plan(s.placement, kRanks, by_expert, options, routing);
     benchmark::DoNotOptimize(status);
     benchmark::DoNotOptimize(routing);
   }
@@ -188,15 +192,17 @@ void BM_StepPlanner(benchmark::State& state) {
   state.counters["transients"] = static_cast<double>(routing.transients.size());
 }
 BENCHMARK(BM_StepPlanner)
-    ->ArgNames({"transient_per_rank", "small_experts", "shares", "matrix"})
-    ->Args({0, 0, 0, 1})
-    ->Args({1, 0, 0, 1})
-    ->Args({1, 1, 0, 1})
-    ->Args({1, 0, 1, 1})
-    ->Args({0, 0, 0, 0})
-    ->Args({1, 0, 0, 0})
-    ->Args({0, 0, 2, 0})
-    ->Args({1, 0, 2, 0})
+    ->ArgNames({"transient_per_rank", "small_experts", "shares", "matrix", "counts"})
+    ->Args({0, 0, 0, 1, 0})
+    ->Args({1, 0, 0, 1, 0})
+    ->Args({1, 1, 0, 1, 0})
+    ->Args({1, 0, 1, 1, 0})
+    ->Args({0, 0, 0, 0, 0})
+    ->Args({1, 0, 0, 0, 0})
+    ->Args({0, 0, 2, 0, 0})
+    ->Args({1, 0, 2, 0, 0})
+    ->Args({0, 0, 2, 0, 1})
+    ->Args({1, 0, 2, 0, 1})
     ->Unit(benchmark::kMicrosecond);
 
 // One cost-model estimate, for scale: the planner calls it once per transient that lowers the

@@ -248,14 +248,6 @@ inline void AddSingleLinkSums(const double* column, int rank, int first, int las
   links[static_cast<size_t>(kKept) * num_ranks + rank] += sign * column[rank];
 }
 
-// An expert whose copies all sit on `rank`, whose node's ranks are [first, last).
-struct SingleExpert {
-  int expert = 0;
-  int rank = 0;
-  int first = 0;
-  int last = 0;
-};
-
 // AddSingleLinkSums, sign 1, for each of `singles` (by rank), the traffic by expert `by_expert`
 // [num_experts * num_ranks] holding their columns. The sums are exact (the fast path), so they
 // may go in any order: a node's sums into its ranks' to_node stay in vector registers while its
@@ -474,6 +466,10 @@ class StepPlanner::Impl {
   // entry by its index there; null to name it in `by_expert`.
   Status Plan(const Placement& placement, int num_sources, std::span<const double> by_expert,
               const QuotaPlanOptions& options, StepRouting& routing, const StepLoad* load);
+  // StepPlanner::Plan for integer counts after the shape checks.
+  Status PlanCounts(const Placement& placement, int num_sources,
+                    std::span<const std::int32_t> counts, const QuotaPlanOptions& options,
+                    StepRouting& routing);
 
  private:
   // A routing under construction. The tokens that rank s sends to rank d sit at
@@ -506,8 +502,22 @@ class StepPlanner::Impl {
   // else the rows they fill (scanned_). False when some entry may be negative, not finite or
   // beyond kMaxTokens; the caller then names it.
   bool Scan();
+  // Scan for integer counts (counts_), on the fast path alone: false when the routing cannot
+  // take them there or some count is negative (the caller then names it, or plans the counts as
+  // doubles).
+  bool ScanCounts(const QuotaPlanOptions& options);
+  // What follows the scan: the quotas, the transients and the routing.
+  Status Route(const Placement& placement, const QuotaPlanOptions& options, StepRouting& routing);
+  // Source s's tokens of `expert`, from by_expert_ or counts_.
+  double Entry(int expert, int source) const {
+    const size_t at = static_cast<size_t>(expert) * num_sources_ + source;
+    return by_expert_ != nullptr ? by_expert_[at] : static_cast<double>(counts_[at]);
+  }
+  // `expert`'s sources' tokens: in by_expert_, or counts_ made doubles in column_ (valid until
+  // the next call).
+  const double* Column(int expert);
   // Adds `sign` times the link sums of `expert`, whose copies all sit on `rank`, to `links`.
-  void AddSingleLinks(int expert, int rank, double sign, double* links) const;
+  void AddSingleLinks(int expert, int rank, double sign, double* links);
   // Adds the tokens of `rank`'s single-rank experts that `keep` accepts to `row`, that rank's
   // row of received tokens: for each source, experts in ascending order, a rank's sources in
   // ascending order.
@@ -596,12 +606,17 @@ class StepPlanner::Impl {
   // tokens lines up with an expert's sources, and both go four at a time.
   bool source_quads_ = false;
   std::vector<SingleExpert> singles_;  // the experts on one rank, by rank, then ascending
+  std::vector<SingleExpert> experts_;  // [num_experts] where each sits, for ScanCounts
   // Experts on one rank in the placement, grouped by that rank, ascending.
   std::vector<int> rank_single_begin_;  // [num_ranks + 1]
   std::vector<int> rank_single_;
 
-  // This step's.
+  // This step's. The traffic by expert: by_expert_, or counts_ (then on the fast path).
   const double* by_expert_ = nullptr;
+  const std::int32_t* counts_ = nullptr;
+  std::vector<double> column_;           // scratch of Column
+  std::vector<std::int32_t> int_lanes_;  // scratch of ScanCounts
+  std::vector<double> converted_;  // counts as doubles, where the fast path does not take them
   bool record_shares_ = false;
   int shares_of_rank_ = -1;  // options.shares_of_rank
   bool whole_ = false;       // every entry a whole number, and every sum of them exact
@@ -681,6 +696,12 @@ void StepPlanner::Impl::Bind(const Placement& placement, int num_sources) {
   }
   singles_.clear();
   const int per_node = topology_.gpus_per_node();
+  experts_.resize(num_experts_);
+  for (int e = 0; e < num_experts_; ++e) {
+    const int rank = single_rank[e];
+    const int first = rank >= 0 ? node_of_[rank] * per_node : 0;
+    experts_[e] = {e, rank, first, rank >= 0 ? std::min(first + per_node, num_ranks_) : 0};
+  }
   for (int rank = 0; rank < num_ranks_; ++rank) {
     const int first = node_of_[rank] * per_node;
     for (int i = rank_single_begin_[rank]; i < rank_single_begin_[rank + 1]; ++i) {
@@ -778,9 +799,55 @@ bool StepPlanner::Impl::Scan() {
   return in_range;
 }
 
-void StepPlanner::Impl::AddSingleLinks(int expert, int rank, double sign, double* links) const {
+const double* StepPlanner::Impl::Column(int expert) {
+  const size_t at = static_cast<size_t>(expert) * num_sources_;
+  if (by_expert_ != nullptr) return by_expert_ + at;
+  column_.resize(num_sources_);
+  for (int s = 0; s < num_sources_; ++s) column_[s] = counts_[at + s];
+  return column_.data();
+}
+
+bool StepPlanner::Impl::ScanCounts(const QuotaPlanOptions& options) {
+  // The fast path's layout (one source per rank, eight at a time), without the all-to-all
+  // matrix, whose rows would need the traffic as doubles.
+  if (!source_quads_ || num_sources_ % 8 != 0 || options.sent_tokens) return false;
+  const int num_experts = num_experts_;
+  const int num_ranks = num_ranks_;
+  totals_.resize(num_experts);
+  sent_.resize(num_ranks);
+  int_lanes_.resize(ScanCountsScratch(num_experts, num_sources_));
+  single_links_.assign(static_cast<size_t>(kLinkSums) * num_ranks, 0.0);
+  double* links = single_links_.data();
+  const CountSums sums{.totals = totals_.data(),
+                       .sent = sent_.data(),
+                       .to_node = links + static_cast<size_t>(kToNode) * num_ranks,
+                       .from_node = links + static_cast<size_t>(kFromNode) * num_ranks,
+                       .kept = links + static_cast<size_t>(kKept) * num_ranks};
+  const std::uint32_t bits = keel::ScanCounts(counts_, num_experts, num_sources_, experts_.data(),
+                                              int_lanes_.data(), sums);
+  if (!CountSumsExact(bits, static_cast<size_t>(num_experts) * num_sources_)) return false;
+  // The counts add up to less than 2^31, so every sum of them is exact; the link sums price the
+  // routing when their products with the bytes per token row are too (see Scan).
+  constexpr double kTotalBound = 2147483648.0;
+  if (!(kTotalBound * cost_.token_row_bytes() < 9007199254740992.0)) {
+    double total = 0;
+    for (int s = 0; s < num_sources_; ++s) total += sent_[s];
+    if (!(total * cost_.token_row_bytes() < 9007199254740992.0)) return false;
+  }
+  whole_ = true;
+  fast_ = true;
+  rounded_.resize(num_experts);
+  scale_.resize(num_experts);
+  for (int e = 0; e < num_experts; ++e) {
+    rounded_[e] = static_cast<long long>(totals_[e]);
+    scale_[e] = rounded_[e] > 0 ? 1.0 : 0.0;
+  }
+  return true;
+}
+
+void StepPlanner::Impl::AddSingleLinks(int expert, int rank, double sign, double* links) {
   const int first = node_of_[rank] * topology_.gpus_per_node();
-  AddSingleLinkSums(by_expert_ + static_cast<size_t>(expert) * num_ranks_, rank, first,
+  AddSingleLinkSums(Column(expert), rank, first,
                     std::min(first + topology_.gpus_per_node(), num_ranks_), num_ranks_, sign,
                     links);
 }
@@ -986,8 +1053,13 @@ void StepPlanner::Impl::AssignSpreadWholeRows(int expert, const QuotaSplit& spli
   // Raw pointers: the stores below are doubles, which could be any vector's elements as far as
   // the compiler knows.
   double* remaining = remaining_.data();
-  std::memcpy(remaining, by_expert_ + static_cast<size_t>(expert) * num_ranks,
-              sizeof(double) * num_ranks);
+  if (by_expert_ != nullptr) {
+    std::memcpy(remaining, by_expert_ + static_cast<size_t>(expert) * num_ranks,
+                sizeof(double) * num_ranks);
+  } else {
+    const std::int32_t* counts = counts_ + static_cast<size_t>(expert) * num_ranks;
+    for (int s = 0; s < num_ranks; ++s) remaining[s] = counts[s];
+  }
   double* received = draft.received.data();
   double* from_node = draft.links.data() + static_cast<size_t>(kFromNode) * num_ranks;
   double* to_node = draft.links.data() + static_cast<size_t>(kToNode) * num_ranks;
@@ -1196,7 +1268,7 @@ void StepPlanner::Impl::Assign(size_t num_extras, const QuotaSplit& split, Draft
       ShareInSourceOrder(e, draft);
       continue;
     }
-    const double tokens = by_expert_[static_cast<size_t>(e) * num_ranks + mine];
+    const double tokens = Entry(e, mine);
     if (tokens > 0) {
       draft.shares.Reserve(1);
       draft.shares.Append({mine, e, id, tokens});
@@ -1355,7 +1427,7 @@ void StepPlanner::Impl::RestoreBest() {
 void StepPlanner::Impl::ShareInSourceOrder(int expert, Draft& draft) {
   const int begin = solver_.copy_begin(expert);
   const int count = CopyEnd(expert) - begin;
-  const double* column = by_expert_ + static_cast<size_t>(expert) * num_sources_;
+  const double* column = Column(expert);
   draft.shares.Reserve(MaxShares(count));
   if (count == 1 && whole_) {
     // One copy, exact sums: its quota is the expert's total, so each source sends all it has in
@@ -1438,11 +1510,37 @@ Status StepPlanner::Impl::Plan(const Placement& placement, int num_sources,
                                StepRouting& routing, const StepLoad* load) {
   Bind(placement, num_sources);
   by_expert_ = by_expert.data();
-  record_shares_ = options.record_shares;
-  shares_of_rank_ = options.shares_of_rank;
+  counts_ = nullptr;
   if (!Scan()) {
     return load != nullptr ? TrafficValues(*load) : ByExpertValues(by_expert, num_sources);
   }
+  return Route(placement, options, routing);
+}
+
+Status StepPlanner::Impl::PlanCounts(const Placement& placement, int num_sources,
+                                     std::span<const std::int32_t> counts,
+                                     const QuotaPlanOptions& options, StepRouting& routing) {
+  Bind(placement, num_sources);
+  by_expert_ = nullptr;
+  counts_ = counts.data();
+  if (ScanCounts(options)) return Route(placement, options, routing);
+  for (size_t i = 0; i < counts.size(); ++i) {
+    if (counts[i] < 0) {
+      const size_t sources = static_cast<size_t>(num_sources);
+      return InvalidArgument(
+          "counts[" + std::to_string(i) + "] (expert " + std::to_string(i / sources) + ", source " +
+          std::to_string(i % sources) + ") = " + std::to_string(counts[i]) + " is negative");
+    }
+  }
+  // The same counts as doubles: Plan gives the same routing for them, only slower.
+  converted_.assign(counts.begin(), counts.end());
+  return Plan(placement, num_sources, converted_, options, routing, nullptr);
+}
+
+Status StepPlanner::Impl::Route(const Placement& placement, const QuotaPlanOptions& options,
+                                StepRouting& routing) {
+  record_shares_ = options.record_shares;
+  shares_of_rank_ = options.shares_of_rank;
   keep_rows_ = !fast_ || options.sent_tokens;
   KEEL_RETURN_IF_ERROR(ValidateTopologyAndOptions(placement, topology_, cost_, options));
   const std::span<const long long> tokens = rounded_;
@@ -1510,6 +1608,25 @@ void TrafficByExpert(std::span<const double> traffic, int num_sources, int num_e
   Transpose(traffic.data(), num_sources, num_experts, by_expert.data());
 }
 
+namespace {
+
+// StepPlanner::Plan's shape checks: `size` entries, named `name`, for `num_sources` sources.
+Status CheckByExpertShape(const Placement& placement, int num_sources, size_t size,
+                          const char* name) {
+  if (num_sources < 1) {
+    return InvalidArgument("num_sources must be >= 1, got " + std::to_string(num_sources));
+  }
+  const size_t expected = static_cast<size_t>(num_sources) * placement.num_experts();
+  if (size != expected) {
+    return InvalidArgument(std::string(name) + " has " + std::to_string(size) +
+                           " entries, expected " + std::to_string(placement.num_experts()) +
+                           " experts x " + std::to_string(num_sources) + " sources");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 StepPlanner::StepPlanner(const Topology& topology, const CostModel& cost)
     : impl_(std::make_unique<Impl>(topology, cost)) {}
 
@@ -1518,16 +1635,15 @@ StepPlanner::~StepPlanner() = default;
 Status StepPlanner::Plan(const Placement& placement, int num_sources,
                          std::span<const double> by_expert, const QuotaPlanOptions& options,
                          StepRouting& routing) {
-  if (num_sources < 1) {
-    return InvalidArgument("num_sources must be >= 1, got " + std::to_string(num_sources));
-  }
-  const size_t expected = static_cast<size_t>(num_sources) * placement.num_experts();
-  if (by_expert.size() != expected) {
-    return InvalidArgument("by_expert has " + std::to_string(by_expert.size()) +
-                           " entries, expected " + std::to_string(placement.num_experts()) +
-                           " experts x " + std::to_string(num_sources) + " sources");
-  }
+  KEEL_RETURN_IF_ERROR(CheckByExpertShape(placement, num_sources, by_expert.size(), "by_expert"));
   return impl_->Plan(placement, num_sources, by_expert, options, routing, nullptr);
+}
+
+Status StepPlanner::Plan(const Placement& placement, int num_sources,
+                         std::span<const std::int32_t> counts, const QuotaPlanOptions& options,
+                         StepRouting& routing) {
+  KEEL_RETURN_IF_ERROR(CheckByExpertShape(placement, num_sources, counts.size(), "counts"));
+  return impl_->PlanCounts(placement, num_sources, counts, options, routing);
 }
 
 Result<StepRouting> PlanStepQuotas(const Placement& placement, const StepLoad& load,

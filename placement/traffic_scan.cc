@@ -1,6 +1,7 @@
 // The planner's pass over the traffic (traffic_scan.h): one portable version, one for AVX-512.
 #include "placement/traffic_scan.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 
@@ -156,6 +157,112 @@ KEEL_AVX512 EntryBits ScanByExpertAvx512(const double* by_expert, int num_expert
 }
 #endif
 
+// ScanCounts's sums in progress, in 32-bit lanes: each expert's sum over the sources so far
+// (eight lanes), and for the single-rank experts what each source sends to its node's, what each
+// rank's receive from their node (eight lanes) and what they receive from their own rank.
+struct CountLanes {
+  std::int32_t* expert;     // [8 * num_experts]
+  std::int32_t* to_node;    // [num_sources]
+  std::int32_t* from_node;  // [8 * num_sources]
+  std::int32_t* kept;       // [num_sources]
+};
+
+// ScanCounts on the sources [block, block + 8 * kOcts) of every expert, in ascending order. The
+// sums over the experts stay in kOcts vector registers until `sent` takes them; a node of eight
+// ranks that starts at a multiple of eight adds to its link sums as one vector, any other rank by
+// rank. ORs the entries into `bits`, lane by lane. (Vectors pass by reference: by value, the
+// baseline clone's calling convention would differ from the AVX2 one's.)
+template <int kOcts>
+KEEL_INLINE inline void CountBlock(const std::int32_t* counts, int num_experts, int num_sources,
+                                   int block, const SingleExpert* experts, const CountLanes& lanes,
+                                   double* sent, IntOct& bits) {
+  constexpr int kWidth = 8 * kOcts;
+  IntOct sums[kOcts] = {};
+  auto load = [](const std::int32_t* from, IntOct& oct)
+                  KEEL_INLINE { std::memcpy(&oct, from, sizeof oct); };
+  auto add_to = [&](std::int32_t* to, const IntOct& oct) KEEL_INLINE {
+    IntOct sum;
+    load(to, sum);
+    sum += oct;
+    std::memcpy(to, &sum, sizeof sum);
+  };
+  for (int e = 0; e < num_experts; ++e) {
+    const std::int32_t* column = counts + static_cast<size_t>(e) * num_sources;
+    IntOct octs[kOcts];
+#pragma GCC unroll 8
+    for (int k = 0; k < kOcts; ++k) {
+      load(column + block + 8 * k, octs[k]);
+      sums[k] += octs[k];
+      bits |= octs[k];
+    }
+    const SingleExpert& single = experts[e];
+    if (single.rank >= 0) {
+      const int first = single.first;
+      const int rank = single.rank;
+      if (first % 8 == 0 && single.last - first == 8) {
+        if (first >= block && first < block + kWidth) {
+          // Read again (from L1): indexing `octs` here would keep it in memory.
+          IntOct part;
+          load(column + first, part);
+          add_to(lanes.to_node + first, part);
+          add_to(lanes.from_node + 8 * static_cast<size_t>(rank), part);
+        }
+      } else {
+        const int high = std::min(single.last, block + kWidth);
+        for (int s = std::max(first, block); s < high; ++s) {
+          lanes.to_node[s] += column[s];
+          lanes.from_node[8 * static_cast<size_t>(rank)] += column[s];
+        }
+      }
+      if (rank >= block && rank < block + kWidth) lanes.kept[rank] += column[rank];
+    }
+#pragma GCC unroll 8
+    for (int width = 1; width < kOcts; width *= 2) {
+#pragma GCC unroll 8
+      for (int k = 0; k + width < kOcts; k += 2 * width) octs[k] += octs[k + width];
+    }
+    std::int32_t* lane = lanes.expert + 8 * static_cast<size_t>(e);
+    if (block > 0) {
+      add_to(lane, octs[0]);
+    } else {
+      std::memcpy(lane, &octs[0], sizeof octs[0]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int k = 0; k < kOcts; ++k) {
+    for (int l = 0; l < 8; ++l) sent[block + 8 * k + l] = sums[k][l];
+  }
+}
+
+// Writes the sum of each of lanes[8 * i, 8 * i + 8), i < count, to out[i] (added with kAdd),
+// eight at a time.
+template <bool kAdd>
+KEEL_INLINE inline void AddLaneSums(const std::int32_t* lanes, int count, double* out) {
+  // `sum`: adjacent lanes of a and b added, a's four sums, then b's.
+  auto pairs = [](const IntOct& a, const IntOct& b, IntOct& sum) KEEL_INLINE {
+    sum = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
+          __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+  };
+  auto put = [&](int i, std::int64_t sum) KEEL_INLINE {
+    out[i] = kAdd ? out[i] + static_cast<double>(sum) : static_cast<double>(sum);
+  };
+  int i = 0;
+  for (; i + 8 <= count; i += 8) {
+    // Three rounds of pairs leave eight sums.
+    IntOct lane[8], half[4], quarter[2], sums;
+    std::memcpy(lane, lanes + 8 * static_cast<size_t>(i), sizeof lane);
+    for (int k = 0; k < 4; ++k) pairs(lane[2 * k], lane[2 * k + 1], half[k]);
+    for (int k = 0; k < 2; ++k) pairs(half[2 * k], half[2 * k + 1], quarter[k]);
+    pairs(quarter[0], quarter[1], sums);
+    for (int l = 0; l < 8; ++l) put(i + l, sums[l]);
+  }
+  for (; i < count; ++i) {
+    std::int64_t sum = 0;
+    for (int l = 0; l < 8; ++l) sum += lanes[8 * static_cast<size_t>(i) + l];
+    put(i, sum);
+  }
+}
+
 }  // namespace
 
 KEEL_AVX2_CLONES EntryBits ScanEntries(const double* values, size_t n) {
@@ -192,6 +299,69 @@ bool ScanPathAvailable(ScanPath path) {
 #endif
   }
   return false;
+}
+
+namespace {
+
+// ScanCounts in blocks of 8 * kOcts sources (the last ones eight at a time), then the sums from
+// their lanes.
+template <int kOcts>
+KEEL_INLINE inline std::uint32_t ScanCountsBody(const std::int32_t* counts, int num_experts,
+                                                int num_sources, const SingleExpert* experts,
+                                                std::int32_t* scratch, const CountSums& sums) {
+  const size_t num_ranks = static_cast<size_t>(num_sources);
+  const CountLanes lanes{.expert = scratch,
+                         .to_node = scratch + 8 * static_cast<size_t>(num_experts),
+                         .from_node = scratch + 8 * static_cast<size_t>(num_experts) + num_ranks,
+                         .kept = scratch + 8 * static_cast<size_t>(num_experts) + 9 * num_ranks};
+  std::fill(lanes.to_node, lanes.to_node + 10 * num_ranks, 0);
+  IntOct bits = {};
+  int block = 0;
+  for (; block + 8 * kOcts <= num_sources; block += 8 * kOcts) {
+    CountBlock<kOcts>(counts, num_experts, num_sources, block, experts, lanes, sums.sent, bits);
+  }
+  for (; block < num_sources; block += 8) {
+    CountBlock<1>(counts, num_experts, num_sources, block, experts, lanes, sums.sent, bits);
+  }
+  AddLaneSums<false>(lanes.expert, num_experts, sums.totals);
+  AddLaneSums<true>(lanes.from_node, num_sources, sums.from_node);
+  for (int s = 0; s < num_sources; ++s) {
+    sums.to_node[s] += lanes.to_node[s];
+    sums.kept[s] += lanes.kept[s];
+  }
+  std::uint32_t all = 0;
+  for (int l = 0; l < 8; ++l) all |= static_cast<std::uint32_t>(bits[l]);
+  return all;
+}
+
+// Four vectors of sources at a time: the AVX2 clone has 16 vector registers.
+KEEL_AVX2_CLONES std::uint32_t ScanCountsPortable(const std::int32_t* counts, int num_experts,
+                                                  int num_sources, const SingleExpert* experts,
+                                                  std::int32_t* scratch, const CountSums& sums) {
+  return ScanCountsBody<4>(counts, num_experts, num_sources, experts, scratch, sums);
+}
+
+#if KEEL_HAVE_AVX512
+// Eight vectors of sources at a time: AVX-512 has 32 vector registers (the code stays 256 bits
+// wide, as in ScanByExpertAvx512).
+KEEL_AVX512 std::uint32_t ScanCountsAvx512(const std::int32_t* counts, int num_experts,
+                                           int num_sources, const SingleExpert* experts,
+                                           std::int32_t* scratch, const CountSums& sums) {
+  return ScanCountsBody<8>(counts, num_experts, num_sources, experts, scratch, sums);
+}
+#endif
+
+}  // namespace
+
+std::uint32_t ScanCounts(const std::int32_t* counts, int num_experts, int num_sources,
+                         const SingleExpert* experts, std::int32_t* scratch, const CountSums& sums,
+                         ScanPath path) {
+#if KEEL_HAVE_AVX512
+  if (path != ScanPath::kPortable && CpuHasAvx512()) {
+    return ScanCountsAvx512(counts, num_experts, num_sources, experts, scratch, sums);
+  }
+#endif
+  return ScanCountsPortable(counts, num_experts, num_sources, experts, scratch, sums);
 }
 
 EntryBits ScanByExpert(const double* by_expert, int num_experts, int num_sources, double* sent,

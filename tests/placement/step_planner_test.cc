@@ -1,11 +1,13 @@
 // StepPlanner: one planner reused over changing placements, loads and options gives what a fresh
 // PlanStepQuotas gives, bit for bit; shares_of_rank keeps exactly one rank's shares; the fast
 // path gives the ordered routing; the routing's price is the cost model's; the all-to-all matrix
-// is optional; bad input is named.
+// is optional; integer counts give the routing of the same values as doubles; bad input is
+// named.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <string>
@@ -382,6 +384,48 @@ TEST(StepPlannerTest, MatrixIsOptional) {
   EXPECT_GT(with_transients, 10);
 }
 
+// Plan with 32-bit counts gives what Plan gives for the same values as doubles, bit for bit,
+// whichever way it takes: its own pass (one source per rank, ranks a multiple of 8, no matrix;
+// nodes of 8, 4, 6 and 12 ranks, 64 ranks and more for a block of 64), or the doubles (more
+// sources than ranks, the matrix, ranks not a multiple of 8, counts too large for 32-bit sums).
+// One planner switches between counts and doubles, and between placements, and keeps nothing of
+// one call in the next.
+TEST(StepPlannerTest, CountsGiveTheRoutingOfTheirDoubles) {
+  std::mt19937 rng(71);
+  const std::pair<int, int> shapes[] = {{2, 4}, {1, 8}, {2, 8}, {4, 6}, {2, 12}, {9, 8}, {1, 4}};
+  int own_pass = 0;
+  int with_transients = 0;
+  for (const auto& [num_nodes, per_node] : shapes) {
+    const Topology topology = MakeTopology(num_nodes, per_node);
+    const CostModel cost(topology, SmallExperts());
+    StepPlanner planner(topology, cost);
+    const int num_ranks = num_nodes * per_node;
+    for (int trial = 0; trial < 24; ++trial) {
+      const int num_sources = trial % 6 == 5 ? num_ranks + 3 : num_ranks;
+      const int num_experts = num_ranks + static_cast<int>(rng() % (2 * num_ranks));
+      Case c = RandomCase(rng, num_ranks, 3, num_experts, num_sources, /*fractional=*/false);
+      if (trial % 8 == 7) c.by_expert[rng() % c.by_expert.size()] = 1 << 28;  // too large
+      QuotaPlanOptions options = RandomOptions(rng, 2, static_cast<int>(rng() % num_ranks));
+      options.sent_tokens = trial % 4 == 3;
+      const std::vector<std::int32_t> counts(c.by_expert.begin(), c.by_expert.end());
+      StepRouting from_doubles, from_counts;
+      ASSERT_TRUE(planner.Plan(c.placement, num_sources, c.by_expert, options, from_doubles).ok());
+      ASSERT_TRUE(planner.Plan(c.placement, num_sources, counts, options, from_counts).ok());
+      SCOPED_TRACE(std::to_string(num_nodes) + " nodes of " + std::to_string(per_node) +
+                   ", trial " + std::to_string(trial));
+      ExpectSameRouting(from_counts, from_doubles);
+      // Again from counts, on the buffers the doubles' call left.
+      ASSERT_TRUE(planner.Plan(c.placement, num_sources, counts, options, from_counts).ok());
+      ExpectSameRouting(from_counts, from_doubles);
+      own_pass +=
+          num_sources == num_ranks && num_ranks % 8 == 0 && !options.sent_tokens && trial % 8 != 7;
+      with_transients += from_counts.transients.empty() ? 0 : 1;
+    }
+  }
+  EXPECT_GT(own_pass, 60);
+  EXPECT_GT(with_transients, 20);
+}
+
 // The status's message contains `expected`.
 void ExpectError(const Status& status, const std::string& expected) {
   EXPECT_FALSE(status.ok());
@@ -410,6 +454,26 @@ TEST(StepPlannerTest, BadInputIsNamed) {
   options.shares_of_rank = -1;
   EXPECT_TRUE(planner.Plan(placement, 2, by_expert, options, routing).ok());
   EXPECT_DOUBLE_EQ(routing.rank_tokens[0] + routing.rank_tokens[1], 21.0);
+
+  std::vector<std::int32_t> counts = {1, 2, 3, 4, 5, 6};
+  ExpectError(planner.Plan(placement, 3, counts, {}, routing),
+              "counts has 6 entries, expected 3 experts x 3 sources");
+  counts[3] = -1;
+  ExpectError(planner.Plan(placement, 2, counts, {}, routing),
+              "counts[3] (expert 1, source 1) = -1 is negative");
+  // Eight ranks, one source each, no matrix: the planner's own pass over the counts.
+  const Topology eight = MakeTopology(1, 8);
+  const CostModel eight_cost(eight, CostModelConfig{});
+  StepPlanner eight_planner(eight, eight_cost);
+  const Placement one_each = Placement::Create(2, 8, {0, 1, 0, 1, 0, 1, 0, 1}).value();
+  counts.assign(16, 2);
+  counts[9] = -5;
+  options.sent_tokens = false;
+  ExpectError(eight_planner.Plan(one_each, 8, counts, options, routing),
+              "counts[9] (expert 1, source 1) = -5 is negative");
+  counts[9] = 5;
+  ASSERT_TRUE(eight_planner.Plan(one_each, 8, counts, options, routing).ok());
+  EXPECT_DOUBLE_EQ(routing.max_rank_tokens() * 8, 35.0 + 5.0);
 }
 
 }  // namespace

@@ -1,10 +1,13 @@
 // ScanByExpert, the per-step planner's pass over the traffic: each version (the portable one, and
 // the AVX-512 one where the CPU has it) gives the exact totals and what each source sends, and
 // flags every entry that sends the planner to its exact checks, wherever in the rows it sits.
+// ScanCounts, the same pass over integer counts: each version gives the exact sums, the
+// single-rank experts' link sums included, for nodes of every shape and any number of blocks.
 #include "placement/traffic_scan.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -133,6 +136,82 @@ TEST(TrafficScanTest, EveryPathFlagsWhatNeedsTheExactChecks) {
       }
     }
   }
+}
+
+// Counts in 32-bit lanes add up to what 64-bit sums in expert and source order give, for every
+// path: ranks from 8 to 136 (one block of 64 or more, and blocks of 8 after them), nodes of 8
+// (one vector each), of 4, 6 and 12 (rank by rank, some across two blocks), experts on one rank
+// or spread, expert counts that are and are not multiples of 8. Sums added to are added to.
+TEST(TrafficScanTest, CountsGiveTheExactSums) {
+  std::mt19937 rng(23);
+  const std::pair<int, int> shapes[] = {{1, 8}, {2, 4},  {2, 8},  {4, 6}, {2, 12},
+                                        {9, 8}, {6, 12}, {17, 8}, {3, 8}};
+  for (const auto& [num_nodes, per_node] : shapes) {
+    const int num_ranks = num_nodes * per_node;
+    for (const int num_experts : {1, 8, 13, 64}) {
+      std::vector<std::int32_t> counts(static_cast<size_t>(num_experts) * num_ranks);
+      for (std::int32_t& c : counts) c = rng() % 5 == 0 ? 0 : static_cast<int>(rng() % 5000);
+      std::vector<SingleExpert> experts(num_experts);
+      for (int e = 0; e < num_experts; ++e) {
+        const int rank = rng() % 4 == 0 ? -1 : static_cast<int>(rng() % num_ranks);
+        const int first = rank >= 0 ? rank / per_node * per_node : 0;
+        experts[e] = {e, rank, first, rank >= 0 ? first + per_node : 0};
+      }
+      // The sums in order, in 64 bits.
+      std::vector<std::int64_t> totals(num_experts, 0), sent(num_ranks, 0), to_node(num_ranks, 0),
+          from_node(num_ranks, 0), kept(num_ranks, 0);
+      std::uint32_t bits = 0;
+      for (int e = 0; e < num_experts; ++e) {
+        const std::int32_t* column = counts.data() + static_cast<size_t>(e) * num_ranks;
+        for (int s = 0; s < num_ranks; ++s) {
+          totals[e] += column[s];
+          sent[s] += column[s];
+          bits |= static_cast<std::uint32_t>(column[s]);
+        }
+        const SingleExpert& single = experts[e];
+        if (single.rank < 0) continue;
+        for (int s = single.first; s < single.last; ++s) {
+          to_node[s] += column[s];
+          from_node[single.rank] += column[s];
+        }
+        kept[single.rank] += column[single.rank];
+      }
+      ASSERT_TRUE(CountSumsExact(bits, counts.size()));
+      for (ScanPath path : Paths()) {
+        SCOPED_TRACE(Name(path) + ", " + std::to_string(num_nodes) + " nodes of " +
+                     std::to_string(per_node) + ", " + std::to_string(num_experts) + " experts");
+        std::vector<double> out_totals(num_experts, -7.0), out_sent(num_ranks, -7.0);
+        std::vector<double> out_to_node(num_ranks, 3.0), out_from_node(num_ranks, 3.0),
+            out_kept(num_ranks, 3.0);
+        std::vector<std::int32_t> scratch(ScanCountsScratch(num_experts, num_ranks), -7);
+        const CountSums sums{out_totals.data(), out_sent.data(), out_to_node.data(),
+                             out_from_node.data(), out_kept.data()};
+        EXPECT_EQ(ScanCounts(counts.data(), num_experts, num_ranks, experts.data(), scratch.data(),
+                             sums, path),
+                  bits);
+        for (int e = 0; e < num_experts; ++e) {
+          EXPECT_EQ(out_totals[e], static_cast<double>(totals[e])) << "expert " << e;
+        }
+        for (int r = 0; r < num_ranks; ++r) {
+          EXPECT_EQ(out_sent[r], static_cast<double>(sent[r])) << "rank " << r;
+          EXPECT_EQ(out_to_node[r], 3.0 + static_cast<double>(to_node[r])) << "rank " << r;
+          EXPECT_EQ(out_from_node[r], 3.0 + static_cast<double>(from_node[r])) << "rank " << r;
+          EXPECT_EQ(out_kept[r], 3.0 + static_cast<double>(kept[r])) << "rank " << r;
+        }
+      }
+    }
+  }
+}
+
+// The sums are exact where every partial sum stays below 2^31: a count with the sign bit, or
+// counts as large as their OR that could add up to 2^31, are not.
+TEST(TrafficScanTest, CountSumsExactBoundsTheLanes) {
+  EXPECT_TRUE(CountSumsExact(0, 16384));
+  EXPECT_TRUE(CountSumsExact((1u << 17) - 1, 16384));  // 16384 * (2^17 - 1) < 2^31
+  EXPECT_FALSE(CountSumsExact(1u << 17, 16384));       // 16384 * 2^17 = 2^31
+  EXPECT_FALSE(CountSumsExact(0xFFFFFFFFu, 1));        // -1
+  EXPECT_FALSE(CountSumsExact(1u << 31, 1));
+  EXPECT_TRUE(CountSumsExact((1u << 31) - 1, 1));
 }
 
 }  // namespace
