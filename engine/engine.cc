@@ -210,7 +210,8 @@ class Engine::Impl {
   std::vector<StepRouting> routing_;
   // One per layer: each keeps what its placement alone decides, and its buffers, between steps.
   std::vector<std::unique_ptr<StepPlanner>> planners_;
-  std::vector<double> by_expert_;                 // scratch: this layer's traffic by expert
+  std::vector<int64_t> reduced_;                  // scratch: this layer's traffic by expert
+  std::vector<int32_t> by_expert_;                // the same, as the planner takes it
   StepRouting plan_scratch_;                      // scratch: the routing being planned
   std::vector<std::vector<int>> transient_slot_;  // [layer][transients] physical slot
   std::vector<LoadEstimator> estimators_;
@@ -471,14 +472,21 @@ Result<LayerRoute> Engine::Impl::RouteCounts(int layer, std::span<const int32_t>
 
 Result<LayerRoute> Engine::Impl::PlanLayer(int layer, std::span<const int32_t> mine) {
   const int num_experts = options_.num_experts;
-  // Every rank's row of the traffic matrix arrives with one all-reduce.
-  std::vector<int64_t> counts(static_cast<size_t>(num_ranks_) * num_experts, 0);
-  std::copy(mine.begin(), mine.end(), counts.begin() + static_cast<size_t>(rank_) * num_experts);
-  KEEL_RETURN_IF_ERROR(communicator_.AllReduce(counts, ReduceOp::kSum));
-  std::vector<double> traffic(counts.begin(), counts.end());
+  // Every rank's column of the traffic by expert arrives with one all-reduce: each entry is one
+  // rank's count, so it stays a 32-bit count.
+  const size_t num_ranks = static_cast<size_t>(num_ranks_);
+  reduced_.assign(num_ranks * num_experts, 0);
+  for (int e = 0; e < num_experts; ++e) reduced_[e * num_ranks + rank_] = mine[e];
+  KEEL_RETURN_IF_ERROR(communicator_.AllReduce(reduced_, ReduceOp::kSum));
+  by_expert_.assign(reduced_.begin(), reduced_.end());
+  // The estimators and the trace keep the traffic by source.
+  std::vector<double> traffic(reduced_.size());
+  for (int e = 0; e < num_experts; ++e) {
+    for (size_t r = 0; r < num_ranks; ++r)
+      traffic[r * num_experts + e] = by_expert_[e * num_ranks + r];
+  }
 
   const Placement& placement = placements_[layer];
-  TrafficByExpert(traffic, num_ranks_, num_experts, by_expert_);
   QuotaPlanOptions quota_options;
   quota_options.transient_per_rank = transients_planned_;
   quota_options.record_shares = true;
