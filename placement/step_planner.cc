@@ -307,6 +307,17 @@ KEEL_AVX2_CLONES void AddAllSingleLinkSums(const double* by_expert, const Single
   }
 }
 
+// to[0, n) = counts[0, n) as doubles, n a multiple of 4: four at a time, as GCC's -O2 leaves
+// the plain loop scalar.
+inline void CountsToDoubles(const std::int32_t* counts, int n, double* to) {
+  for (int i = 0; i < n; i += 4) {
+    IntQuad quad;
+    std::memcpy(&quad, counts + i, sizeof quad);
+    const DoubleQuad doubles = __builtin_convertvector(quad, DoubleQuad);
+    std::memcpy(to + i, &doubles, sizeof doubles);
+  }
+}
+
 // Checks run in this order: the load's shape, then its entries (during Scan, and TrafficValues or
 // ByExpertValues to name a bad one), then the rest.
 Status ValidateLoadShape(const Placement& placement, const StepLoad& load) {
@@ -642,6 +653,7 @@ class StepPlanner::Impl {
   std::vector<double> remaining_;  // [num_sources] tokens of the current expert still unsent
   std::vector<double> room_;       // [copies of the current expert] quota still open
   std::vector<int> kept_;          // scratch of AddSingles
+  std::vector<int> node_cursor_;   // [num_nodes] scratch of AssignSpreadWholeRows
   QuotaSolver solver_;
   QuotaSplit split_;
   QuotaSplit trial_split_;
@@ -678,6 +690,7 @@ void StepPlanner::Impl::Bind(const Placement& placement, int num_sources) {
   source_quads_ = num_sources == num_ranks_ && num_sources % 4 == 0;
   node_of_.resize(num_ranks_);
   for (int r = 0; r < num_ranks_; ++r) node_of_[r] = topology_.node_of(r);
+  node_cursor_.resize(topology_.num_nodes());
 
   std::vector<int> single_rank(num_experts_);  // the one rank holding the expert, else -1
   rank_single_begin_.assign(num_ranks_ + 1, 0);
@@ -803,7 +816,7 @@ const double* StepPlanner::Impl::Column(int expert) {
   const size_t at = static_cast<size_t>(expert) * num_sources_;
   if (by_expert_ != nullptr) return by_expert_ + at;
   column_.resize(num_sources_);
-  for (int s = 0; s < num_sources_; ++s) column_[s] = counts_[at + s];
+  CountsToDoubles(counts_ + at, num_sources_, column_.data());  // a multiple of 8 (ScanCounts)
   return column_.data();
 }
 
@@ -1057,8 +1070,7 @@ void StepPlanner::Impl::AssignSpreadWholeRows(int expert, const QuotaSplit& spli
     std::memcpy(remaining, by_expert_ + static_cast<size_t>(expert) * num_ranks,
                 sizeof(double) * num_ranks);
   } else {
-    const std::int32_t* counts = counts_ + static_cast<size_t>(expert) * num_ranks;
-    for (int s = 0; s < num_ranks; ++s) remaining[s] = counts[s];
+    CountsToDoubles(counts_ + static_cast<size_t>(expert) * num_ranks, num_ranks, remaining);
   }
   double* received = draft.received.data();
   double* from_node = draft.links.data() + static_cast<size_t>(kFromNode) * num_ranks;
@@ -1110,18 +1122,24 @@ void StepPlanner::Impl::AssignSpreadWholeRows(int expert, const QuotaSplit& spli
     }
     room[i] = open;
   }
-  // Same node, in source order.
+  // Same node, in source order. A node's sources before its cursor have nothing left (copies
+  // before on that node took it), so each copy starts there, where the last one stopped.
   const int per_node = topology_.gpus_per_node();
+  int* cursor = node_cursor_.data();
+  std::fill(cursor, cursor + node_cursor_.size(), -1);
   for (int i = 0; i < count; ++i) {
     if (room[i] <= 0) continue;
     select(i);
     const int first = node * per_node;
     const int last = std::min(first + per_node, num_ranks);
     near = 0;
-    for (int s = first; s < last && open > 0; ++s) {
+    int s = cursor[node] < 0 ? first : cursor[node];
+    for (; s < last; ++s) {
       const double tokens = std::min(remaining[s], open);
       if (tokens > 0) give_near(s, tokens);
+      if (open <= 0) break;  // s may have tokens left
     }
+    cursor[node] = s;
     from_node[rank] += sign * near;
     room[i] = open;
   }
@@ -1399,9 +1417,11 @@ void StepPlanner::Impl::KeepPatchedShares() {
   if (!record_shares_) return;
   const CopyShare* kept = best_.shares.begin();
   const CopyShare* fresh = moved_shares_.shares.begin();
+  // The shares are by expert: binary searches find each patched expert's run.
+  auto by_expert = [](const CopyShare& share, int expert) { return share.expert < expert; };
   for (int e : patched_) {
     const CopyShare* from = kept;
-    while (kept != best_.shares.end() && kept->expert < e) ++kept;
+    kept = std::lower_bound(kept, best_.shares.end(), e, by_expert);
     trial_.shares.Append(from, kept);
     while (kept != best_.shares.end() && kept->expert == e) ++kept;
     from = fresh;
