@@ -15,8 +15,8 @@ namespace keel {
 
 using DoubleQuad = double __attribute__((vector_size(32)));
 using BitsQuad = std::uint64_t __attribute__((vector_size(32)));
-using IntQuad = std::int32_t __attribute__((vector_size(16)));  // one SSE2 register
-using IntOct = std::int32_t __attribute__((vector_size(32)));   // one AVX register
+using IntQuad = std::int32_t __attribute__((vector_size(16)));   // one SSE2 register
+using UintOct = std::uint32_t __attribute__((vector_size(32)));  // one AVX register
 
 }  // namespace keel
 

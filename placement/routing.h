@@ -111,11 +111,12 @@ class StepPlanner {
               const QuotaPlanOptions& options, StepRouting& routing);
   // The same for whole token counts, `counts` in by_expert's layout: the routing that Plan gives
   // for the same values as doubles, bit for bit. A trainer has its routers' counts as integers,
-  // and this takes them as they are: with one source per rank, ranks a multiple of 8 and no
-  // all-to-all matrix (options.sent_tokens false, as the engine asks), a pass over 32-bit
-  // integers replaces the test for whole numbers, as long as the counts add up to less than 2^31
-  // (num_experts * num_sources times the largest count, rounded up to a power of two less one).
-  // Otherwise it plans the counts as doubles. A negative count is an error that names it.
+  // and this takes them as they are. With one source per rank, ranks a multiple of 8 and no
+  // all-to-all matrix (options.sent_tokens false, as the engine asks), one pass over the 32-bit
+  // counts replaces the test for whole numbers, as long as num_experts * num_sources times the
+  // OR of all counts (at least the largest count, below twice it) stays below 2^31: at 256
+  // experts and 64 ranks, counts below 2^17. Otherwise it plans the counts as doubles. A negative
+  // count is an error that names it.
   Status Plan(const Placement& placement, int num_sources, std::span<const std::int32_t> counts,
               const QuotaPlanOptions& options, StepRouting& routing);
 

@@ -625,8 +625,8 @@ class StepPlanner::Impl {
   // This step's. The traffic by expert: by_expert_, or counts_ (then on the fast path).
   const double* by_expert_ = nullptr;
   const std::int32_t* counts_ = nullptr;
-  std::vector<double> column_;           // scratch of Column
-  std::vector<std::int32_t> int_lanes_;  // scratch of ScanCounts
+  std::vector<double> column_;            // scratch of Column
+  std::vector<std::uint32_t> int_lanes_;  // scratch of ScanCounts
   std::vector<double> converted_;  // counts as doubles, where the fast path does not take them
   bool record_shares_ = false;
   int shares_of_rank_ = -1;  // options.shares_of_rank

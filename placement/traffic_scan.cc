@@ -157,14 +157,16 @@ KEEL_AVX512 EntryBits ScanByExpertAvx512(const double* by_expert, int num_expert
 }
 #endif
 
-// ScanCounts's sums in progress, in 32-bit lanes: each expert's sum over the sources so far
-// (eight lanes), and for the single-rank experts what each source sends to its node's, what each
-// rank's receive from their node (eight lanes) and what they receive from their own rank.
+// ScanCounts's sums in progress: each expert's sum over the sources so far (eight lanes), and for
+// the single-rank experts what each source sends to its node's, what each rank's receive from
+// their node (eight lanes) and what they receive from their own rank. Unsigned 32-bit lanes: a
+// sum past the range wraps, where a signed one would overflow (CountSumsExact then rules the sums
+// out).
 struct CountLanes {
-  std::int32_t* expert;     // [8 * num_experts]
-  std::int32_t* to_node;    // [num_sources]
-  std::int32_t* from_node;  // [8 * num_sources]
-  std::int32_t* kept;       // [num_sources]
+  std::uint32_t* expert;     // [8 * num_experts]
+  std::uint32_t* to_node;    // [num_sources]
+  std::uint32_t* from_node;  // [8 * num_sources]
+  std::uint32_t* kept;       // [num_sources]
 };
 
 // ScanCounts on the sources [block, block + 8 * kOcts) of every expert, in ascending order. The
@@ -175,20 +177,20 @@ struct CountLanes {
 template <int kOcts>
 KEEL_INLINE inline void CountBlock(const std::int32_t* counts, int num_experts, int num_sources,
                                    int block, const SingleExpert* experts, const CountLanes& lanes,
-                                   double* sent, IntOct& bits) {
+                                   double* sent, UintOct& bits) {
   constexpr int kWidth = 8 * kOcts;
-  IntOct sums[kOcts] = {};
-  auto load = [](const std::int32_t* from, IntOct& oct)
+  UintOct sums[kOcts] = {};
+  auto load = [](const void* from, UintOct& oct)
                   KEEL_INLINE { std::memcpy(&oct, from, sizeof oct); };
-  auto add_to = [&](std::int32_t* to, const IntOct& oct) KEEL_INLINE {
-    IntOct sum;
+  auto add_to = [&](std::uint32_t* to, const UintOct& oct) KEEL_INLINE {
+    UintOct sum;
     load(to, sum);
     sum += oct;
     std::memcpy(to, &sum, sizeof sum);
   };
   for (int e = 0; e < num_experts; ++e) {
     const std::int32_t* column = counts + static_cast<size_t>(e) * num_sources;
-    IntOct octs[kOcts];
+    UintOct octs[kOcts];
 #pragma GCC unroll 8
     for (int k = 0; k < kOcts; ++k) {
       load(column + block + 8 * k, octs[k]);
@@ -202,7 +204,7 @@ KEEL_INLINE inline void CountBlock(const std::int32_t* counts, int num_experts, 
       if (first % 8 == 0 && single.last - first == 8) {
         if (first >= block && first < block + kWidth) {
           // Read again (from L1): indexing `octs` here would keep it in memory.
-          IntOct part;
+          UintOct part;
           load(column + first, part);
           add_to(lanes.to_node + first, part);
           add_to(lanes.from_node + 8 * static_cast<size_t>(rank), part);
@@ -221,7 +223,7 @@ KEEL_INLINE inline void CountBlock(const std::int32_t* counts, int num_experts, 
 #pragma GCC unroll 8
       for (int k = 0; k + width < kOcts; k += 2 * width) octs[k] += octs[k + width];
     }
-    std::int32_t* lane = lanes.expert + 8 * static_cast<size_t>(e);
+    std::uint32_t* lane = lanes.expert + 8 * static_cast<size_t>(e);
     if (block > 0) {
       add_to(lane, octs[0]);
     } else {
@@ -237,9 +239,9 @@ KEEL_INLINE inline void CountBlock(const std::int32_t* counts, int num_experts, 
 // Writes the sum of each of lanes[8 * i, 8 * i + 8), i < count, to out[i] (added with kAdd),
 // eight at a time.
 template <bool kAdd>
-KEEL_INLINE inline void AddLaneSums(const std::int32_t* lanes, int count, double* out) {
+KEEL_INLINE inline void AddLaneSums(const std::uint32_t* lanes, int count, double* out) {
   // `sum`: adjacent lanes of a and b added, a's four sums, then b's.
-  auto pairs = [](const IntOct& a, const IntOct& b, IntOct& sum) KEEL_INLINE {
+  auto pairs = [](const UintOct& a, const UintOct& b, UintOct& sum) KEEL_INLINE {
     sum = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
           __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
   };
@@ -249,7 +251,7 @@ KEEL_INLINE inline void AddLaneSums(const std::int32_t* lanes, int count, double
   int i = 0;
   for (; i + 8 <= count; i += 8) {
     // Three rounds of pairs leave eight sums.
-    IntOct lane[8], half[4], quarter[2], sums;
+    UintOct lane[8], half[4], quarter[2], sums;
     std::memcpy(lane, lanes + 8 * static_cast<size_t>(i), sizeof lane);
     for (int k = 0; k < 4; ++k) pairs(lane[2 * k], lane[2 * k + 1], half[k]);
     for (int k = 0; k < 2; ++k) pairs(half[2 * k], half[2 * k + 1], quarter[k]);
@@ -308,14 +310,14 @@ namespace {
 template <int kOcts>
 KEEL_INLINE inline std::uint32_t ScanCountsBody(const std::int32_t* counts, int num_experts,
                                                 int num_sources, const SingleExpert* experts,
-                                                std::int32_t* scratch, const CountSums& sums) {
+                                                std::uint32_t* scratch, const CountSums& sums) {
   const size_t num_ranks = static_cast<size_t>(num_sources);
   const CountLanes lanes{.expert = scratch,
                          .to_node = scratch + 8 * static_cast<size_t>(num_experts),
                          .from_node = scratch + 8 * static_cast<size_t>(num_experts) + num_ranks,
                          .kept = scratch + 8 * static_cast<size_t>(num_experts) + 9 * num_ranks};
   std::fill(lanes.to_node, lanes.to_node + 10 * num_ranks, 0);
-  IntOct bits = {};
+  UintOct bits = {};
   int block = 0;
   for (; block + 8 * kOcts <= num_sources; block += 8 * kOcts) {
     CountBlock<kOcts>(counts, num_experts, num_sources, block, experts, lanes, sums.sent, bits);
@@ -337,7 +339,7 @@ KEEL_INLINE inline std::uint32_t ScanCountsBody(const std::int32_t* counts, int 
 // Four vectors of sources at a time: the AVX2 clone has 16 vector registers.
 KEEL_AVX2_CLONES std::uint32_t ScanCountsPortable(const std::int32_t* counts, int num_experts,
                                                   int num_sources, const SingleExpert* experts,
-                                                  std::int32_t* scratch, const CountSums& sums) {
+                                                  std::uint32_t* scratch, const CountSums& sums) {
   return ScanCountsBody<4>(counts, num_experts, num_sources, experts, scratch, sums);
 }
 
@@ -346,7 +348,7 @@ KEEL_AVX2_CLONES std::uint32_t ScanCountsPortable(const std::int32_t* counts, in
 // wide, as in ScanByExpertAvx512).
 KEEL_AVX512 std::uint32_t ScanCountsAvx512(const std::int32_t* counts, int num_experts,
                                            int num_sources, const SingleExpert* experts,
-                                           std::int32_t* scratch, const CountSums& sums) {
+                                           std::uint32_t* scratch, const CountSums& sums) {
   return ScanCountsBody<8>(counts, num_experts, num_sources, experts, scratch, sums);
 }
 #endif
@@ -354,7 +356,7 @@ KEEL_AVX512 std::uint32_t ScanCountsAvx512(const std::int32_t* counts, int num_e
 }  // namespace
 
 std::uint32_t ScanCounts(const std::int32_t* counts, int num_experts, int num_sources,
-                         const SingleExpert* experts, std::int32_t* scratch, const CountSums& sums,
+                         const SingleExpert* experts, std::uint32_t* scratch, const CountSums& sums,
                          ScanPath path) {
 #if KEEL_HAVE_AVX512
   if (path != ScanPath::kPortable && CpuHasAvx512()) {

@@ -65,9 +65,10 @@ constexpr std::size_t ScanCountsScratch(int num_experts, int num_sources) {
 // e * num_sources + s: what source s sends to expert e), `num_sources` a multiple of 8. experts[e]
 // says where expert e's copies sit (each node a run of consecutive ranks). Writes `sums`;
 // `scratch` [ScanCountsScratch(...)]. Returns the OR of every entry: the sums are exact where
-// CountSumsExact(that OR, num_experts * num_sources) holds, as they go in 32-bit lanes.
+// CountSumsExact(that OR, num_experts * num_sources) holds, as they go in unsigned 32-bit lanes
+// (which wrap where it does not; the caller then drops them).
 std::uint32_t ScanCounts(const std::int32_t* counts, int num_experts, int num_sources,
-                         const SingleExpert* experts, std::int32_t* scratch, const CountSums& sums,
+                         const SingleExpert* experts, std::uint32_t* scratch, const CountSums& sums,
                          ScanPath path = ScanPath::kBest);
 
 // Whether ScanCounts's sums are exact: no entry is negative, and `num_entries` entries as large

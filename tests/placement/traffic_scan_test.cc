@@ -183,7 +183,7 @@ TEST(TrafficScanTest, CountsGiveTheExactSums) {
         std::vector<double> out_totals(num_experts, -7.0), out_sent(num_ranks, -7.0);
         std::vector<double> out_to_node(num_ranks, 3.0), out_from_node(num_ranks, 3.0),
             out_kept(num_ranks, 3.0);
-        std::vector<std::int32_t> scratch(ScanCountsScratch(num_experts, num_ranks), -7);
+        std::vector<std::uint32_t> scratch(ScanCountsScratch(num_experts, num_ranks), 7);
         const CountSums sums{out_totals.data(), out_sent.data(), out_to_node.data(),
                              out_from_node.data(), out_kept.data()};
         EXPECT_EQ(ScanCounts(counts.data(), num_experts, num_ranks, experts.data(), scratch.data(),
