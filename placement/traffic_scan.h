@@ -1,5 +1,6 @@
 // The per-step planner's one pass over the traffic (internal to placement/: its caller is
-// step_planner.cc), in a portable version and one for CPUs with AVX-512.
+// step_planner.cc), over doubles (ScanByExpert) or 32-bit counts (ScanCounts), each in a
+// portable version and one for CPUs with AVX-512.
 #pragma once
 
 #include <cstddef>
