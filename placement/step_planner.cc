@@ -358,12 +358,16 @@ Status TrafficValues(const StepLoad& load) {
                      [](size_t i) { return "load.traffic[" + std::to_string(i) + "]"; });
 }
 
+// Entry i of traffic by expert named `name` (by_expert or counts), with its expert and source.
+std::string ByExpertEntry(const char* name, size_t i, int num_sources) {
+  const size_t sources = static_cast<size_t>(num_sources);
+  return std::string(name) + "[" + std::to_string(i) + "] (expert " + std::to_string(i / sources) +
+         ", source " + std::to_string(i % sources) + ")";
+}
+
 Status ByExpertValues(std::span<const double> by_expert, int num_sources) {
-  return EntryValues(by_expert, [&](size_t i) {
-    const size_t sources = static_cast<size_t>(num_sources);
-    return "by_expert[" + std::to_string(i) + "] (expert " + std::to_string(i / sources) +
-           ", source " + std::to_string(i % sources) + ")";
-  });
+  return EntryValues(by_expert,
+                     [&](size_t i) { return ByExpertEntry("by_expert", i, num_sources); });
 }
 
 Status ValidateTopologyAndOptions(const Placement& placement, const Topology& topology,
@@ -517,6 +521,9 @@ class StepPlanner::Impl {
   // take them there or some count is negative (the caller then names it, or plans the counts as
   // doubles).
   bool ScanCounts(const QuotaPlanOptions& options);
+  // rounded_ and scale_ for whole totals below 2^52 (whole_); false when some total is beyond
+  // kMaxTokens.
+  bool RoundWholeTotals();
   // What follows the scan: the quotas, the transients and the routing.
   Status Route(const Placement& placement, const QuotaPlanOptions& options, StepRouting& routing);
   // Source s's tokens of `expert`, from by_expert_ or counts_.
@@ -792,18 +799,13 @@ bool StepPlanner::Impl::Scan() {
                  [](int) { return true; });
     }
   }
+  if (whole_) {
+    const bool totals_in_range = RoundWholeTotals();
+    return non_negative && totals_in_range;
+  }
   bool in_range = non_negative;
   rounded_.resize(num_experts);
   scale_.resize(num_experts);
-  if (whole_) {
-    // Whole totals below 2^52: llround is the conversion, and totals / rounded is 1.
-    for (int e = 0; e < num_experts; ++e) {
-      in_range &= totals_[e] <= kMaxTokens;
-      rounded_[e] = static_cast<long long>(totals_[e]);
-      scale_[e] = rounded_[e] > 0 ? 1.0 : 0.0;
-    }
-    return in_range;
-  }
   for (int e = 0; e < num_experts; ++e) {
     in_range &= totals_[e] <= kMaxTokens;
     rounded_[e] = std::isfinite(totals_[e]) ? std::llround(totals_[e]) : 0;
@@ -849,13 +851,22 @@ bool StepPlanner::Impl::ScanCounts(const QuotaPlanOptions& options) {
   }
   whole_ = true;
   fast_ = true;
+  RoundWholeTotals();  // below 2^31, so within kMaxTokens
+  return true;
+}
+
+bool StepPlanner::Impl::RoundWholeTotals() {
+  const int num_experts = num_experts_;
   rounded_.resize(num_experts);
   scale_.resize(num_experts);
+  bool in_range = true;
+  // Whole totals below 2^52: the cast is the rounding, and totals / rounded is 1.
   for (int e = 0; e < num_experts; ++e) {
+    in_range &= totals_[e] <= kMaxTokens;
     rounded_[e] = static_cast<long long>(totals_[e]);
     scale_[e] = rounded_[e] > 0 ? 1.0 : 0.0;
   }
-  return true;
+  return in_range;
 }
 
 void StepPlanner::Impl::AddSingleLinks(int expert, int rank, double sign, double* links) {
@@ -1546,10 +1557,8 @@ Status StepPlanner::Impl::PlanCounts(const Placement& placement, int num_sources
   if (ScanCounts(options)) return Route(placement, options, routing);
   for (size_t i = 0; i < counts.size(); ++i) {
     if (counts[i] < 0) {
-      const size_t sources = static_cast<size_t>(num_sources);
-      return InvalidArgument(
-          "counts[" + std::to_string(i) + "] (expert " + std::to_string(i / sources) + ", source " +
-          std::to_string(i % sources) + ") = " + std::to_string(counts[i]) + " is negative");
+      return InvalidArgument(ByExpertEntry("counts", i, num_sources) + " = " +
+                             std::to_string(counts[i]) + " is negative");
     }
   }
   // The same counts as doubles: Plan gives the same routing for them, only slower.
