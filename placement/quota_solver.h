@@ -9,6 +9,7 @@
 
 #include "placement/placement.h"
 #include "placement/routing.h"
+#include "placement/topology.h"
 
 namespace keel {
 
@@ -206,5 +207,16 @@ class QuotaSolver {
   bool bottleneck_found_ = false;  // whether bottleneck_experts_ is the last solve's
   std::vector<std::pair<long long, int>> pour_ranks_;
 };
+
+// The per-step planner's next transient replica to try (step_planner.cc), after `solver` solved
+// for the placement and the transients so far with `tokens`: of the bottleneck experts that some
+// rank can take, the one with the most tokens per copy (ties: the lowest id), on the
+// least-loaded rank (the solver's loads; ties: the lowest) that has a free transient slot
+// (transients_on_rank[g] < transient_per_rank) and holds no copy of it, fed from its first
+// holder in slot order on that rank's node, else from its home. False when there is none.
+// `holds`: scratch.
+bool NextTransient(const Placement& placement, const Topology& topology, QuotaSolver& solver,
+                   std::span<const long long> tokens, std::span<const int> transients_on_rank,
+                   int transient_per_rank, std::vector<char>& holds, TransientReplica& next);
 
 }  // namespace keel

@@ -394,13 +394,21 @@ Status ValidateTopologyAndOptions(const Placement& placement, const Topology& to
   return Status::Ok();
 }
 
-// The next transient replica to try: the hottest expert per copy among those that pin the max
-// rank load, on the least-loaded rank that has a free transient slot and no copy of it, fed from
-// a holder on that rank's node, else from the home. False when there is none.
+}  // namespace
+
 bool NextTransient(const Placement& placement, const Topology& topology, QuotaSolver& solver,
-                   std::span<const long long> tokens, const std::vector<int>& transients_on_rank,
+                   std::span<const long long> tokens, std::span<const int> transients_on_rank,
                    int transient_per_rank, std::vector<char>& holds, TransientReplica& next) {
   const auto rank_load = solver.rank_load();
+  const int num_ranks = placement.num_ranks();
+  // The least-loaded rank with a free transient slot (ties: the lowest): the target of every
+  // expert that holds no copy there.
+  int coolest = -1;
+  for (int g = 0; g < num_ranks; ++g) {
+    if (transients_on_rank[g] >= transient_per_rank) continue;
+    if (coolest < 0 || rank_load[g] < rank_load[coolest]) coolest = g;
+  }
+  if (coolest < 0) return false;
   bool found = false;
   long long best_tokens = 0;
   long long best_copies = 1;
@@ -409,14 +417,23 @@ bool NextTransient(const Placement& placement, const Topology& topology, QuotaSo
     // tokens[e] / copies > best_tokens / best_copies, in integers.
     if (found && tokens[e] * best_copies <= best_tokens * copies) continue;
     // The solver's copies are the placement's plus the transients so far.
-    holds.assign(placement.num_ranks(), 0);
-    for (int c = solver.copy_begin(e); c < solver.copy_end(e); ++c) holds[solver.copy_rank(c)] = 1;
-    int target = -1;
-    for (int g = 0; g < placement.num_ranks(); ++g) {
-      if (transients_on_rank[g] >= transient_per_rank || holds[g]) continue;
-      if (target < 0 || rank_load[g] < rank_load[target]) target = g;
+    bool holds_coolest = false;
+    for (int c = solver.copy_begin(e); c < solver.copy_end(e); ++c) {
+      holds_coolest |= solver.copy_rank(c) == coolest;
     }
-    if (target < 0) continue;
+    int target = coolest;
+    if (holds_coolest) {
+      holds.assign(num_ranks, 0);
+      for (int c = solver.copy_begin(e); c < solver.copy_end(e); ++c) {
+        holds[solver.copy_rank(c)] = 1;
+      }
+      target = -1;
+      for (int g = 0; g < num_ranks; ++g) {
+        if (transients_on_rank[g] >= transient_per_rank || holds[g]) continue;
+        if (target < 0 || rank_load[g] < rank_load[target]) target = g;
+      }
+      if (target < 0) continue;
+    }
     int source = placement.home(e);
     for (int slot : placement.copies(e)) {
       const int holder = placement.rank_of_slot(slot);
@@ -432,6 +449,8 @@ bool NextTransient(const Placement& placement, const Topology& topology, QuotaSo
   }
   return found;
 }
+
+namespace {
 
 // Shares as a draft writes them: room is made once per expert, and an append is then a store (in
 // the loops here std::vector::push_back stays a call). The buffer only grows; the entries past
@@ -521,8 +540,7 @@ class StepPlanner::Impl {
   // take them there or some count is negative (the caller then names it, or plans the counts as
   // doubles).
   bool ScanCounts(const QuotaPlanOptions& options);
-  // rounded_ and scale_ for whole totals below 2^52 (whole_); false when some total is beyond
-  // kMaxTokens.
+  // rounded_ for whole totals below 2^52 (whole_); false when some total is beyond kMaxTokens.
   bool RoundWholeTotals();
   // What follows the scan: the quotas, the transients and the routing.
   Status Route(const Placement& placement, const QuotaPlanOptions& options, StepRouting& routing);
@@ -531,6 +549,9 @@ class StepPlanner::Impl {
     const size_t at = static_cast<size_t>(expert) * num_sources_ + source;
     return by_expert_ != nullptr ? by_expert_[at] : static_cast<double>(counts_[at]);
   }
+  // What a quota of `expert` is multiplied by to give tokens: 1 for whole totals, which are their
+  // rounded ones (an expert rounded to 0 has no quota above 0).
+  double Scale(int expert) const { return whole_ ? 1.0 : scale_[expert]; }
   // `expert`'s sources' tokens: in by_expert_, or counts_ made doubles in column_ (valid until
   // the next call).
   const double* Column(int expert);
@@ -652,8 +673,9 @@ class StepPlanner::Impl {
   double sync_seconds_ = -1;
   std::vector<double> totals_;
   std::vector<long long> rounded_;
-  // [num_experts] totals_ / rounded_ (0 when rounded to 0): quotas count rounded tokens, and
-  // this scales them to the expert's exact total. Computed once, as every Assign needs it.
+  // [num_experts] totals_ / rounded_ (0 when rounded to 0), where not whole_: quotas count rounded
+  // tokens, and this scales them to the expert's exact total. Computed once, as every Assign
+  // needs it. Whole totals need no scale (Scale).
   std::vector<double> scale_;
   // [num_ranks * num_ranks] received from single-rank experts, off the fast path.
   std::vector<double> scanned_;
@@ -830,6 +852,7 @@ bool StepPlanner::Impl::ScanCounts(const QuotaPlanOptions& options) {
   const int num_ranks = num_ranks_;
   totals_.resize(num_experts);
   sent_.resize(num_ranks);
+  rounded_.resize(num_experts);
   int_lanes_.resize(ScanCountsScratch(num_experts, num_sources_));
   single_links_.assign(static_cast<size_t>(kLinkSums) * num_ranks, 0.0);
   double* links = single_links_.data();
@@ -837,7 +860,8 @@ bool StepPlanner::Impl::ScanCounts(const QuotaPlanOptions& options) {
                        .sent = sent_.data(),
                        .to_node = links + static_cast<size_t>(kToNode) * num_ranks,
                        .from_node = links + static_cast<size_t>(kFromNode) * num_ranks,
-                       .kept = links + static_cast<size_t>(kKept) * num_ranks};
+                       .kept = links + static_cast<size_t>(kKept) * num_ranks,
+                       .whole_totals = rounded_.data()};
   const std::uint32_t bits = keel::ScanCounts(counts_, num_experts, num_sources_, experts_.data(),
                                               int_lanes_.data(), sums);
   if (!CountSumsExact(bits, static_cast<size_t>(num_experts) * num_sources_)) return false;
@@ -851,20 +875,17 @@ bool StepPlanner::Impl::ScanCounts(const QuotaPlanOptions& options) {
   }
   whole_ = true;
   fast_ = true;
-  RoundWholeTotals();  // below 2^31, so within kMaxTokens
-  return true;
+  return true;  // the totals are below 2^31, so within kMaxTokens
 }
 
 bool StepPlanner::Impl::RoundWholeTotals() {
   const int num_experts = num_experts_;
   rounded_.resize(num_experts);
-  scale_.resize(num_experts);
   bool in_range = true;
-  // Whole totals below 2^52: the cast is the rounding, and totals / rounded is 1.
+  // Whole totals below 2^52: the cast is the rounding.
   for (int e = 0; e < num_experts; ++e) {
     in_range &= totals_[e] <= kMaxTokens;
     rounded_[e] = static_cast<long long>(totals_[e]);
-    scale_[e] = rounded_[e] > 0 ? 1.0 : 0.0;
   }
   return in_range;
 }
@@ -884,7 +905,7 @@ void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double
   const QuotaSolver& solver = solver_;
   const int begin = solver.copy_begin(expert);
   const int count = CopyEnd(expert) - begin;
-  const double scale = scale_[expert];
+  const double scale = Scale(expert);
   room_.resize(count);
   for (int i = 0; i < count; ++i) {
     const int id = solver.copy_id(begin + i);
@@ -1320,7 +1341,7 @@ void StepPlanner::Impl::AddExpert(int expert, const QuotaSplit& split, double si
   const int end = CopyEnd(expert);
   const int rank = solver_.copy_rank(begin);
   const double total = totals_[expert];
-  const double scale = scale_[expert];
+  const double scale = Scale(expert);
   draft.rank_tokens[rank] += sign * total;
   if (record_shares_) room_.resize(end - begin);
   for (int c = begin; c < end; ++c) {

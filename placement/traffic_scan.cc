@@ -237,9 +237,10 @@ KEEL_INLINE inline void CountBlock(const std::int32_t* counts, int num_experts, 
 }
 
 // Writes the sum of each of lanes[8 * i, 8 * i + 8), i < count, to out[i] (added with kAdd),
-// eight at a time.
+// eight at a time, and to whole[i] as it is, when `whole` is given.
 template <bool kAdd>
-KEEL_INLINE inline void AddLaneSums(const std::uint32_t* lanes, int count, double* out) {
+KEEL_INLINE inline void AddLaneSums(const std::uint32_t* lanes, int count, double* out,
+                                    long long* whole = nullptr) {
   // `sum`: adjacent lanes of a and b added, a's four sums, then b's.
   auto pairs = [](const UintOct& a, const UintOct& b, UintOct& sum) KEEL_INLINE {
     sum = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
@@ -247,6 +248,7 @@ KEEL_INLINE inline void AddLaneSums(const std::uint32_t* lanes, int count, doubl
   };
   auto put = [&](int i, std::int64_t sum) KEEL_INLINE {
     out[i] = kAdd ? out[i] + static_cast<double>(sum) : static_cast<double>(sum);
+    if (whole != nullptr) whole[i] = sum;
   };
   int i = 0;
   for (; i + 8 <= count; i += 8) {
@@ -325,7 +327,7 @@ KEEL_INLINE inline std::uint32_t ScanCountsBody(const std::int32_t* counts, int 
   for (; block < num_sources; block += 8) {
     CountBlock<1>(counts, num_experts, num_sources, block, experts, lanes, sums.sent, bits);
   }
-  AddLaneSums<false>(lanes.expert, num_experts, sums.totals);
+  AddLaneSums<false>(lanes.expert, num_experts, sums.totals, sums.whole_totals);
   AddLaneSums<true>(lanes.from_node, num_sources, sums.from_node);
   for (int s = 0; s < num_sources; ++s) {
     sums.to_node[s] += lanes.to_node[s];

@@ -55,6 +55,8 @@ struct CountSums {
   double* to_node = nullptr;
   double* from_node = nullptr;
   double* kept = nullptr;
+  // [num_experts] set when given: `totals` as integers, for a caller that needs both.
+  long long* whole_totals = nullptr;
 };
 
 // The 32-bit scratch that ScanCounts needs.

@@ -352,6 +352,105 @@ TEST(QuotaSolverTest, BottleneckExpertsPinTheMaxLoad) {
   EXPECT_GT(pinned, 200);  // the cases exercise the bound, not only empty lists
 }
 
+// NextTransient against the rule it states, found by brute force: of the bottleneck experts that
+// some rank can take, the most tokens per copy (ties: the lowest id), on the least-loaded rank
+// (ties: the lowest) with a free transient slot and no copy of it, fed from its first holder on
+// that rank's node, else its home. Few ranks have a free slot, so that the least-loaded of them
+// often holds the expert.
+TEST(QuotaSolverTest, NextTransientFollowsItsRule) {
+  std::mt19937 rng(37);
+  int found = 0;
+  int coolest_held = 0;  // the least-loaded free rank held the chosen expert
+  for (int trial = 0; trial < 600; ++trial) {
+    const int per_node = 2 + static_cast<int>(rng() % 3);
+    const int num_nodes = 1 + static_cast<int>(rng() % 3);
+    const int num_ranks = num_nodes * per_node;
+    const Topology topology = MakeTopology(num_nodes, per_node);
+    const int slots_per_rank = 2;
+    const int num_experts = 2 + static_cast<int>(rng() % (num_ranks * slots_per_rank - 1));
+    std::vector<int> phy2log(num_ranks * slots_per_rank);
+    for (size_t s = 0; s < phy2log.size(); ++s) {
+      phy2log[s] = s < static_cast<size_t>(num_experts) ? static_cast<int>(s)
+                                                        : static_cast<int>(rng() % num_experts);
+    }
+    std::shuffle(phy2log.begin(), phy2log.end(), rng);
+    const Placement p = MakePlacement(num_experts, num_ranks, phy2log);
+    std::vector<long long> tokens(num_experts);
+    for (auto& t : tokens) t = rng() % 5 == 0 ? 0 : static_cast<long long>(rng() % 40);
+
+    std::vector<TransientReplica> extras;
+    QuotaSolver solver;
+    QuotaSplit split;
+    solver.Solve(p, tokens, extras, split);
+    std::vector<char> scratch;
+    for (int round = 0; round < 3; ++round) {
+      const int transient_per_rank = 1 + static_cast<int>(rng() % 2);
+      std::vector<int> on_rank(num_ranks);
+      for (int& n : on_rank) n = rng() % 3 == 0 ? 0 : transient_per_rank;
+      const std::span<const long long> load = solver.rank_load();
+      auto free = [&](int g) { return on_rank[g] < transient_per_rank; };
+      auto holds = [&](int e, int g) {
+        for (int c = solver.copy_begin(e); c < solver.copy_end(e); ++c) {
+          if (solver.copy_rank(c) == g) return true;
+        }
+        return false;
+      };
+      bool expect_found = false;
+      TransientReplica expected;
+      long long best_tokens = 0;
+      long long best_copies = 1;
+      for (int e : solver.bottleneck_experts()) {
+        int target = -1;
+        for (int g = 0; g < num_ranks; ++g) {
+          if (!free(g) || holds(e, g)) continue;
+          if (target < 0 || load[g] < load[target] || (load[g] == load[target] && g < target)) {
+            target = g;
+          }
+        }
+        if (target < 0) continue;
+        const long long copies = solver.copy_end(e) - solver.copy_begin(e);
+        const bool hotter = tokens[e] * best_copies > best_tokens * copies;
+        if (expect_found &&
+            !(hotter || (tokens[e] * best_copies == best_tokens * copies && e < expected.expert))) {
+          continue;
+        }
+        int source = p.home(e);
+        for (int slot : p.copies(e)) {
+          if (topology.same_node(p.rank_of_slot(slot), target)) {
+            source = p.rank_of_slot(slot);
+            break;
+          }
+        }
+        expected = {e, target, source};
+        best_tokens = tokens[e];
+        best_copies = copies;
+        expect_found = true;
+      }
+      TransientReplica next{-1, -1, -1};
+      const std::string where =
+          "trial " + std::to_string(trial) + " round " + std::to_string(round);
+      ASSERT_EQ(
+          NextTransient(p, topology, solver, tokens, on_rank, transient_per_rank, scratch, next),
+          expect_found)
+          << where;
+      if (!expect_found) break;
+      ++found;
+      EXPECT_EQ(next.expert, expected.expert) << where;
+      EXPECT_EQ(next.rank, expected.rank) << where;
+      EXPECT_EQ(next.source_rank, expected.source_rank) << where;
+      int coolest = -1;
+      for (int g = 0; g < num_ranks; ++g) {
+        if (free(g) && (coolest < 0 || load[g] < load[coolest])) coolest = g;
+      }
+      if (holds(expected.expert, coolest)) ++coolest_held;
+      extras.push_back(next);
+      solver.AddCopy(p, extras, split);
+    }
+  }
+  EXPECT_GT(found, 400);
+  EXPECT_GT(coolest_held, 10);
+}
+
 // A solver that last resolved another placement adds a copy to that one: its flows, not the
 // quotas of its last solve, are where AddCopy starts.
 TEST(QuotaSolverTest, AddCopyAfterResolve) {

@@ -183,14 +183,16 @@ TEST(TrafficScanTest, CountsGiveTheExactSums) {
         std::vector<double> out_totals(num_experts, -7.0), out_sent(num_ranks, -7.0);
         std::vector<double> out_to_node(num_ranks, 3.0), out_from_node(num_ranks, 3.0),
             out_kept(num_ranks, 3.0);
+        std::vector<long long> out_whole(num_experts, -7);
         std::vector<std::uint32_t> scratch(ScanCountsScratch(num_experts, num_ranks), 7);
-        const CountSums sums{out_totals.data(), out_sent.data(), out_to_node.data(),
-                             out_from_node.data(), out_kept.data()};
+        const CountSums sums{out_totals.data(),    out_sent.data(), out_to_node.data(),
+                             out_from_node.data(), out_kept.data(), out_whole.data()};
         EXPECT_EQ(ScanCounts(counts.data(), num_experts, num_ranks, experts.data(), scratch.data(),
                              sums, path),
                   bits);
         for (int e = 0; e < num_experts; ++e) {
           EXPECT_EQ(out_totals[e], static_cast<double>(totals[e])) << "expert " << e;
+          EXPECT_EQ(out_whole[e], totals[e]) << "expert " << e;
         }
         for (int r = 0; r < num_ranks; ++r) {
           EXPECT_EQ(out_sent[r], static_cast<double>(sent[r])) << "rank " << r;
