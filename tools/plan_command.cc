@@ -64,6 +64,16 @@ Result<int> PositiveIntField(const Json& input, const char* name) {
 
 Result<PlanInput> ParsePlanInput(const Json& input) {
   if (!input.is_object()) return InvalidArgument("input must be a JSON object");
+  // The names of DeepSeek's rebalance_experts; anything else is a typo or a misunderstanding, as
+  // an unknown config key is.
+  constexpr std::string_view kFields[] = {"weight", "num_replicas", "num_groups", "num_nodes",
+                                          "num_gpus"};
+  for (const auto& [key, value] : input.items()) {
+    if (std::find(std::begin(kFields), std::end(kFields), key) == std::end(kFields)) {
+      return InvalidArgument("unknown field '" + key +
+                             "' (known: weight, num_replicas, num_groups, num_nodes, num_gpus)");
+    }
+  }
   PlanInput plan;
   if (!input.contains("weight")) return InvalidArgument("missing field 'weight'");
   const Json& weight = input.at("weight");

@@ -274,9 +274,9 @@ int RunReplay(int argc, char** argv) {
   flags.Add("trace", "PATH", &trace_path,
             "routing trace to replay; 'synthetic' generates one (see --seed)");
   flags.AddBool("synthetic", &synthetic, "replay a synthetic trace (same as --trace synthetic)");
-  flags.Add("seed", "N", &seed, "seed of the synthetic trace");
+  flags.Add("seed", "N", &seed, "seed of the synthetic trace (only with --trace synthetic)");
   flags.Add("format", "NAME", &format_name,
-            "trace format: auto, keel, smartmoe, esft, olmoe or megatron");
+            "format of the trace file: auto, keel, smartmoe, esft, olmoe or megatron");
   flags.Add("config", "FILE", &config_path,
             "Keel config (YAML); without it the topology follows the trace: one GPU per traced "
             "source rank, a spare slot per GPU");
@@ -314,6 +314,19 @@ int RunReplay(int argc, char** argv) {
   if (!synthetic && trace_path.empty()) {
     return Fail(InvalidArgument("missing required flag --trace PATH (or --trace synthetic)"));
   }
+  // A synthetic trace is generated, not read: a format names how to read a file, and a seed
+  // which trace to generate.
+  if (synthetic && flags.IsSet("format")) {
+    return Fail(InvalidArgument("--format " + format_name +
+                                " names how to read a trace file; a synthetic trace is generated "
+                                "(leave --format out, or give --trace PATH)"));
+  }
+  if (!synthetic && flags.IsSet("seed")) {
+    return Fail(InvalidArgument("--seed picks a synthetic trace, but --trace " + trace_path +
+                                " is a file (use --trace synthetic, or leave --seed out)"));
+  }
+  const Result<TraceFormat> format = ParseTraceFormat(format_name);
+  if (!format.ok()) return Fail(format.status().WithContext("--format"));
   if (threads < 0)
     return Fail(InvalidArgument("--threads must be >= 0, got " + std::to_string(threads)));
   const bool serve = flags.IsSet("serve-metrics");
@@ -344,11 +357,17 @@ int RunReplay(int argc, char** argv) {
   options.max_threads = threads;
   options.heatmap_layer = heatmap_layer;
   if (options.policies.empty()) return Fail(InvalidArgument("--policy lists no policy"));
-  // Names are checked before the trace is read, which can take seconds.
+  // Names and the config are checked before the trace is read, which can take seconds.
   for (const std::string& name : options.policies) {
     if (Status status = CheckPolicyName(name); !status.ok()) {
       return Fail(status.WithContext("--policy"));
     }
+  }
+  KeelConfig config;
+  if (!config_path.empty()) {
+    Result<KeelConfig> loaded = LoadConfigFile(config_path);
+    if (!loaded.ok()) return Fail(loaded.status());
+    config = *loaded;
   }
 
   Result<Trace> trace = [&]() -> Result<Trace> {
@@ -357,17 +376,11 @@ int RunReplay(int argc, char** argv) {
       synthetic_options.seed = seed;
       return GenerateSyntheticTrace(synthetic_options);
     }
-    KEEL_ASSIGN_OR_RETURN(TraceFormat format, ParseTraceFormat(format_name));
-    return ReadTrace(trace_path, format);
+    return ReadTrace(trace_path, *format);
   }();
   if (!trace.ok()) return Fail(trace.status());
 
-  KeelConfig config;
-  if (!config_path.empty()) {
-    Result<KeelConfig> loaded = LoadConfigFile(config_path);
-    if (!loaded.ok()) return Fail(loaded.status());
-    config = *loaded;
-  } else {
+  if (config_path.empty()) {
     config = ConfigFittingTrace(*trace);
     if (!quiet) {
       std::fprintf(stderr,

@@ -104,6 +104,8 @@ expect_error "non-numeric weight" "weight[0][1] is not a number" \
 expect_error "non-numeric count" "field 'num_replicas' must be an integer" \
   "{\"weight\": [[1, 2, 3, 4]], \"num_replicas\": \"eight\", $ok}"
 expect_error "not JSON" "is not valid JSON" "{\"weight\": [["
+expect_error "unknown field" "unknown field 'num_gpu' (known: weight, num_replicas" \
+  "{\"weight\": [[1, 2, 3, 4]], \"num_replicas\": 8, \"num_gpu\": 4, $ok}"
 
 # Usage errors exit 2 as well.
 got=0

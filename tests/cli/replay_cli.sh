@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end test of `keel replay`: a synthetic trace under every policy writes a JSON report and
-# an SVG plot; a bad policy name or a missing trace is a usage error (exit 2).
+# an SVG plot; a bad policy name, a missing trace, a format or seed that does not fit the trace,
+# or a bad config (reported before the trace is read) is a usage error (exit 2).
 # $1: path of the keel binary.
 set -euo pipefail
 
@@ -56,5 +57,24 @@ got=0
 got=0
 "$keel" replay --trace synthetic --frobnicate >/dev/null 2>"$work/err" || got=$?
 [[ "$got" == 2 ]] && grep -q "unknown flag --frobnicate" "$work/err" || fail "unknown flag: $got"
+got=0
+"$keel" replay --trace synthetic --format csv >/dev/null 2>"$work/err" || got=$?
+[[ "$got" == 2 ]] && grep -q -- "--format csv names how to read a trace file" "$work/err" ||
+  fail "--format with a synthetic trace: exit $got: $(cat "$work/err")"
+got=0
+"$keel" replay --trace "$work/report.json" --seed 4 >/dev/null 2>"$work/err" || got=$?
+[[ "$got" == 2 ]] && grep -q -- "--seed picks a synthetic trace" "$work/err" ||
+  fail "--seed with a trace file: exit $got: $(cat "$work/err")"
+got=0
+"$keel" replay --trace "$work/report.json" --format csv >/dev/null 2>"$work/err" || got=$?
+[[ "$got" == 2 ]] && grep -q -- "--format: unknown trace format 'csv'" "$work/err" ||
+  fail "unknown --format: exit $got: $(cat "$work/err")"
+# A bad config is reported before the trace is read: the trace here does not exist.
+printf 'topology:\n  num_nodes: 0\n' >"$work/bad.yaml"
+got=0
+"$keel" replay --trace "$work/missing.jsonl" --config "$work/bad.yaml" >/dev/null 2>"$work/err" ||
+  got=$?
+[[ "$got" == 2 ]] && grep -q "topology.num_nodes" "$work/err" ||
+  fail "bad config with a missing trace: exit $got: $(cat "$work/err")"
 "$keel" replay --help | grep -q "keel config --markdown" || fail "help lacks the config pointer"
 echo "replay_cli: ok"
