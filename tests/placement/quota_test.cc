@@ -239,6 +239,24 @@ void ExpectEvenOnEachRank(const Placement& p, const std::vector<TransientReplica
   }
 }
 
+// Every expert once, the other slots random copies, all shuffled over num_ranks x slots_per_rank
+// slots; up to 39 tokens per expert, a fifth of the experts none.
+struct SolverCase {
+  Placement placement;
+  std::vector<long long> tokens;
+};
+SolverCase RandomSolverCase(std::mt19937& rng, int num_ranks, int slots_per_rank, int num_experts) {
+  std::vector<int> phy2log(num_ranks * slots_per_rank);
+  for (size_t s = 0; s < phy2log.size(); ++s) {
+    phy2log[s] = s < static_cast<size_t>(num_experts) ? static_cast<int>(s)
+                                                      : static_cast<int>(rng() % num_experts);
+  }
+  std::shuffle(phy2log.begin(), phy2log.end(), rng);
+  std::vector<long long> tokens(num_experts);
+  for (auto& t : tokens) t = rng() % 5 == 0 ? 0 : static_cast<long long>(rng() % 40);
+  return {MakePlacement(num_experts, num_ranks, std::move(phy2log)), std::move(tokens)};
+}
+
 // The solver's bottleneck experts, after a solve, after each copy added (mostly to one of them,
 // as the per-step planner adds transients), and after a fresh solve with the same copies. B must
 // be ascending with tokens, and pin the max load T:
@@ -257,15 +275,9 @@ TEST(QuotaSolverTest, BottleneckExpertsPinTheMaxLoad) {
     const int slots_per_rank = large ? 4 : 2;
     const int num_experts = large ? num_ranks * 3 + static_cast<int>(rng() % num_ranks)
                                   : 2 + static_cast<int>(rng() % (num_ranks * slots_per_rank - 1));
-    std::vector<int> phy2log(num_ranks * slots_per_rank, kEmptySlot);
-    for (size_t s = 0; s < phy2log.size(); ++s) {
-      phy2log[s] = s < static_cast<size_t>(num_experts) ? static_cast<int>(s)
-                                                        : static_cast<int>(rng() % num_experts);
-    }
-    std::shuffle(phy2log.begin(), phy2log.end(), rng);
-    const Placement p = MakePlacement(num_experts, num_ranks, phy2log);
-    std::vector<long long> tokens(num_experts);
-    for (auto& t : tokens) t = rng() % 5 == 0 ? 0 : static_cast<long long>(rng() % 40);
+    const SolverCase c = RandomSolverCase(rng, num_ranks, slots_per_rank, num_experts);
+    const Placement& p = c.placement;
+    const std::vector<long long>& tokens = c.tokens;
 
     std::vector<TransientReplica> extras;
     // Checks `solver` after its last call, which solved for `extras`.
@@ -368,15 +380,9 @@ TEST(QuotaSolverTest, NextTransientFollowsItsRule) {
     const Topology topology = MakeTopology(num_nodes, per_node);
     const int slots_per_rank = 2;
     const int num_experts = 2 + static_cast<int>(rng() % (num_ranks * slots_per_rank - 1));
-    std::vector<int> phy2log(num_ranks * slots_per_rank);
-    for (size_t s = 0; s < phy2log.size(); ++s) {
-      phy2log[s] = s < static_cast<size_t>(num_experts) ? static_cast<int>(s)
-                                                        : static_cast<int>(rng() % num_experts);
-    }
-    std::shuffle(phy2log.begin(), phy2log.end(), rng);
-    const Placement p = MakePlacement(num_experts, num_ranks, phy2log);
-    std::vector<long long> tokens(num_experts);
-    for (auto& t : tokens) t = rng() % 5 == 0 ? 0 : static_cast<long long>(rng() % 40);
+    const SolverCase c = RandomSolverCase(rng, num_ranks, slots_per_rank, num_experts);
+    const Placement& p = c.placement;
+    const std::vector<long long>& tokens = c.tokens;
 
     std::vector<TransientReplica> extras;
     QuotaSolver solver;
