@@ -1,10 +1,14 @@
 // Tests of the synthetic trace generator: determinism, shapes and totals, option validation,
-// and that the default skew makes the static placement visibly imbalanced.
+// that the default skew makes the static placement visibly imbalanced, and that drift and bursts
+// change expert popularity as docs/traces.md describes.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <span>
+#include <vector>
 
 #include "monitor/trace.h"
 
@@ -138,6 +142,132 @@ TEST(SyntheticTraceTest, DefaultSkewImbalancesStaticPlacement) {
     }
   }
   EXPECT_GT(sum / cells, 1.5);
+}
+
+// Options whose per-step counts measure the expected shares closely: one layer, 8 experts, one
+// stream of top-1 tokens (so an expert's expected share is exactly its weight over the sum), and
+// enough tokens that a share is known to about 0.001.
+SyntheticTraceOptions ShareOptions() {
+  SyntheticTraceOptions options;
+  options.num_steps = 30;
+  options.num_layers = 1;
+  options.num_experts = 8;
+  options.num_sources = 0;
+  options.tokens_per_source = 200000;
+  options.top_k = 1;
+  options.zipf_exponent = 1.0;
+  options.drift_swaps_per_step = 0.0;
+  options.burst_probability = 0.0;
+  return options;
+}
+
+std::vector<double> Shares(const Trace& trace, int step) {
+  std::vector<double> counts = trace.ExpertCounts(step, 0);
+  const double total = Sum(counts);
+  for (double& count : counts) count /= total;
+  return counts;
+}
+
+// Experts from most to least popular. With 8 experts under Zipf 1, neighbouring ranks differ by at
+// least 1/7 - 1/8 of the weight (0.0066 of the tokens), several times the sampling noise.
+std::vector<int> PopularityOrder(const std::vector<double>& shares) {
+  std::vector<int> order(shares.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return shares[a] > shares[b]; });
+  return order;
+}
+
+TEST(SyntheticTraceTest, WithoutDriftOrBurstsSharesStayZipfOverOneOrder) {
+  const SyntheticTraceOptions options = ShareOptions();
+  Result<Trace> trace = GenerateSyntheticTrace(options);
+  ASSERT_TRUE(trace.ok()) << trace.status().ToString();
+  double harmonic = 0.0;
+  for (int rank = 1; rank <= 8; ++rank) harmonic += 1.0 / rank;
+
+  const std::vector<double> first = Shares(*trace, 0);
+  const std::vector<int> order = PopularityOrder(first);
+  for (int step = 0; step < options.num_steps; ++step) {
+    SCOPED_TRACE(::testing::Message() << "step " << step);
+    const std::vector<double> shares = Shares(*trace, step);
+    EXPECT_EQ(PopularityOrder(shares), order);
+    for (int rank = 0; rank < 8; ++rank) {
+      // The expert at popularity rank i has weight 1 / (i + 1).
+      EXPECT_NEAR(shares[order[rank]], 1.0 / (rank + 1) / harmonic, 0.005) << "rank " << rank;
+    }
+  }
+}
+
+TEST(SyntheticTraceTest, DriftSwapsNeighboursInPopularity) {
+  // A whole swap per step: each step's order is the previous one with one adjacent pair exchanged.
+  SyntheticTraceOptions options = ShareOptions();
+  options.drift_swaps_per_step = 1.0;
+  Result<Trace> trace = GenerateSyntheticTrace(options);
+  ASSERT_TRUE(trace.ok()) << trace.status().ToString();
+  std::vector<int> previous = PopularityOrder(Shares(*trace, 0));
+  const std::vector<int> first = previous;
+  for (int step = 1; step < options.num_steps; ++step) {
+    SCOPED_TRACE(::testing::Message() << "step " << step);
+    const std::vector<int> order = PopularityOrder(Shares(*trace, step));
+    std::vector<int> moved;
+    for (int rank = 0; rank < 8; ++rank) {
+      if (order[rank] != previous[rank]) moved.push_back(rank);
+    }
+    ASSERT_EQ(moved.size(), 2u);
+    EXPECT_EQ(moved[1], moved[0] + 1);
+    EXPECT_EQ(order[moved[0]], previous[moved[1]]);
+    previous = order;
+  }
+  EXPECT_NE(previous, first);
+
+  // Half a swap per step: about half of the steps change the order.
+  options.drift_swaps_per_step = 0.5;
+  options.num_steps = 200;
+  options.tokens_per_source = 100000;
+  trace = GenerateSyntheticTrace(options);
+  ASSERT_TRUE(trace.ok()) << trace.status().ToString();
+  int changed = 0;
+  previous = PopularityOrder(Shares(*trace, 0));
+  for (int step = 1; step < options.num_steps; ++step) {
+    const std::vector<int> order = PopularityOrder(Shares(*trace, step));
+    if (order != previous) ++changed;
+    previous = order;
+  }
+  EXPECT_GT(changed, 60);  // binomial(199, 0.5): mean 99.5, sd 7
+  EXPECT_LT(changed, 140);
+}
+
+TEST(SyntheticTraceTest, BurstMultipliesOneExpertForBurstSteps) {
+  // Equal weights (Zipf 0) and a burst starting every step: at step s the bursts started in the
+  // last burst_steps steps are active, each multiplying one expert's weight by the factor, so
+  // every expert's count over an unburst expert's is factor^(bursts on it), and the bursts add up
+  // to min(s + 1, burst_steps).
+  for (int burst_steps : {1, 3}) {
+    SCOPED_TRACE(::testing::Message() << "burst_steps " << burst_steps);
+    SyntheticTraceOptions options = ShareOptions();
+    options.num_steps = 12;
+    options.tokens_per_source = 400000;
+    options.zipf_exponent = 0.0;
+    options.burst_probability = 1.0;
+    options.burst_factor = 8.0;
+    options.burst_steps = burst_steps;
+    Result<Trace> trace = GenerateSyntheticTrace(options);
+    ASSERT_TRUE(trace.ok()) << trace.status().ToString();
+    for (int step = 0; step < options.num_steps; ++step) {
+      SCOPED_TRACE(::testing::Message() << "step " << step);
+      std::vector<double> counts = trace->ExpertCounts(step, 0);
+      // At most 3 experts burst, so the 5 smallest counts are unburst ones.
+      std::vector<double> sorted = counts;
+      std::sort(sorted.begin(), sorted.end());
+      const double unburst = Sum(std::span<const double>(sorted).first(5)) / 5;
+      int bursts = 0;
+      for (int e = 0; e < 8; ++e) {
+        const double power = std::log(counts[e] / unburst) / std::log(options.burst_factor);
+        EXPECT_NEAR(power, std::round(power), 0.15) << "expert " << e << ": " << counts[e];
+        bursts += static_cast<int>(std::round(power));
+      }
+      EXPECT_EQ(bursts, std::min(step + 1, burst_steps));
+    }
+  }
 }
 
 TEST(SyntheticTraceTest, InvalidOptionsNameTheField) {

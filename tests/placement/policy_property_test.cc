@@ -379,6 +379,56 @@ TEST(FlexMoePolicyTest, ExpandsHotExpertAboveTrigger) {
   EXPECT_EQ(*next, flex.current);
 }
 
+TEST(FlexMoePolicyTest, RefusesActionsWhoseExposedMigrationOutweighsTheGain) {
+  // 1x4 ranks on 1 GB/s links, 3 slots each, 8 experts contiguous: rank 0 holds both hot experts
+  // (2000 tokens each, the rest 100), far above the trigger. Moving them off rank 0 halves its
+  // all-to-all, but a home carries weights + optimizer state, which on these links takes far
+  // longer than one step can hide.
+  PolicyContext context = MakeContext("flexmoe", {.num_nodes = 1,
+                                                  .gpus_per_node = 4,
+                                                  .slots_per_rank = 3,
+                                                  .num_experts = 8,
+                                                  .link_gb_per_s = 1});
+  const Placement current = ValueOrDie(Placement::Contiguous(8, 4, 3));
+  std::vector<double> skewed(8, 100.0);
+  skewed[0] = skewed[1] = 2000.0;
+  const StepLoad load = ValueOrDie(StepLoad::FromExpertCounts(4, skewed));
+  ASSERT_GT(RouteEvenly(current, load).imbalance(), context.config.flexmoe.balance_ratio_trigger);
+  ASSERT_EQ(context.config.replan_interval_steps, 1);
+
+  // Control: with moving free (a fresh start) the same load and cost model do change it.
+  LayerView view{0, &current, skewed, nullptr};
+  view.fresh_start = true;
+  auto free_move = MakeFlexMoePolicy(context)->Replan(view);
+  ASSERT_TRUE(free_move.ok()) << free_move.status().ToString();
+  ASSERT_TRUE(ValidPlacement(*free_move, context));
+  ASSERT_NE(*free_move, current);
+  const double gain =
+      LayerSeconds(context, current, load) - LayerSeconds(context, *free_move, load);
+  EXPECT_GT(gain, 0);
+  // From expert state in place, that plan exposes more migration than its gain, once per interval
+  // of one step.
+  const double exposed = context.cost
+                             .Estimate(*free_move, RouteEvenly(*free_move, load),
+                                       context.cost.Migration(current, *free_move).seconds)
+                             .exposed_migration_seconds;
+  EXPECT_GT(exposed, gain);
+
+  // So with expert state in place nothing pays: the placement stays.
+  view.fresh_start = false;
+  auto gated = MakeFlexMoePolicy(context)->Replan(view);
+  ASSERT_TRUE(gated.ok()) << gated.status().ToString();
+  EXPECT_EQ(*gated, current);
+
+  // Control: the same migration spread over 1000 steps is cheap again, and the plan comes back.
+  context.config.replan_interval_steps = 1000;
+  ASSERT_LT(exposed / 1000, gain);
+  auto amortized = MakeFlexMoePolicy(context)->Replan(view);
+  ASSERT_TRUE(amortized.ok()) << amortized.status().ToString();
+  EXPECT_NE(*amortized, current);
+  EXPECT_LT(LayerSeconds(context, *amortized, load), LayerSeconds(context, current, load));
+}
+
 double MaxRankLoad(const Placement& placement, const std::vector<double>& expert_load) {
   const StepLoad load = ValueOrDie(StepLoad::FromExpertCounts(placement.num_ranks(), expert_load));
   return RouteEvenly(placement, load).max_rank_tokens();
@@ -429,6 +479,49 @@ TEST(SmartMoePolicyTest, SwapsHotPairApartUnlessStickinessHoldsThem) {
   next = policy->Replan({0, &current, expert_load, nullptr});
   ASSERT_TRUE(next.ok()) << next.status().ToString();
   EXPECT_EQ(*next, current);
+}
+
+TEST(SmartMoePolicyTest, PoolFindsEarlierWinnerWhenItsLoadReturns) {
+  // 1x2 ranks, 4 slots each, 8 experts; loads in units of 10000 tokens (enough compute to hide
+  // the home moves of a swap, so the choice is by balance alone).
+  const Shape shape{.num_nodes = 1, .gpus_per_node = 2, .slots_per_rank = 4, .num_experts = 8};
+  auto tokens = [](std::vector<double> units) {
+    for (double& u : units) u *= 10000.0;
+    return units;
+  };
+  const std::vector<double> a = tokens({5, 5, 7, 5, 4, 4, 1, 7});  // 38: 19 per rank at best
+  const std::vector<double> b = tokens({3, 5, 9, 1, 2, 6, 9, 9});
+  // Under a, from {0,1,2,3 | 4,5,6,7} (22 | 16), swapping experts 2 and 4 gives the perfect
+  // 19 | 19. Pattern b then moves the experts so that under a the ranks hold 20 | 18 in a way no
+  // single swap can improve (it would have to move exactly 1 unit, and no pair differs by 1), and
+  // the fresh heaviest-first packing of a also reaches only 20 | 18 (7,5,5,1 | 7,5,4,4). Only a
+  // pool that still holds the first winner can restore 19 | 19.
+  auto run_a_b_a = [&](int pool_size, std::vector<Placement>& winners) {
+    PolicyContext context = MakeContext("smartmoe", shape);
+    context.config.smartmoe.candidate_pool_size = pool_size;
+    auto policy = MakeSmartMoePolicy(context);
+    Placement current = ValueOrDie(Placement::Contiguous(8, 2, 4));
+    for (const std::vector<double>* load : {&a, &b, &a}) {
+      current = ValueOrDie(policy->Replan({0, &current, *load, nullptr}));
+      winners.push_back(current);
+    }
+  };
+
+  for (int pool_size : {2, 4}) {
+    SCOPED_TRACE(::testing::Message() << "pool size " << pool_size);
+    std::vector<Placement> winners;
+    run_a_b_a(pool_size, winners);
+    EXPECT_DOUBLE_EQ(MaxRankLoad(winners[0], a), 190000.0);
+    EXPECT_DOUBLE_EQ(MaxRankLoad(winners[1], a), 200000.0);  // b really moved away from it
+    EXPECT_EQ(winners[2], winners[0]);                       // the earlier winner, from the pool
+  }
+
+  // A pool of one keeps only the latest winner (b's), so a's placement is lost and a stays at 20.
+  std::vector<Placement> winners;
+  run_a_b_a(1, winners);
+  EXPECT_DOUBLE_EQ(MaxRankLoad(winners[0], a), 190000.0);
+  EXPECT_EQ(winners[2], winners[1]);
+  EXPECT_DOUBLE_EQ(MaxRankLoad(winners[2], a), 200000.0);
 }
 
 // 1x8 ranks, 16 experts (two per rank); expert 0 gets 4000 tokens, the others 500 each. On fast
