@@ -401,13 +401,17 @@ bool NextTransient(const Placement& placement, const Topology& topology, QuotaSo
                    int transient_per_rank, std::vector<char>& holds, TransientReplica& next) {
   const auto rank_load = solver.rank_load();
   const int num_ranks = placement.num_ranks();
-  // The least-loaded rank with a free transient slot (ties: the lowest): the target of every
-  // expert that holds no copy there.
-  int coolest = -1;
-  for (int g = 0; g < num_ranks; ++g) {
-    if (transients_on_rank[g] >= transient_per_rank) continue;
-    if (coolest < 0 || rank_load[g] < rank_load[coolest]) coolest = g;
-  }
+  // The least-loaded rank (ties: the lowest) with a free transient slot that `skip` leaves, or -1.
+  auto least_loaded = [&](auto skip) {
+    int best = -1;
+    for (int g = 0; g < num_ranks; ++g) {
+      if (transients_on_rank[g] >= transient_per_rank || skip(g)) continue;
+      if (best < 0 || rank_load[g] < rank_load[best]) best = g;
+    }
+    return best;
+  };
+  // The target of every expert that holds no copy there.
+  const int coolest = least_loaded([](int) { return false; });
   if (coolest < 0) return false;
   bool found = false;
   long long best_tokens = 0;
@@ -427,11 +431,7 @@ bool NextTransient(const Placement& placement, const Topology& topology, QuotaSo
       for (int c = solver.copy_begin(e); c < solver.copy_end(e); ++c) {
         holds[solver.copy_rank(c)] = 1;
       }
-      target = -1;
-      for (int g = 0; g < num_ranks; ++g) {
-        if (transients_on_rank[g] >= transient_per_rank || holds[g]) continue;
-        if (target < 0 || rank_load[g] < rank_load[target]) target = g;
-      }
+      target = least_loaded([&](int g) { return holds[g] != 0; });
       if (target < 0) continue;
     }
     int source = placement.home(e);

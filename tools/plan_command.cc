@@ -69,10 +69,11 @@ Result<PlanInput> ParsePlanInput(const Json& input) {
   constexpr std::string_view kFields[] = {"weight", "num_replicas", "num_groups", "num_nodes",
                                           "num_gpus"};
   for (const auto& [key, value] : input.items()) {
-    if (std::find(std::begin(kFields), std::end(kFields), key) == std::end(kFields)) {
-      return InvalidArgument("unknown field '" + key +
-                             "' (known: weight, num_replicas, num_groups, num_nodes, num_gpus)");
-    }
+    if (std::find(std::begin(kFields), std::end(kFields), key) != std::end(kFields)) continue;
+    std::string known;
+    for (std::string_view field : kFields)
+      known += (known.empty() ? "" : ", ") + std::string(field);
+    return InvalidArgument("unknown field '" + key + "' (known: " + known + ")");
   }
   PlanInput plan;
   if (!input.contains("weight")) return InvalidArgument("missing field 'weight'");
