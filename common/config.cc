@@ -15,8 +15,10 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <memory>
 #include <span>
 #include <type_traits>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -878,6 +880,45 @@ std::string ConfigToYaml(const KeelConfig& config) {
     }
   }
   return out;
+}
+
+// --- Config, the public handle -----------------------------------------------------------------
+
+Config::Config() : typed_(std::make_unique<KeelConfig>()) {}
+Config::Config(std::unique_ptr<KeelConfig> typed) : typed_(std::move(typed)) {}
+Config::Config(const Config& other) : typed_(std::make_unique<KeelConfig>(*other.typed_)) {}
+Config& Config::operator=(const Config& other) {
+  *typed_ = *other.typed_;
+  return *this;
+}
+// A moved-from handle keeps a config of its own: typed_ is never null.
+Config::Config(Config&& other) noexcept : typed_(std::make_unique<KeelConfig>()) {
+  std::swap(typed_, other.typed_);
+}
+Config& Config::operator=(Config&& other) noexcept {
+  std::swap(typed_, other.typed_);
+  return *this;
+}
+Config::~Config() = default;
+
+Result<Config> Config::FromYaml(std::string_view yaml, std::string_view source) {
+  KEEL_ASSIGN_OR_RETURN(KeelConfig typed, ParseConfig(yaml, source));
+  return MakeConfig(std::move(typed));
+}
+
+Result<Config> Config::FromFile(const std::string& path) {
+  KEEL_ASSIGN_OR_RETURN(KeelConfig typed, LoadConfigFile(path));
+  return MakeConfig(std::move(typed));
+}
+
+std::string Config::Reference() { return ConfigHelpText(); }
+std::string Config::ToYaml() const { return ConfigToYaml(*typed_); }
+int Config::num_ranks() const { return typed_->num_ranks(); }
+std::string Config::policy() const { return typed_->policy.name; }
+
+const KeelConfig& TypedConfig(const Config& config) { return *config.typed_; }
+Config MakeConfig(KeelConfig typed) {
+  return Config(std::make_unique<KeelConfig>(std::move(typed)));
 }
 
 }  // namespace keel

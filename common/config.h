@@ -7,7 +7,8 @@
 #include <string>
 #include <string_view>
 
-#include "common/status.h"
+#include "keel/config.hpp"
+#include "keel/status.hpp"
 
 namespace keel {
 
@@ -138,5 +139,10 @@ std::string ConfigHelpText();
 std::string ConfigToYaml(const KeelConfig& config);
 
 std::string_view EstimatorKindName(EstimatorKind kind);
+
+// The typed config behind the public handle (include/keel/config.hpp), and a handle over a typed
+// config; MakeConfig does not validate (callers pass configs they built and checked).
+const KeelConfig& TypedConfig(const Config& config);
+Config MakeConfig(KeelConfig typed);
 
 }  // namespace keel

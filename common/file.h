@@ -4,7 +4,7 @@
 #include <string>
 #include <string_view>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 
 namespace keel {
 

@@ -5,7 +5,7 @@
 
 #include <string_view>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 
 namespace keel {
 

@@ -1,5 +1,5 @@
 // Status: names of codes and message formatting.
-#include "common/status.h"
+#include "keel/status.hpp"
 
 namespace keel {
 

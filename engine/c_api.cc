@@ -19,23 +19,16 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/status.h"
 #include "keel/engine.hpp"
+#include "keel/local_group.hpp"
+#include "keel/status.hpp"
 #include "keel/version.hpp"
-#include "migration/communicator.h"
-#include "migration/transport_local.h"
 
 // The handles. They live in the global namespace because keel.h declares them there.
 
 struct keel_group {
-  explicit keel_group(int size) : num_ranks(size), communicators(size), fabric(size) {
-    joined.assign(static_cast<size_t>(size), false);
-  }
-  const int num_ranks;
-  keel::LocalCommunicatorGroup communicators;
-  keel::LocalFabric fabric;
-  std::mutex mutex;          // guards joined and live_comms
-  std::vector<bool> joined;  // [num_ranks]: a comm of this rank exists
+  std::unique_ptr<keel::LocalGroup> ranks;
+  std::mutex mutex;  // guards live_comms
   int live_comms = 0;
 };
 
@@ -208,17 +201,6 @@ Status CheckStructSize(std::string_view name, size_t struct_size, size_t v1_size
 
 size_t GradientElementBytes(GradientType type) { return type == GradientType::kFloat32 ? 4 : 8; }
 
-template <bool kMpi = kWithMpi>
-Result<std::unique_ptr<Communicator>> CreateMpi() {
-  if constexpr (kMpi) {
-    return CreateMpiCommunicator();
-  } else {
-    return Unimplemented(
-        "this build of keel has no MPI (KEEL_WITH_MPI=OFF); use keel_comm_create_local for ranks "
-        "as threads, or rebuild with MPI");
-  }
-}
-
 // The config that options name: YAML text, a file, or the defaults sized to the communicator.
 Result<KeelConfig> ReadConfig(const keel_engine_options_t& options, int comm_size) {
   if (options.config_yaml != nullptr && options.config_path != nullptr) {
@@ -237,20 +219,21 @@ Result<KeelConfig> ReadConfig(const keel_engine_options_t& options, int comm_siz
 }
 
 // Checks everything keel_engine_create can check alone and fills `out` (all but the
-// communicator's and fabric's lifetimes, which the handles keep).
-Status BuildEngineOptions(const keel_engine_options_t& options, EngineOptions& out,
-                          LocalFabric*& fabric) {
+// communicator's and group's lifetimes, which the handles keep).
+Status BuildEngineOptions(const keel_engine_options_t& options, EngineOptions& out) {
   if (options.comm == nullptr) return Null("options->comm");
   const keel_comm& comm = *options.comm;
   const int comm_size = comm.communicator->size();
-  KEEL_ASSIGN_OR_RETURN(out.config, ReadConfig(options, comm_size));
-  if (out.config.num_ranks() != comm_size) {
+  KEEL_ASSIGN_OR_RETURN(KeelConfig config, ReadConfig(options, comm_size));
+  if (config.num_ranks() != comm_size) {
     return InvalidArgument(
         "options->comm has " + std::to_string(comm_size) + " ranks, but the config has " +
-        std::to_string(out.config.num_ranks()) +
-        " (topology.num_nodes = " + std::to_string(out.config.topology.num_nodes) +
-        " x topology.gpus_per_node = " + std::to_string(out.config.topology.gpus_per_node) + ")");
+        std::to_string(config.num_ranks()) +
+        " (topology.num_nodes = " + std::to_string(config.topology.num_nodes) +
+        " x topology.gpus_per_node = " + std::to_string(config.topology.gpus_per_node) + ")");
   }
+  const bool local_transport = config.migration.transport == "local";
+  out.config = MakeConfig(std::move(config));
   if (options.num_layers < 1) {
     return InvalidArgument("options->num_layers = " + std::to_string(options.num_layers) +
                            " must be >= 1");
@@ -299,18 +282,14 @@ Status BuildEngineOptions(const keel_engine_options_t& options, EngineOptions& o
         std::string(comm.group == nullptr ? "comm is not local" : "comm joined another group") +
         ")");
   }
-  fabric = nullptr;
-  if (out.config.migration.transport == "local") {
-    if (group == nullptr) {
-      return InvalidArgument(
-          "options->group = NULL and options->comm is not local, but migration.transport = "
-          "\"local\" moves expert state between threads of one keel_group_t; name another "
-          "transport (e.g. \"ucx\") for ranks in separate processes");
-    }
-    fabric = &group->fabric;
+  if (local_transport && group == nullptr) {
+    return InvalidArgument(
+        "options->group = NULL and options->comm is not local, but migration.transport = "
+        "\"local\" moves expert state between threads of one keel_group_t; name another "
+        "transport (e.g. \"ucx\") for ranks in separate processes");
   }
   out.communicator = comm.communicator.get();
-  out.fabric = fabric;
+  out.local_group = group != nullptr ? group->ranks.get() : nullptr;
   return Status::Ok();
 }
 
@@ -343,7 +322,9 @@ keel_status_t keel_group_create(int num_ranks, keel_group_t** group_out) {
     if (num_ranks < 1) {
       return InvalidArgument("num_ranks = " + std::to_string(num_ranks) + " must be >= 1");
     }
-    *group_out = new keel_group(num_ranks);
+    auto group = std::make_unique<keel_group>();
+    KEEL_ASSIGN_OR_RETURN(group->ranks, keel::LocalGroup::Create(num_ranks));
+    *group_out = group.release();
     return Status::Ok();
   });
 }
@@ -369,16 +350,10 @@ keel_status_t keel_comm_create_local(keel_group_t* group, int rank, keel_comm_t*
     if (comm_out == nullptr) return Null("comm_out");
     *comm_out = nullptr;
     if (group == nullptr) return Null("group");
-    if (rank < 0 || rank >= group->num_ranks) return NotInRange("rank", rank, 0, group->num_ranks);
     auto comm = std::make_unique<keel_comm>();
     comm->group = group;
+    KEEL_ASSIGN_OR_RETURN(comm->communicator, group->ranks->Join(rank));
     std::lock_guard<std::mutex> lock(group->mutex);
-    if (group->joined[rank]) {
-      return InvalidArgument("rank = " + std::to_string(rank) +
-                             " has already joined this group (each rank joins once)");
-    }
-    comm->communicator = group->communicators.Join(rank);
-    group->joined[rank] = true;
     ++group->live_comms;
     *comm_out = comm.release();
     return Status::Ok();
@@ -389,7 +364,7 @@ keel_status_t keel_comm_create_mpi(keel_comm_t** comm_out) {
   return Guard("keel_comm_create_mpi", [&]() -> Status {
     if (comm_out == nullptr) return Null("comm_out");
     *comm_out = nullptr;
-    KEEL_ASSIGN_OR_RETURN(auto communicator, keel::CreateMpi());
+    KEEL_ASSIGN_OR_RETURN(auto communicator, keel::CreateMpiCommunicator());
     auto comm = std::make_unique<keel_comm>();
     comm->communicator = std::move(communicator);
     *comm_out = comm.release();
@@ -425,7 +400,6 @@ keel_status_t keel_comm_destroy(keel_comm_t* comm) {
     }
     if (comm->group != nullptr) {
       std::lock_guard<std::mutex> lock(comm->group->mutex);
-      comm->group->joined[comm->communicator->rank()] = false;
       --comm->group->live_comms;
     }
     delete comm;
@@ -474,8 +448,7 @@ keel_status_t keel_engine_create(const keel_engine_options_t* options, keel_engi
     std::memcpy(static_cast<void*>(&known), options, std::min(options->struct_size, sizeof(known)));
 
     keel::EngineOptions engine_options;
-    keel::LocalFabric* fabric = nullptr;
-    KEEL_RETURN_IF_ERROR(keel::BuildEngineOptions(known, engine_options, fabric));
+    KEEL_RETURN_IF_ERROR(keel::BuildEngineOptions(known, engine_options));
     KEEL_ASSIGN_OR_RETURN(auto engine, keel::Engine::Create(engine_options));
 
     auto handle = std::make_unique<keel_engine>();
@@ -668,13 +641,12 @@ keel_status_t keel_engine_placement(const keel_engine_t* engine, int layer, int3
     if (engine == nullptr) return Null("engine");
     if (phy2log_out == nullptr) return Null("phy2log_out");
     KEEL_RETURN_IF_ERROR(keel::CheckLayer(*engine, layer));
-    const keel::Placement& placement = engine->engine->placement(layer);
-    const std::vector<int>& phy2log = placement.phy2log();
+    const keel::LayerPlacement placement = engine->engine->placement(layer);
     KEEL_RETURN_IF_ERROR(keel::CheckCapacity(
-        capacity, static_cast<long long>(phy2log.size()),
-        "num_ranks * slots_per_rank = " + std::to_string(placement.num_ranks()) + " * " +
-            std::to_string(placement.slots_per_rank())));
-    std::copy(phy2log.begin(), phy2log.end(), phy2log_out);
+        capacity, static_cast<long long>(placement.phy2log.size()),
+        "num_ranks * slots_per_rank = " + std::to_string(placement.num_ranks) + " * " +
+            std::to_string(placement.slots_per_rank)));
+    std::copy(placement.phy2log.begin(), placement.phy2log.end(), phy2log_out);
     return Status::Ok();
   });
 }
@@ -685,7 +657,7 @@ keel_status_t keel_engine_homes(const keel_engine_t* engine, int layer, int32_t*
     if (engine == nullptr) return Null("engine");
     if (home_out == nullptr) return Null("home_out");
     KEEL_RETURN_IF_ERROR(keel::CheckLayer(*engine, layer));
-    const std::vector<int>& home = engine->engine->placement(layer).home();
+    const std::vector<int32_t> home = engine->engine->placement(layer).home;
     KEEL_RETURN_IF_ERROR(
         keel::CheckCapacity(capacity, static_cast<long long>(home.size()), "num_experts"));
     std::copy(home.begin(), home.end(), home_out);

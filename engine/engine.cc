@@ -14,13 +14,17 @@
 #include <thread>
 #include <utility>
 
+#include "common/config.h"
 #include "common/log.h"
+#include "engine/engine_internal.h"
 #include "kernels/histogram.h"
 #include "kernels/remap.h"
+#include "migration/device_memory.h"
 #include "migration/expert_store.h"
 #include "migration/migrator.h"
 #include "migration/transfer_plan.h"
 #include "migration/transport_factory.h"
+#include "migration/transport_local.h"
 #include "monitor/metrics.h"
 #include "monitor/trace_recorder.h"
 #include "placement/load.h"
@@ -127,8 +131,29 @@ Result<PeerReader> Exchange(Communicator& communicator, const PeerBuffers& out) 
   return reader;
 }
 
-std::string ShapeFingerprint(const EngineOptions& o) {
-  return ConfigToYaml(o.config) + "\nlayers " + std::to_string(o.num_layers) + " experts " +
+// The config the options name: one of config, config_yaml, config_path, or the defaults sized to
+// the communicator.
+Result<KeelConfig> ResolveConfig(const EngineOptions& options, int num_ranks) {
+  const int given = (options.config.has_value() ? 1 : 0) + (options.config_yaml.empty() ? 0 : 1) +
+                    (options.config_path.empty() ? 0 : 1);
+  if (given > 1) {
+    return InvalidArgument(
+        "more than one of config, config_yaml and config_path is set" +
+        (options.config_path.empty() ? std::string()
+                                     : " (config_path = \"" + options.config_path + "\")") +
+        "; give at most one");
+  }
+  if (options.config.has_value()) return TypedConfig(*options.config);
+  if (!options.config_yaml.empty()) return ParseConfig(options.config_yaml, "config_yaml");
+  if (!options.config_path.empty()) return LoadConfigFile(options.config_path);
+  KeelConfig config;
+  config.topology.num_nodes = 1;
+  config.topology.gpus_per_node = num_ranks;
+  return config;
+}
+
+std::string ShapeFingerprint(const EngineOptions& o, const KeelConfig& config) {
+  return ConfigToYaml(config) + "\nlayers " + std::to_string(o.num_layers) + " experts " +
          std::to_string(o.num_experts) + " top_k " + std::to_string(o.top_k) + " weights " +
          std::to_string(o.shape.weight_bytes) + " gradients " +
          std::to_string(o.shape.gradient_bytes) + " optimizer " +
@@ -141,8 +166,11 @@ std::string ShapeFingerprint(const EngineOptions& o) {
 
 class Engine::Impl {
  public:
-  explicit Impl(const EngineOptions& options)
-      : options_(options), communicator_(*options.communicator) {}
+  Impl(const EngineOptions& options, KeelConfig config, Metrics* metrics)
+      : options_(options),
+        config_(std::move(config)),
+        communicator_(*options.communicator),
+        shared_metrics_(metrics) {}
   ~Impl();
 
   Status Init();
@@ -163,7 +191,9 @@ class Engine::Impl {
   }
 
   const EngineOptions options_;
+  const KeelConfig config_;
   Communicator& communicator_;
+  Metrics* const shared_metrics_;  // from EngineFactory; null: the engine's own
   int rank_ = 0;
   int num_ranks_ = 0;
   int slots_per_rank_ = 0;
@@ -198,7 +228,7 @@ class Engine::Impl {
   void StartPlanner();
   Status StartMigration(std::vector<Placement> planned);
   Status RecordStep();
-  bool aggregating() const { return rank_ == options_.config.monitor.aggregating_rank; }
+  bool aggregating() const { return rank_ == config_.monitor.aggregating_rank; }
 
   std::vector<SlotBuffers> buffers_;  // [layer * local_slots + local slot]
   int registered_ = 0;
@@ -245,7 +275,7 @@ Engine::Impl::~Impl() {
 }
 
 Status Engine::Impl::Init() {
-  const KeelConfig& config = options_.config;
+  const KeelConfig& config = config_;
   KEEL_RETURN_IF_ERROR(ValidateConfig(config));
   rank_ = communicator_.rank();
   num_ranks_ = communicator_.size();
@@ -282,7 +312,7 @@ Status Engine::Impl::Init() {
 
   // Every rank must plan with the same inputs, or their placements would diverge.
   KEEL_ASSIGN_OR_RETURN(std::vector<std::string> fingerprints,
-                        communicator_.AllGather(ShapeFingerprint(options_)));
+                        communicator_.AllGather(ShapeFingerprint(options_, config_)));
   for (int r = 0; r < num_ranks_; ++r) {
     if (fingerprints[r] != fingerprints[0]) {
       return InvalidArgument("rank " + std::to_string(r) +
@@ -320,8 +350,16 @@ Status Engine::Impl::Init() {
   if (options_.transport != nullptr) {
     transport_ = options_.transport;
   } else {
+    LocalFabric* fabric =
+        options_.local_group != nullptr ? &FabricOf(*options_.local_group) : nullptr;
+    if (config.migration.transport == "local" && fabric == nullptr) {
+      return InvalidArgument(
+          "migration.transport = \"local\" moves expert state between threads of one "
+          "LocalGroup, but neither options.transport nor options.local_group is set; name "
+          "another transport (e.g. \"ucx\") for ranks in separate processes");
+    }
     KEEL_ASSIGN_OR_RETURN(owned_transport_,
-                          CreateTransport(config.migration, communicator_, options_.fabric));
+                          CreateTransport(config.migration, communicator_, fabric));
     transport_ = owned_transport_.get();
   }
   if (transport_->rank() != rank_ || transport_->num_ranks() != num_ranks_) {
@@ -331,7 +369,7 @@ Status Engine::Impl::Init() {
   }
 
   if (aggregating()) {
-    metrics_ = options_.metrics;
+    metrics_ = shared_metrics_;
     if (metrics_ == nullptr && !config.monitor.metrics_address.empty()) {
       KEEL_ASSIGN_OR_RETURN(
           owned_metrics_, Metrics::Create(MetricsLayout::FromConfig(config, options_.num_layers,
@@ -857,7 +895,7 @@ Status Engine::Impl::StartMigration(std::vector<Placement> planned) {
                           std::move(optimizer), transport_->device_memory()));
     store_ = std::make_unique<ExpertStore>(std::move(store));
     KEEL_ASSIGN_OR_RETURN(migrator_,
-                          Migrator::Create(*transport_, *store_, options_.config.migration));
+                          Migrator::Create(*transport_, *store_, config_.migration));
   }
   KEEL_RETURN_IF_ERROR(migrator_->Start(static_cast<uint64_t>(stats_.epoch + 1),
                                         std::make_shared<const TransferPlan>(std::move(plan))));
@@ -898,8 +936,8 @@ Status Engine::Impl::AdvancePlanner() {
     }
     return StartMigration(std::move(planned_));
   }
-  const int interval = options_.config.policy.replan_interval_steps;
-  if (!migrating_ && options_.config.policy.name != "static" && stats_.steps % interval == 0) {
+  const int interval = config_.policy.replan_interval_steps;
+  if (!migrating_ && config_.policy.name != "static" && stats_.steps % interval == 0) {
     StartPlanner();
   }
   return Status::Ok();
@@ -929,8 +967,14 @@ std::vector<HomeSlotEntry> Engine::Impl::HomeSlots(int layer) const {
 // --- Engine ----------------------------------------------------------------------------------
 
 Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
+  return EngineFactory::Create(options, nullptr);
+}
+
+Result<std::unique_ptr<Engine>> EngineFactory::Create(const EngineOptions& options,
+                                                      Metrics* metrics) {
   if (options.communicator == nullptr) return InvalidArgument("communicator is null");
-  auto impl = std::make_unique<Impl>(options);
+  KEEL_ASSIGN_OR_RETURN(KeelConfig config, ResolveConfig(options, options.communicator->size()));
+  auto impl = std::make_unique<Engine::Impl>(options, std::move(config), metrics);
   KEEL_RETURN_IF_ERROR(impl->Init());
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
@@ -959,7 +1003,21 @@ std::vector<HomeSlotEntry> Engine::HomeSlots(int layer) const { return impl_->Ho
 Engine::SlotLocation Engine::LocateSlot(int slot) const {
   return {impl_->RankOfPhysical(slot), impl_->LocalOfPhysical(slot)};
 }
-const Placement& Engine::placement(int layer) const { return impl_->placements_.at(layer); }
+LayerPlacement Engine::placement(int layer) const {
+  LayerPlacement out;
+  if (layer < 0 || layer >= static_cast<int>(impl_->placements_.size())) return out;
+  const Placement& p = impl_->placements_[layer];
+  out.num_experts = p.num_experts();
+  out.num_ranks = p.num_ranks();
+  out.slots_per_rank = p.slots_per_rank();
+  out.max_copies = p.max_copies();
+  out.phy2log.assign(p.phy2log().begin(), p.phy2log().end());
+  const std::vector<int> log2phy = p.Log2Phy(out.max_copies);
+  out.log2phy.assign(log2phy.begin(), log2phy.end());
+  out.logcnt.assign(p.logcnt().begin(), p.logcnt().end());
+  out.home.assign(p.home().begin(), p.home().end());
+  return out;
+}
 int64_t Engine::epoch() const { return impl_->stats_.epoch; }
 EngineStats Engine::stats() const {
   EngineStats stats = impl_->stats_;

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "kernels/device.h"
 
 namespace keel::kernels {

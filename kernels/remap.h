@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <span>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "kernels/device.h"
 
 namespace keel::kernels {

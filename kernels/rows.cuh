@@ -9,7 +9,7 @@
 #include <initializer_list>
 #include <type_traits>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "kernels/device.h"
 #include "kernels/host_device.h"
 

@@ -401,4 +401,13 @@ std::unique_ptr<Communicator> LocalCommunicatorGroup::Join(int rank) {
   return std::make_unique<LocalCommunicator>(rendezvous_, rank);
 }
 
+#if !KEEL_MIGRATION_MPI
+// communicator_mpi.cc defines it in builds with MPI.
+Result<std::unique_ptr<Communicator>> CreateMpiCommunicator() {
+  return Unimplemented(
+      "this build of keel has no MPI (KEEL_WITH_MPI=OFF); use LocalGroup (keel_comm_create_local) "
+      "for ranks as threads, or rebuild with MPI");
+}
+#endif
+
 }  // namespace keel

@@ -10,9 +10,9 @@
 #include <span>
 #include <string_view>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "migration/device_memory.h"
-#include "migration/transport.h"
+#include "keel/transport.hpp"
 
 namespace keel {
 

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "kernels/checksum.h"
+#include "migration/device_memory.h"
 
 namespace keel {
 namespace {

@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "migration/observer.h"
-#include "migration/transport.h"
+#include "keel/transport.hpp"
 
 namespace keel {
 

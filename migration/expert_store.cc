@@ -1,4 +1,5 @@
 // ExpertStore: live slot buffers plus a staging map keyed by (layer, slot, region).
+#include "migration/device_memory.h"
 #include "migration/expert_store.h"
 
 #include <algorithm>

@@ -10,7 +10,7 @@
 #include <tuple>
 #include <vector>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "migration/device_memory.h"
 #include "migration/transfer_plan.h"
 #include "placement/placement.h"

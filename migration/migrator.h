@@ -15,12 +15,12 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "migration/exchange.h"
 #include "migration/expert_store.h"
 #include "migration/observer.h"
 #include "migration/transfer_plan.h"
-#include "migration/transport.h"
+#include "keel/transport.hpp"
 
 namespace keel {
 

@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "migration/communicator.h"
 #include "migration/cuda_common.h"
 

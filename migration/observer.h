@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string_view>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 
 namespace keel {
 

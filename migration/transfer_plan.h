@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "placement/placement.h"
 #include "placement/topology.h"
 

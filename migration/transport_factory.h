@@ -5,9 +5,9 @@
 #include <memory>
 
 #include "common/config.h"
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "migration/communicator.h"
-#include "migration/transport.h"
+#include "keel/transport.hpp"
 #include "migration/transport_local.h"
 
 namespace keel {

@@ -11,7 +11,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "migration/transport.h"
+#include "keel/local_group.hpp"
+#include "keel/transport.hpp"
 
 namespace keel {
 
@@ -64,5 +65,9 @@ class LocalFabric {
   };
   std::vector<Corruption> corruptions_;
 };
+
+// The fabric of a public LocalGroup (include/keel/local_group.hpp), for the engine and the
+// transport factory, which connect the group's ranks to it.
+LocalFabric& FabricOf(LocalGroup& group);
 
 }  // namespace keel

@@ -7,10 +7,10 @@
 
 #include <memory>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "migration/communicator.h"
 #include "migration/device_transport.h"
-#include "migration/transport.h"
+#include "keel/transport.hpp"
 
 namespace keel {
 

@@ -8,9 +8,9 @@
 #include <cstddef>
 #include <memory>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "migration/device_memory.h"
-#include "migration/transport.h"
+#include "keel/transport.hpp"
 
 namespace keel {
 

@@ -8,9 +8,9 @@
 
 #include <memory>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "migration/communicator.h"
-#include "migration/transport.h"
+#include "keel/transport.hpp"
 
 namespace keel {
 

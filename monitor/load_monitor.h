@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "monitor/metrics.h"
 #include "monitor/trace_recorder.h"
 #include "placement/load.h"

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/status.h"
+#include "keel/status.hpp"
 
 namespace prometheus {
 class Counter;

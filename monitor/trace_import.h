@@ -6,7 +6,7 @@
 #include <functional>
 #include <string>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "monitor/trace.h"
 
 namespace keel {

@@ -9,7 +9,7 @@
 #include <span>
 #include <string>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "monitor/trace.h"
 
 namespace keel {

@@ -5,7 +5,7 @@
 
 #include <vector>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 
 namespace keel {
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/status.h"
+#include "keel/status.hpp"
 
 namespace keel {
 

@@ -6,7 +6,7 @@
 #include <span>
 #include <vector>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 
 namespace keel {
 

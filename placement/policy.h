@@ -10,7 +10,8 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/status.h"
+#include "keel/plan.hpp"
+#include "keel/status.hpp"
 #include "placement/cost_model.h"
 #include "placement/load.h"
 #include "placement/placement.h"
@@ -76,8 +77,7 @@ class Policy {
   PolicyContext context_;
 };
 
-// Names accepted by MakePolicy, in the order reports list them.
-const std::vector<std::string>& PolicyNames();
+// PolicyNames() (keel/plan.hpp): the names MakePolicy accepts, in the order reports list them.
 
 // OK when `name` is in PolicyNames(); otherwise an InvalidArgument that lists the known ones.
 Status CheckPolicyName(std::string_view name);

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "placement/load.h"
 #include "placement/placement.h"
 #include "placement/topology.h"

@@ -3,7 +3,7 @@
 #pragma once
 
 #include "common/config.h"
-#include "common/status.h"
+#include "keel/status.hpp"
 
 namespace keel {
 

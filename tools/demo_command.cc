@@ -19,6 +19,7 @@
 
 #include "common/config.h"
 #include "common/file.h"
+#include "keel/local_group.hpp"
 #include "keel/version.hpp"
 #include "migration/communicator.h"
 #include "monitor/metrics.h"
@@ -179,19 +180,22 @@ class DemoProgress {
   bool terminal_;
 };
 
-// Ranks as threads: a LocalCommunicatorGroup, and a LocalFabric for the local transport.
+// Ranks as threads of one LocalGroup (communicators and the local transport).
 Result<ModeRun> RunThreads(const RankRunOptions& base, int ranks, DemoProgress* progress) {
-  LocalCommunicatorGroup group(ranks);
-  std::unique_ptr<LocalFabric> fabric;
-  if (base.config.migration.transport == "local") fabric = std::make_unique<LocalFabric>(ranks);
+  KEEL_ASSIGN_OR_RETURN(std::unique_ptr<LocalGroup> group, LocalGroup::Create(ranks));
   std::vector<std::optional<Result<RankRunResult>>> results(ranks);
   std::vector<std::thread> threads;
   for (int r = 0; r < ranks; ++r) {
     threads.emplace_back([&, r] {
-      std::unique_ptr<Communicator> communicator = group.Join(r);
+      Result<std::unique_ptr<Communicator>> joined = group->Join(r);
+      if (!joined.ok()) {
+        results[r] = joined.status();
+        return;
+      }
+      std::unique_ptr<Communicator> communicator = std::move(joined).value();
       RankRunOptions options = base;
       options.communicator = communicator.get();
-      options.fabric = fabric.get();
+      options.local_group = group.get();
       if (r == 0 && progress != nullptr) {
         options.on_step = [progress](const StepMeasurement& m) { progress->OnStep(m); };
       }

@@ -13,7 +13,7 @@
 #include <string>
 #include <utility>
 
-#include "migration/communicator.h"
+#include "engine/engine_internal.h"
 
 namespace keel::tools {
 namespace {
@@ -126,7 +126,7 @@ class RankTrainer {
 
 Status RankTrainer::Init() {
   EngineOptions engine_options;
-  engine_options.config = options_.config;
+  engine_options.config = MakeConfig(options_.config);
   engine_options.num_layers = model_.layers;
   engine_options.num_experts = model_.experts;
   engine_options.top_k = model_.top_k;
@@ -135,9 +135,8 @@ Status RankTrainer::Init() {
   engine_options.shape.optimizer_bytes = model_.ffn.optimizer_bytes();
   engine_options.shape.gradient_type = GradientType::kFixedInt64;
   engine_options.communicator = &communicator_;
-  engine_options.fabric = options_.fabric;
-  engine_options.metrics = options_.metrics;
-  KEEL_ASSIGN_OR_RETURN(engine_, Engine::Create(engine_options));
+  engine_options.local_group = options_.local_group;
+  KEEL_ASSIGN_OR_RETURN(engine_, EngineFactory::Create(engine_options, options_.metrics));
   slots_per_rank_ = engine_->slots_per_rank();
   local_slots_ = engine_->local_slots();
 
@@ -147,7 +146,7 @@ Status RankTrainer::Init() {
   optimizer_.assign(static_cast<size_t>(model_.layers) * slots_per_rank_ * 2 * weight_floats_,
                     0.0f);
   for (int l = 0; l < model_.layers; ++l) {
-    const Placement& placement = engine_->placement(l);
+    const LayerPlacement placement = engine_->placement(l);
     for (int s = 0; s < local_slots_; ++s) {
       SlotBuffers buffers;
       buffers.weights = Weights(l, s);

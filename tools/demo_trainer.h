@@ -11,8 +11,9 @@
 #include <vector>
 
 #include "common/config.h"
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "keel/engine.hpp"
+#include "monitor/metrics.h"
 #include "monitor/trace.h"
 #include "tools/demo_model.h"
 
@@ -86,7 +87,7 @@ struct RankRunOptions {
   KeelConfig config;  // policy, slots and migration transport of this run
   const TokenGate* gate = nullptr;
   Communicator* communicator = nullptr;
-  LocalFabric* fabric = nullptr;  // for the local transport
+  LocalGroup* local_group = nullptr;  // the communicator's group, for the local transport
   Metrics* metrics = nullptr;     // shared exporter (may be null)
   // Barrier (untimed) before each timed collective, so the time measured inside it is the
   // exchange and not the wait for the slowest rank: needed where waiting burns CPU (MPI polls).

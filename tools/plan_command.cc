@@ -17,9 +17,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/config.h"
-#include "placement/eplb.h"
-#include "placement/load.h"
+#include "keel/config.hpp"
+#include "keel/plan.hpp"
 #include "placement/policy.h"
 #include "tools/commands.h"
 #include "tools/flags.h"
@@ -29,23 +28,6 @@ namespace keel::tools {
 namespace {
 
 using Json = nlohmann::json;
-
-struct PlanInput {
-  int num_layers = 0;
-  int num_experts = 0;
-  std::vector<double> weight;  // [num_layers * num_experts]
-  int num_replicas = 0;
-  int num_groups = 0;
-  int num_nodes = 0;
-  int num_gpus = 0;
-};
-
-// The EPLB-shaped answer, whichever policy produced it.
-struct PlanOutput {
-  std::vector<std::vector<int>> phy2log;               // [layers][replicas]
-  std::vector<std::vector<std::vector<int>>> log2phy;  // [layers][experts][max copies]
-  std::vector<std::vector<int>> logcnt;                // [layers][experts]
-};
 
 Result<int> PositiveIntField(const Json& input, const char* name) {
   if (!input.contains(name)) return InvalidArgument(std::string("missing field '") + name + "'");
@@ -62,7 +44,7 @@ Result<int> PositiveIntField(const Json& input, const char* name) {
   return static_cast<int>(parsed);
 }
 
-Result<PlanInput> ParsePlanInput(const Json& input) {
+Result<PlanRequest> ParsePlanInput(const Json& input) {
   if (!input.is_object()) return InvalidArgument("input must be a JSON object");
   // The names of DeepSeek's rebalance_experts; anything else is a typo or a misunderstanding, as
   // an unknown config key is.
@@ -75,7 +57,7 @@ Result<PlanInput> ParsePlanInput(const Json& input) {
       known += (known.empty() ? "" : ", ") + std::string(field);
     return InvalidArgument("unknown field '" + key + "' (known: " + known + ")");
   }
-  PlanInput plan;
+  PlanRequest plan;
   if (!input.contains("weight")) return InvalidArgument("missing field 'weight'");
   const Json& weight = input.at("weight");
   if (!weight.is_array() || weight.empty()) {
@@ -110,114 +92,6 @@ Result<PlanInput> ParsePlanInput(const Json& input) {
   KEEL_ASSIGN_OR_RETURN(plan.num_groups, PositiveIntField(input, "num_groups"));
   KEEL_ASSIGN_OR_RETURN(plan.num_nodes, PositiveIntField(input, "num_nodes"));
   KEEL_ASSIGN_OR_RETURN(plan.num_gpus, PositiveIntField(input, "num_gpus"));
-  const std::string replicas = std::to_string(plan.num_replicas);
-  const std::string gpus = std::to_string(plan.num_gpus);
-  if (plan.num_replicas % plan.num_gpus != 0) {
-    return InvalidArgument("num_replicas " + replicas + " is not divisible by num_gpus " + gpus);
-  }
-  if (plan.num_gpus % plan.num_nodes != 0) {
-    return InvalidArgument("num_gpus " + gpus + " is not divisible by num_nodes " +
-                           std::to_string(plan.num_nodes));
-  }
-  if (plan.num_replicas < plan.num_experts) {
-    return InvalidArgument("num_replicas " + replicas + " is smaller than the " +
-                           std::to_string(plan.num_experts) +
-                           " experts per row of weight (every expert needs a slot)");
-  }
-  if (plan.num_experts % plan.num_groups != 0) {
-    return InvalidArgument("the " + std::to_string(plan.num_experts) +
-                           " experts per row of weight are not divisible by num_groups " +
-                           std::to_string(plan.num_groups));
-  }
-  return plan;
-}
-
-Result<PlanOutput> PlanWithEplb(const PlanInput& in) {
-  EplbInput eplb;
-  eplb.num_layers = in.num_layers;
-  eplb.num_experts = in.num_experts;
-  eplb.weight.assign(in.weight.begin(), in.weight.end());
-  eplb.num_replicas = in.num_replicas;
-  eplb.num_groups = in.num_groups;
-  eplb.num_nodes = in.num_nodes;
-  eplb.num_gpus = in.num_gpus;
-  KEEL_ASSIGN_OR_RETURN(EplbOutput out, RebalanceExperts(eplb));
-  PlanOutput plan;
-  const size_t replicas = static_cast<size_t>(in.num_replicas);
-  const size_t experts = static_cast<size_t>(in.num_experts);
-  const size_t width = static_cast<size_t>(out.max_replicas);
-  for (int layer = 0; layer < in.num_layers; ++layer) {
-    const size_t l = static_cast<size_t>(layer);
-    plan.phy2log.emplace_back(out.phy2log.begin() + l * replicas,
-                              out.phy2log.begin() + (l + 1) * replicas);
-    plan.logcnt.emplace_back(out.logcnt.begin() + l * experts,
-                             out.logcnt.begin() + (l + 1) * experts);
-    auto& map = plan.log2phy.emplace_back();
-    for (size_t e = 0; e < experts; ++e) {
-      const auto begin = out.log2phy.begin() + (l * experts + e) * width;
-      map.emplace_back(begin, begin + width);
-    }
-  }
-  return plan;
-}
-
-// Any other policy: its initial placement of each layer, replanned from scratch until it settles.
-Result<PlanOutput> PlanWithPolicy(const std::string& name, const PlanInput& in,
-                                  const KeelConfig& base) {
-  KeelConfig config = base;
-  config.topology.num_nodes = in.num_nodes;
-  config.topology.gpus_per_node = in.num_gpus / in.num_nodes;
-  config.slots.persistent_per_rank = in.num_replicas / in.num_gpus;
-  config.policy.name = name;
-  config.policy.eplb.num_groups = in.num_groups;
-  KEEL_ASSIGN_OR_RETURN(const PolicyContext context,
-                        PolicyContext::FromConfig(config, in.num_layers, in.num_experts));
-  KEEL_ASSIGN_OR_RETURN(std::unique_ptr<Policy> policy, MakePolicy(name, context));
-
-  std::vector<Placement> placements;
-  int width = 1;
-  for (int layer = 0; layer < in.num_layers; ++layer) {
-    const std::string where = "policy " + name + ", layer " + std::to_string(layer) + ": ";
-    Result<Placement> initial = policy->Initial(layer);
-    if (!initial.ok()) return initial.status().WithContext(where + "Initial");
-    std::span<const double> row(in.weight.data() + static_cast<size_t>(layer) * in.num_experts,
-                                static_cast<size_t>(in.num_experts));
-    KEEL_ASSIGN_OR_RETURN(StepLoad traffic, StepLoad::FromExpertCounts(in.num_gpus, row));
-    // Planning from scratch: nothing is trained yet, so moves are free, and the policy replans
-    // until its placement stops changing (incremental policies move a few slots per replan).
-    constexpr int kMaxRounds = 256;
-    Placement current = std::move(initial).value();
-    Result<Placement> next = current;
-    for (int round = 0; round < kMaxRounds; ++round) {
-      LayerView view;
-      view.layer = layer;
-      view.current = &current;
-      view.expert_load = row;
-      view.traffic = &traffic;
-      view.fresh_start = true;
-      next = policy->Replan(view);
-      if (!next.ok()) return next.status().WithContext(where + "Replan");
-      if (*next == current) break;
-      current = *next;
-    }
-    if (next->num_slots() != in.num_replicas) {
-      return Internal(where + "Replan returned " + std::to_string(next->num_slots()) +
-                      " slots, expected num_replicas " + std::to_string(in.num_replicas));
-    }
-    width = std::max(width, next->max_copies());
-    placements.push_back(std::move(next).value());
-  }
-  PlanOutput plan;
-  for (const Placement& p : placements) {
-    plan.phy2log.push_back(p.phy2log());
-    plan.logcnt.push_back(p.logcnt());
-    const std::vector<int> flat = p.Log2Phy(width);
-    auto& map = plan.log2phy.emplace_back();
-    for (int e = 0; e < p.num_experts(); ++e) {
-      map.emplace_back(flat.begin() + static_cast<size_t>(e) * width,
-                       flat.begin() + static_cast<size_t>(e + 1) * width);
-    }
-  }
   return plan;
 }
 
@@ -289,23 +163,24 @@ int RunPlan(int argc, char** argv) {
     return Fail(status.WithContext("--policy"));
   }
 
-  KeelConfig config;
+  Config config;
   if (!config_path.empty()) {
-    Result<KeelConfig> loaded = LoadConfigFile(config_path);
+    Result<Config> loaded = Config::FromFile(config_path);
     if (!loaded.ok()) return Fail(loaded.status());
     config = *loaded;
   }
   Result<Json> json = ReadJsonFile(input_path);
   if (!json.ok()) return Fail(json.status());
-  Result<PlanInput> input = ParsePlanInput(*json);
+  Result<PlanRequest> input = ParsePlanInput(*json);
   if (!input.ok()) return Fail(input.status());
 
+  input->policy = policy_name;
+  input->config = &config;
   std::vector<double> seconds;
-  std::optional<PlanOutput> plan;
+  std::optional<PlanResult> plan;
   for (int i = 0; i < repeat; ++i) {
     const auto start = std::chrono::steady_clock::now();
-    Result<PlanOutput> result =
-        policy_name == "eplb" ? PlanWithEplb(*input) : PlanWithPolicy(policy_name, *input, config);
+    Result<PlanResult> result = PlanPlacement(*input);
     seconds.push_back(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     if (!result.ok()) return Fail(result.status());
@@ -313,10 +188,21 @@ int RunPlan(int argc, char** argv) {
   }
   const Distribution timing = Summarize(seconds);
 
-  Json out;
-  out["phy2log"] = plan->phy2log;
-  out["log2phy"] = plan->log2phy;
-  out["logcnt"] = plan->logcnt;
+  // Nested per layer (and per expert for log2phy), as EPLB's tensors print.
+  const auto slice = [](const std::vector<int32_t>& flat, size_t row, size_t width) {
+    return std::vector<int32_t>(flat.begin() + row * width, flat.begin() + (row + 1) * width);
+  };
+  Json out = {{"phy2log", Json::array()}, {"log2phy", Json::array()}, {"logcnt", Json::array()}};
+  const size_t experts = static_cast<size_t>(plan->num_experts);
+  for (size_t l = 0; l < static_cast<size_t>(plan->num_layers); ++l) {
+    out["phy2log"].push_back(slice(plan->phy2log, l, static_cast<size_t>(plan->num_replicas)));
+    out["logcnt"].push_back(slice(plan->logcnt, l, experts));
+    Json& experts_of_layer = out["log2phy"].emplace_back(Json::array());
+    for (size_t e = 0; e < experts; ++e) {
+      experts_of_layer.push_back(
+          slice(plan->log2phy, l * experts + e, static_cast<size_t>(plan->max_copies)));
+    }
+  }
   out["policy"] = policy_name;
   out["timing"] = {{"median_seconds", timing.p50}, {"repeat", repeat}};
   const std::string text = out.dump() + "\n";

@@ -4,6 +4,8 @@
 // scheduling.
 #include "tools/replay.h"
 
+#include "keel/replay.hpp"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -452,4 +454,35 @@ nlohmann::json ReplayReportToJson(const ReplayReport& report, bool include_serie
   return json;
 }
 
+KeelConfig ConfigFittingTrace(const Trace& trace) {
+  KeelConfig config;
+  if (trace.num_sources > 0) {
+    const int ranks = trace.num_sources;
+    const bool whole_nodes = ranks > 8 && ranks % 8 == 0;
+    config.topology.num_nodes = whole_nodes ? ranks / 8 : 1;
+    config.topology.gpus_per_node = whole_nodes ? 8 : ranks;
+  }
+  const int ranks = config.num_ranks();
+  const int needed = (trace.num_experts + ranks - 1) / ranks + 1;
+  config.slots.persistent_per_rank = std::max(config.slots.persistent_per_rank, needed);
+  return config;
+}
+
 }  // namespace keel::tools
+
+namespace keel {
+
+Result<std::string> ReplayToJson(const ReplayRequest& request) {
+  if (request.trace == nullptr) return InvalidArgument("trace is null");
+  KEEL_RETURN_IF_ERROR(request.trace->Validate());
+  const KeelConfig config = request.config != nullptr ? TypedConfig(*request.config)
+                                                      : tools::ConfigFittingTrace(*request.trace);
+  tools::ReplayOptions options;
+  options.policies = request.policies;
+  options.oracle = request.oracle;
+  KEEL_ASSIGN_OR_RETURN(tools::ReplayReport report,
+                        tools::ReplayTrace(*request.trace, config, options));
+  return tools::ReplayReportToJson(report, request.include_series).dump(2) + "\n";
+}
+
+}  // namespace keel

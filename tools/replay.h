@@ -12,7 +12,7 @@
 
 #include "common/config.h"
 #include "common/file.h"
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "monitor/trace.h"
 #include "placement/cost_model.h"
 #include "placement/placement.h"
@@ -115,6 +115,11 @@ struct ReplayReport {
 // policy error (naming the policy, step and layer), or kAborted when on_step_end stopped it.
 Result<ReplayReport> ReplayTrace(const Trace& trace, const KeelConfig& config,
                                  const ReplayOptions& options);
+
+// Without a config the topology follows the trace: one rank per recorded source (nodes of 8
+// GPUs when the count allows), and at least one spare persistent slot per rank beyond what the
+// experts need, so that replicating policies have room to act.
+KeelConfig ConfigFittingTrace(const Trace& trace);
 
 // The report as JSON: trace shape, config summary, mode, "policies": {name: metrics}, and
 // "wall_seconds". `include_series` adds each policy's per-step series (compact: 4 significant

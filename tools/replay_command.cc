@@ -37,23 +37,6 @@ int Fail(const Status& status) {
   return ExitCodeFor(status);
 }
 
-// Without --config the topology follows the trace: one rank per recorded source (nodes of 8
-// GPUs when the count allows), and at least one spare persistent slot per rank beyond what the
-// experts need, so that replicating policies have room to act.
-KeelConfig ConfigFittingTrace(const Trace& trace) {
-  KeelConfig config;
-  if (trace.num_sources > 0) {
-    const int ranks = trace.num_sources;
-    const bool whole_nodes = ranks > 8 && ranks % 8 == 0;
-    config.topology.num_nodes = whole_nodes ? ranks / 8 : 1;
-    config.topology.gpus_per_node = whole_nodes ? 8 : ranks;
-  }
-  const int ranks = config.num_ranks();
-  const int needed = (trace.num_experts + ranks - 1) / ranks + 1;
-  config.slots.persistent_per_rank = std::max(config.slots.persistent_per_rank, needed);
-  return config;
-}
-
 void PrintSummary(const ReplayReport& report) {
   std::printf("\n%s: %d steps x %d layers x %d experts on %d x %d GPUs (%d slots each), %s\n\n",
               report.trace_description.empty() ? "trace" : report.trace_description.c_str(),

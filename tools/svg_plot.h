@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "tools/replay.h"
 
 namespace keel::tools {

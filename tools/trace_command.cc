@@ -9,7 +9,7 @@
 #include <string_view>
 #include <vector>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "monitor/trace.h"
 #include "monitor/trace_import.h"
 #include "tools/commands.h"

@@ -22,7 +22,7 @@
 #include <utility>
 #include <vector>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "kernels/checksum.h"
 #include "kernels/condense.h"
 #include "kernels/device.h"

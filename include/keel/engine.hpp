@@ -7,19 +7,18 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
-#include "common/config.h"
-#include "common/status.h"
-#include "migration/communicator.h"
-#include "migration/transport.h"
-#include "migration/transport_local.h"
-#include "placement/placement.h"
+#include "keel/communicator.hpp"
+#include "keel/config.hpp"
+#include "keel/local_group.hpp"
+#include "keel/status.hpp"
+#include "keel/transport.hpp"
 
 namespace keel {
-
-class Metrics;
 
 // Where the registered buffers live. Device buffers need a build with CUDA.
 enum class MemoryKind { kHost, kDevice };
@@ -41,21 +40,41 @@ struct ExpertShape {
 };
 
 struct EngineOptions {
-  KeelConfig config;  // validated; config.num_ranks() must equal communicator->size()
+  // The configuration (docs/config.md): `config`, YAML text `config_yaml`, or a YAML file
+  // `config_path`; at most one of the three. None: every key at its default, with the topology
+  // set to one node of communicator->size() ranks. Its ranks (topology.num_nodes x
+  // topology.gpus_per_node) must equal communicator->size().
+  std::optional<Config> config;
+  std::string config_yaml;
+  std::string config_path;
   int num_layers = 1;
   int num_experts = 1;
   int top_k = 1;  // routing choices per token
   ExpertShape shape;
   // This rank's communicator (rank and size come from it); must outlive the engine.
   Communicator* communicator = nullptr;
-  // The migration transport. Null: the engine creates config.migration.transport over the
-  // communicator ("local" then needs `fabric`, shared by the ranks of this process).
+  // The migration transport; must outlive the engine. Null: the engine creates the one that
+  // migration.transport names, over the communicator: "ucx" and "nccl" bootstrap over it,
+  // "local" connects to `local_group` (the group the communicator joined).
   Transport* transport = nullptr;
-  LocalFabric* fabric = nullptr;
-  // Metrics to record into (may be shared by the ranks of one process; only
-  // config.monitor.aggregating_rank records). Null: that rank creates its own and serves it on
-  // config.monitor.metrics_address when one is set.
-  Metrics* metrics = nullptr;
+  LocalGroup* local_group = nullptr;
+};
+
+// A layer's placement in force, in DeepSeek EPLB's shapes (the same on every rank).
+struct LayerPlacement {
+  int num_experts = 0;
+  int num_ranks = 0;
+  int slots_per_rank = 0;  // persistent
+  int max_copies = 0;      // the width of log2phy
+  // [num_ranks * slots_per_rank] int32: the expert each persistent slot holds, -1 for none; slot
+  // s lives on rank s / slots_per_rank.
+  std::vector<int32_t> phy2log;
+  // [num_experts, max_copies] int32: the slots holding each expert, ascending, padded with -1.
+  std::vector<int32_t> log2phy;
+  std::vector<int32_t> logcnt;  // [num_experts] int32: copies per expert
+  std::vector<int32_t> home;    // [num_experts] int32: the rank of each expert's home
+
+  int expert_at(int slot) const { return phy2log[static_cast<size_t>(slot)]; }
 };
 
 // One slot's buffers, registered by the trainer before the first Route.
@@ -177,14 +196,16 @@ class Engine {
 
   // This rank's home slots of `layer` under the placement in force.
   std::vector<HomeSlot> HomeSlots(int layer) const;
-  // The placement in force for `layer` (same on every rank).
-  const Placement& placement(int layer) const;
+  // The placement in force for `layer` (same on every rank); empty for a layer out of range.
+  LayerPlacement placement(int layer) const;
   int64_t epoch() const;
   EngineStats stats() const;
 
  private:
   class Impl;
   explicit Engine(std::unique_ptr<Impl> impl);
+  // Keel's own programs create engines with internal options too (engine/engine_internal.h).
+  friend class EngineFactory;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -1,6 +1,6 @@
 // Tests of keel::Status, keel::Result and the KEEL_RETURN_IF_ERROR / KEEL_ASSIGN_OR_RETURN macros:
 // codes, messages, context prefixes and early returns.
-#include "common/status.h"
+#include "keel/status.hpp"
 
 #include <gtest/gtest.h>
 

@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <utility>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "placement/topology.h"
 
 namespace keel::testing {

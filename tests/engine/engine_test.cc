@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "kernels/remap.h"
+#include "migration/communicator.h"
 #include "monitor/metrics.h"
 #include "monitor/trace.h"
 #include "tests/common/test_util.h"
@@ -64,10 +65,10 @@ void ExpectRoutingAgrees(const TrainingRun& run, int /*steps*/) {
 }
 
 // One rank's options for the small tests below: the toy sizes, 8-byte slot regions.
-EngineOptions SmallOptions(const std::string& policy, int num_layers, Communicator* communicator,
-                           LocalFabric* fabric) {
+EngineOptions SmallOptions(const KeelConfig& config, int num_layers, Communicator* communicator,
+                           LocalGroup* group) {
   EngineOptions options;
-  options.config = TestConfig(policy);
+  options.config = MakeConfig(config);
   options.num_layers = num_layers;
   options.num_experts = kExperts;
   options.top_k = kTopK;
@@ -75,8 +76,13 @@ EngineOptions SmallOptions(const std::string& policy, int num_layers, Communicat
   options.shape.gradient_bytes = 8;
   options.shape.optimizer_bytes = 8;
   options.communicator = communicator;
-  options.fabric = fabric;
+  options.local_group = group;
   return options;
+}
+
+// A group of `ranks` thread-ranks; the tests cannot go on without it.
+std::unique_ptr<LocalGroup> MakeGroup(int ranks) {
+  return testing::ValueOrDie(LocalGroup::Create(ranks));
 }
 
 TEST(EngineTest, StaticPolicyTrainsExactlyAndNeverMigrates) {
@@ -175,8 +181,7 @@ TEST(EngineTest, RecordsTraceAndMetrics) {
 // kFloat32 sums depend on their order; the engine's fixed order gives the same bits every run.
 TEST(EngineTest, FloatGradientReductionIsDeterministic) {
   auto run_once = [] {
-    LocalCommunicatorGroup group(kRanks);
-    LocalFabric fabric(kRanks);
+    std::unique_ptr<LocalGroup> group = MakeGroup(kRanks);
     std::vector<std::vector<float>> homes(kRanks);
     std::vector<Status> status(kRanks);
     std::atomic<int> transient_copies{0};
@@ -184,8 +189,9 @@ TEST(EngineTest, FloatGradientReductionIsDeterministic) {
     for (int r = 0; r < kRanks; ++r) {
       threads.emplace_back([&, r] {
         status[r] = [&]() -> Status {
-          auto communicator = group.Join(r);
-          EngineOptions options = SmallOptions("keel", 1, communicator.get(), &fabric);
+          KEEL_ASSIGN_OR_RETURN(auto communicator, group->Join(r));
+          EngineOptions options =
+              SmallOptions(TestConfig("keel"), 1, communicator.get(), group.get());
           options.shape.weight_bytes = 16;
           options.shape.gradient_bytes = kWeightWords * sizeof(float);
           options.shape.optimizer_bytes = 16;
@@ -242,17 +248,17 @@ TEST(EngineTest, FloatGradientReductionIsDeterministic) {
 // get exactly what Route gives. Layers 0 and 1 start with the same placement, so routing the same
 // ids through each path must agree field by field.
 TEST(EngineTest, RouteCountsPlusTheRemapKernelEqualsRoute) {
-  LocalCommunicatorGroup group(kRanks);
-  LocalFabric fabric(kRanks);
+  std::unique_ptr<LocalGroup> group = MakeGroup(kRanks);
   std::vector<Status> status(kRanks);
   std::atomic<int> split_experts{0};
   std::vector<std::thread> threads;
   for (int r = 0; r < kRanks; ++r) {
     threads.emplace_back([&, r] {
       status[r] = [&]() -> Status {
-        auto communicator = group.Join(r);
-        KEEL_ASSIGN_OR_RETURN(auto engine,
-                              Engine::Create(SmallOptions("keel", 2, communicator.get(), &fabric)));
+        KEEL_ASSIGN_OR_RETURN(auto communicator, group->Join(r));
+        KEEL_ASSIGN_OR_RETURN(auto engine, Engine::Create(SmallOptions(TestConfig("keel"), 2,
+                                                                       communicator.get(),
+                                                                       group.get())));
         std::vector<std::byte> buffer(8);
         for (int l = 0; l < 2; ++l) {
           for (int i = 0; i < engine->local_slots(); ++i) {
@@ -308,13 +314,13 @@ TEST(EngineTest, RouteCountsPlusTheRemapKernelEqualsRoute) {
 }
 
 TEST(EngineTest, RouteCountsRejectsBadCountsNamingThem) {
-  LocalCommunicatorGroup group(1);
-  auto communicator = group.Join(0);
-  LocalFabric fabric(1);
-  EngineOptions options = SmallOptions("static", 1, communicator.get(), &fabric);
-  options.config.topology.gpus_per_node = 1;
-  options.config.slots.persistent_per_rank = kExperts;
-  options.config.slots.transient_per_rank = 0;
+  std::unique_ptr<LocalGroup> group = MakeGroup(1);
+  auto communicator = testing::ValueOrDie(group->Join(0));
+  KeelConfig config = TestConfig("static");
+  config.topology.gpus_per_node = 1;
+  config.slots.persistent_per_rank = kExperts;
+  config.slots.transient_per_rank = 0;
+  EngineOptions options = SmallOptions(config, 1, communicator.get(), group.get());
   auto engine = testing::ValueOrDie(Engine::Create(options));
   std::vector<std::byte> buffer(8);
   for (int i = 0; i < engine->local_slots(); ++i) {
@@ -336,18 +342,18 @@ TEST(EngineTest, RouteCountsRejectsBadCountsNamingThem) {
 }
 
 TEST(EngineTest, CreateRejectsBadOptionsNamingTheField) {
-  LocalCommunicatorGroup group(1);
-  auto communicator = group.Join(0);
-  LocalFabric fabric(1);
+  std::unique_ptr<LocalGroup> group = MakeGroup(1);
+  auto communicator = testing::ValueOrDie(group->Join(0));
+  KeelConfig config = TestConfig("keel");
+  config.topology.gpus_per_node = 1;
+  config.slots.persistent_per_rank = kExperts;
   EngineOptions options;
-  options.config = TestConfig("keel");
-  options.config.topology.gpus_per_node = 1;
-  options.config.slots.persistent_per_rank = kExperts;
+  options.config = MakeConfig(config);
   options.num_experts = kExperts;
   options.shape.weight_bytes = 8;
   options.shape.gradient_bytes = 8;
   options.communicator = communicator.get();
-  options.fabric = &fabric;
+  options.local_group = group.get();
   {
     EngineOptions bad = options;
     bad.num_layers = 0;
@@ -363,11 +369,46 @@ TEST(EngineTest, CreateRejectsBadOptionsNamingTheField) {
     EXPECT_NE(engine.status().ToString().find("shape.gradient_bytes = 6"), std::string::npos);
   }
   {
+    KeelConfig two_ranks = config;
+    two_ranks.topology.gpus_per_node = 2;
     EngineOptions bad = options;
-    bad.config.topology.gpus_per_node = 2;
+    bad.config = MakeConfig(two_ranks);
     auto engine = Engine::Create(bad);
     ASSERT_FALSE(engine.ok());
     EXPECT_NE(engine.status().ToString().find("topology"), std::string::npos);
+  }
+  {
+    EngineOptions bad = options;
+    bad.config_path = "/nonexistent/keel.yaml";
+    auto engine = Engine::Create(bad);
+    ASSERT_FALSE(engine.ok());
+    EXPECT_NE(engine.status().ToString().find("more than one of config, config_yaml and "
+                                              "config_path is set (config_path = "
+                                              "\"/nonexistent/keel.yaml\")"),
+              std::string::npos);
+  }
+  {
+    EngineOptions bad = options;
+    bad.config.reset();
+    bad.config_yaml = "policy: {name: roundrobin}\n";
+    auto engine = Engine::Create(bad);
+    ASSERT_FALSE(engine.ok());
+    EXPECT_NE(engine.status().ToString().find("config_yaml:1"), std::string::npos)
+        << engine.status().ToString();
+    EXPECT_NE(engine.status().ToString().find("roundrobin"), std::string::npos);
+  }
+  {
+    // No config: the defaults, sized to the communicator (one rank here), which the local
+    // transport then needs a group or a transport for.
+    EngineOptions defaults = options;
+    defaults.config.reset();
+    defaults.num_experts = 2;  // fits the default slots
+    defaults.local_group = nullptr;
+    auto engine = Engine::Create(defaults);
+    ASSERT_FALSE(engine.ok());
+    EXPECT_NE(engine.status().ToString().find("neither options.transport nor options.local_group"),
+              std::string::npos)
+        << engine.status().ToString();
   }
   auto engine = Engine::Create(options);
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();

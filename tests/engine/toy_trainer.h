@@ -11,9 +11,13 @@
 #include <tuple>
 #include <vector>
 
-#include "common/status.h"
+#include "common/config.h"
+#include "engine/engine_internal.h"
 #include "keel/engine.hpp"
+#include "keel/status.hpp"
 #include "migration/transfer_plan.h"
+#include "migration/transport_local.h"
+#include "placement/placement.h"
 
 namespace keel::toy {
 
@@ -87,14 +91,23 @@ struct RankRecord {
   int slots_per_rank = 0;
 };
 
+// The engine's public placement as the placement module's type, for its helpers (HomeSlot).
+inline Result<Placement> ToPlacement(const LayerPlacement& p) {
+  return Placement::Create(p.num_experts, p.num_ranks,
+                           std::vector<int>(p.phy2log.begin(), p.phy2log.end()),
+                           std::vector<int>(p.home.begin(), p.home.end()));
+}
+
 // Trains `steps` steps of the toy model on this rank; `fabric` is null unless the migration
 // transport is local.
 inline Status RunRank(const KeelConfig& config, int steps, Communicator& communicator,
                       LocalFabric* fabric, RankBuffers& mine, RankRecord& record,
                       Metrics* metrics = nullptr) {
   const int rank = communicator.rank();
+  // The transport outlives the engine, which is declared after it.
+  std::unique_ptr<Transport> transport = fabric != nullptr ? fabric->Connect(rank) : nullptr;
   EngineOptions options;
-  options.config = config;
+  options.config = MakeConfig(config);
   options.num_layers = kLayers;
   options.num_experts = kExperts;
   options.top_k = kTopK;
@@ -103,9 +116,8 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
   options.shape.optimizer_bytes = kWeightWords * sizeof(double);
   options.shape.gradient_type = GradientType::kFixedInt64;
   options.communicator = &communicator;
-  options.fabric = fabric;
-  options.metrics = metrics;
-  KEEL_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(options));
+  options.transport = transport.get();
+  KEEL_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, EngineFactory::Create(options, metrics));
   const int local_slots = engine->local_slots();
   const int slots_per_rank = engine->slots_per_rank();
   record.local_slots = local_slots;
@@ -149,7 +161,7 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
       for (int64_t c : route.send_counts) sent_total += c;
       if (sent_total != valid) return Internal("send_counts do not add up to the valid choices");
       // Every routed choice lands on a copy of the expert it asked for.
-      const Placement& placement = engine->placement(l);
+      KEEL_ASSIGN_OR_RETURN(const Placement placement, ToPlacement(engine->placement(l)));
       for (size_t i = 0; i < ids.size(); ++i) {
         const int slot = route.slot[i];
         if (slot < 0) continue;
@@ -184,7 +196,10 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
     KEEL_RETURN_IF_ERROR(engine->StepEnd());
     record.epoch_after_step.push_back(engine->epoch());
   }
-  for (int l = 0; l < kLayers; ++l) record.final_placements.push_back(engine->placement(l));
+  for (int l = 0; l < kLayers; ++l) {
+    KEEL_ASSIGN_OR_RETURN(Placement placement, ToPlacement(engine->placement(l)));
+    record.final_placements.push_back(std::move(placement));
+  }
   record.stats = engine->stats();
   return Status::Ok();
 }

@@ -9,8 +9,9 @@
 #include <thread>
 #include <vector>
 
-#include "common/status.h"
+#include "keel/status.hpp"
 #include "kernels/checksum.h"
+#include "migration/device_memory.h"
 #include "migration/exchange.h"
 #include "migration/expert_store.h"
 #include "migration/transfer_plan.h"

@@ -1,6 +1,6 @@
 // The Transport interface: tagged, non-blocking point-to-point messages between ranks, the one
-// thing the migrator needs from a backend. Backends: local (ranks as threads, transport_local.h),
-// ucx (UCP between processes, transport_ucx.h) and nccl (GPU memory, transport_nccl.h).
+// thing migration needs from a backend. Keel's backends are chosen by name in the config
+// (migration.transport: local, ucx, nccl); a trainer may pass its own implementation instead.
 #pragma once
 
 #include <cstddef>
@@ -8,10 +8,12 @@
 #include <optional>
 #include <string_view>
 
-#include "common/status.h"
-#include "migration/device_memory.h"
+#include "keel/status.hpp"
 
 namespace keel {
+
+// Device memory as migration sees it (Keel's own backends only; see device_memory() below).
+class DeviceMemory;
 
 // Identifies one posted send or receive within its transport.
 using RequestId = uint64_t;
@@ -48,7 +50,7 @@ class Transport {
 
   // The device memory whose buffers PostSend and PostRecv accept besides host memory, so that
   // callers checksum and copy such buffers through it instead of touching them from the CPU;
-  // nullptr when the transport moves host memory only.
+  // nullptr when the transport moves host memory only (every transport written outside Keel).
   virtual DeviceMemory* device_memory() { return nullptr; }
 };
 

@@ -1,6 +1,6 @@
-// Keel's one error model: Status for operations that return nothing, Result<T> for those that
-// return a value. Exceptions never cross a module, thread or C API boundary; the code that first
-// detects an error names the bad field and value in the message.
+// Keel's one error model, inside the library and at its C++ API: Status for operations that
+// return nothing, Result<T> for those that return a value. Exceptions never cross a module, thread
+// or API boundary; the code that first detects an error names the bad field and value.
 #pragma once
 
 #include <cassert>

@@ -1,0 +1,260 @@
+"""keel.Engine: one rank's Keel runtime for a Python trainer.
+
+Per step, for every MoE layer in order: :meth:`Engine.route` (collective) turns the router's
+``topk_ids`` into a physical slot per (token, k) plus the all-to-all splits. After backward,
+:meth:`Engine.reduce_gradients` (collective) folds every replica's gradient into its expert's
+home; the optimizer then runs on the home slots (:meth:`Engine.home_slots`); afterwards
+:meth:`Engine.step_end` (collective) pushes the new weights to the replicas and plans and migrates
+the next placement in the background. :mod:`keel.torch` wraps all of this in a dispatcher; use
+this class directly to drive your own dispatch.
+
+Buffers are registered by address: the engine reads and writes a slot's tensors in place (also
+from its migration thread while forward and backward run), so they must stay alive and at the
+same address; the engine keeps a reference to each.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+from keel import _keel
+from keel._errors import InvalidArgumentError
+
+_GRADIENT_TYPES = {"float32": "float32", "float64": "float64", "fixed_int64": "int64"}
+
+
+def _torch() -> Any:
+    import torch
+    return torch
+
+
+class Route(NamedTuple):
+    """One layer's routing on this rank."""
+
+    slot: Any           #: [num_tokens, top_k] int32: physical slot of each (token, k), -1 dropped
+    send_counts: Any    #: [num_ranks] int64: rows this rank sends to each rank (dispatch split)
+    recv_counts: Any    #: [num_ranks, local_slots] int64: rows each rank sends to each local slot
+    recv_totals: Any    #: [num_ranks] int64: rows received from each rank (combine split)
+    local_experts: List[int]  #: [local_slots] expert of each local slot this step, -1 for none
+    epoch: int          #: the placement epoch this routing used
+
+
+def check_tensor(name: str, tensor: Any, dtypes: Tuple[Any, ...], dims: Optional[int] = None,
+                 shape: Optional[Tuple[Optional[int], ...]] = None) -> None:
+    """Raises InvalidArgumentError naming `name` unless `tensor` is a CPU torch tensor of one of
+    `dtypes` with `dims` dimensions (or `shape`, None entries free)."""
+    torch = _torch()
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in dtypes:
+        expected = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise InvalidArgumentError(
+            f"{name} has dtype {str(tensor.dtype).replace('torch.', '')}, expected {expected}")
+    if tensor.device.type != "cpu":
+        raise InvalidArgumentError(
+            f"{name} is on device {tensor.device}; this release of keel takes host (CPU) "
+            f"tensors only")
+    if shape is not None:
+        dims = len(shape)
+    if dims is not None and tensor.dim() != dims:
+        raise InvalidArgumentError(
+            f"{name} has shape {list(tensor.shape)}, expected {dims} dimensions"
+            + (f" {list(shape)}" if shape is not None else ""))
+    if shape is not None:
+        for axis, (got, want) in enumerate(zip(tensor.shape, shape)):
+            if want is not None and got != want:
+                raise InvalidArgumentError(
+                    f"{name} has shape {list(tensor.shape)}: dimension {axis} is {got}, "
+                    f"expected {want}")
+
+
+class Engine:
+    """One rank's engine. Collective: every rank creates it with the same config and shapes.
+
+    Args:
+        communicator: this rank's collectives: an object with ``rank``, ``size`` and the methods
+            of :class:`keel.torch.ProcessGroupCommunicator` (which runs them over a
+            ``torch.distributed`` group).
+        config: a :class:`keel.Config`, a dict of keys (docs/config.md), or None for the
+            defaults with one node of ``communicator.size`` ranks. Its ranks must equal the
+            communicator's size. Expert state moves over ``migration.transport`` (``ucx`` for
+            ranks in separate processes, bootstrapped over the communicator).
+        num_layers, num_experts, top_k: the model's MoE shape.
+        weight_bytes: one expert's working weights in bytes (every copy).
+        gradient_bytes: one expert's gradient buffer in bytes (every copy).
+        optimizer_bytes: a home's optimizer state in bytes (moves with the home); 0 for none.
+        gradient_type: element type of gradient buffers: ``float32``, ``float64`` or
+            ``fixed_int64``.
+    """
+
+    def __init__(self, communicator: Any, *, config: Any = None, num_layers: int,
+                 num_experts: int, top_k: int, weight_bytes: int, gradient_bytes: int,
+                 optimizer_bytes: int = 0, gradient_type: str = "float32") -> None:
+        from keel import Config
+        if isinstance(config, dict):
+            config = Config.from_dict(config)
+        if config is not None and not isinstance(config, Config):
+            raise InvalidArgumentError(
+                f"config must be a keel.Config, a dict or None, got {type(config).__name__}")
+        if gradient_type not in _GRADIENT_TYPES:
+            raise InvalidArgumentError(f"gradient_type = {gradient_type!r} is not one of "
+                                       f"{', '.join(_GRADIENT_TYPES)}")
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.weight_bytes = weight_bytes
+        self.gradient_bytes = gradient_bytes
+        self.optimizer_bytes = optimizer_bytes
+        self.gradient_type = gradient_type
+        self._native = _keel.Engine(
+            communicator, config=config._native if config is not None else None,
+            num_layers=num_layers, num_experts=num_experts, top_k=top_k,
+            weight_bytes=weight_bytes, gradient_bytes=gradient_bytes,
+            optimizer_bytes=optimizer_bytes, gradient_type=gradient_type)
+        self._buffers: Dict[Tuple[int, int], Tuple[Any, ...]] = {}
+        self._slot_of_entries: Optional[Any] = None
+
+    # --- shape of this rank ---------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._native.rank
+
+    @property
+    def num_ranks(self) -> int:
+        return self._native.num_ranks
+
+    @property
+    def slots_per_rank(self) -> int:
+        """Persistent slots per rank and layer: they hold the placement's experts."""
+        return self._native.slots_per_rank
+
+    @property
+    def transient_per_rank(self) -> int:
+        """Transient slots per rank and layer: filled each step with a replica for a burst."""
+        return self._native.transient_per_rank
+
+    @property
+    def local_slots(self) -> int:
+        return self.slots_per_rank + self.transient_per_rank
+
+    @property
+    def epoch(self) -> int:
+        """The placement epoch in force (the same on every rank)."""
+        return self._native.epoch
+
+    # --- buffers --------------------------------------------------------------------------------
+    def register_slot(self, layer: int, local_slot: int, weights: Any, gradients: Any,
+                      optimizer: Any = None) -> None:
+        """Registers this rank's buffers of one slot; every slot of every layer before the first
+        route. Local slots ``[0, slots_per_rank)`` are persistent, the rest transient.
+
+        Args:
+            weights: contiguous CPU tensor of at least ``weight_bytes`` bytes (any dtype).
+            gradients: contiguous CPU tensor of at least ``gradient_bytes`` bytes, elements of
+                ``gradient_type``.
+            optimizer: contiguous CPU tensor of at least ``optimizer_bytes`` bytes for a
+                persistent slot (any persistent slot can become a home); None for a transient
+                slot.
+        """
+        torch = _torch()
+        persistent = 0 <= local_slot < self.slots_per_rank
+        pointers = []
+        for name, tensor, size in (("weights", weights, self.weight_bytes),
+                                   ("gradients", gradients, self.gradient_bytes),
+                                   ("optimizer", optimizer, self.optimizer_bytes)):
+            if tensor is None:
+                pointers.append(0)
+                continue
+            if not isinstance(tensor, torch.Tensor):
+                raise InvalidArgumentError(
+                    f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+            if tensor.device.type != "cpu":
+                raise InvalidArgumentError(f"{name} is on device {tensor.device}; this release "
+                                           f"of keel takes host (CPU) tensors only")
+            if not tensor.is_contiguous():
+                raise InvalidArgumentError(f"{name} of layer {layer} slot {local_slot} is not "
+                                           f"contiguous")
+            nbytes = tensor.numel() * tensor.element_size()
+            if nbytes < size:
+                raise InvalidArgumentError(
+                    f"{name} of layer {layer} slot {local_slot} holds {nbytes} bytes, fewer than "
+                    f"{name.rstrip('s')}_bytes = {size}")
+            pointers.append(tensor.data_ptr())
+        expected = _GRADIENT_TYPES[self.gradient_type]
+        if gradients is not None and str(gradients.dtype) != f"torch.{expected}":
+            raise InvalidArgumentError(
+                f"gradients of layer {layer} slot {local_slot} have dtype "
+                f"{str(gradients.dtype).replace('torch.', '')}, but gradient_type is "
+                f"{self.gradient_type} ({expected} elements)")
+        if not persistent and optimizer is not None:
+            raise InvalidArgumentError(f"local_slot {local_slot} is transient: it never holds a "
+                                       f"home, so it takes no optimizer buffer")
+        self._native.register_slot(layer, local_slot, *pointers)
+        self._buffers[(layer, local_slot)] = (weights, gradients, optimizer)
+
+    # --- per step -------------------------------------------------------------------------------
+    def route(self, layer: int, topk_ids: Any) -> Route:
+        """Routes one layer's tokens. Collective per layer, in layer order.
+
+        Args:
+            topk_ids: ``[num_tokens, top_k]`` int32 or int64 CPU tensor of logical expert ids
+                in ``[0, num_experts)``, -1 for a dropped choice.
+
+        Raises:
+            InvalidArgumentError: a bad dtype, shape, device or expert id (named by its index).
+            DeadlineExceededError / AbortedError: a peer stalled or died.
+        """
+        torch = _torch()
+        check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), shape=(None, self.top_k))
+        ids = topk_ids.to(torch.int32).contiguous()
+        slot = torch.empty(ids.shape, dtype=torch.int32)
+        answer = self._native.route(layer, ids.data_ptr(), ids.numel(), slot.data_ptr())
+        return Route(slot=slot,
+                     send_counts=torch.tensor(answer["send_counts"], dtype=torch.int64),
+                     recv_counts=torch.tensor(answer["recv_counts"], dtype=torch.int64)
+                     .reshape(self.num_ranks, self.local_slots),
+                     recv_totals=torch.tensor(answer["recv_totals"], dtype=torch.int64),
+                     local_experts=list(answer["local_experts"]),
+                     epoch=int(answer["epoch"]))
+
+    def reduce_gradients(self) -> None:
+        """Collective, after backward and before the optimizer: commits a migrated placement
+        every rank verified (or discards it), then adds every copy's gradient into its expert's
+        home slot in a fixed order."""
+        self._native.reduce_gradients()
+
+    def step_end(self) -> None:
+        """Collective, after the optimizer updated the homes: copies each home's weights to its
+        replicas, feeds the load estimator and plans the next placement in the background."""
+        self._native.step_end()
+
+    # --- queries --------------------------------------------------------------------------------
+    def home_slots(self, layer: int) -> List[Tuple[int, int]]:
+        """``(expert, local_slot)`` of this rank's homes of ``layer``: where the optimizer runs."""
+        return [tuple(h) for h in self._native.home_slots(layer)]
+
+    def placement(self, layer: int) -> Dict[str, Any]:
+        """The placement in force (same on every rank): ``phy2log`` ``[num_ranks *
+        slots_per_rank]``, ``log2phy`` ``[num_experts, max_copies]``, ``logcnt`` and ``home``
+        ``[num_experts]``, as int64 tensors."""
+        torch = _torch()
+        p = self._native.placement(layer)
+        return {"phy2log": torch.tensor(p["phy2log"], dtype=torch.int64),
+                "log2phy": torch.tensor(p["log2phy"], dtype=torch.int64)
+                .reshape(p["num_experts"], p["max_copies"]),
+                "logcnt": torch.tensor(p["logcnt"], dtype=torch.int64),
+                "home": torch.tensor(p["home"], dtype=torch.int64)}
+
+    def locate_slot(self, slot: int) -> Tuple[int, int]:
+        """``(rank, local_slot)`` of a physical slot of :attr:`Route.slot`."""
+        return tuple(self._native.locate_slot(slot))
+
+    def stats(self) -> Dict[str, Any]:
+        """What the engine did so far on this rank: steps, epochs committed and aborted, bytes
+        moved, seconds in route and control, the last abort's reason."""
+        return dict(self._native.stats())
+
+    def close(self) -> None:
+        """Cancels a running migration, stops the planner thread and releases the buffers."""
+        self._native.close()
+        self._buffers.clear()

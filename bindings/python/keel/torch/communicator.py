@@ -1,0 +1,136 @@
+"""Keel's collectives over the trainer's own ``torch.distributed`` process group.
+
+The engine calls these methods from the thread that calls it (route, reduce_gradients,
+step_end), with the collective's deadline in seconds. Every operation is posted asynchronously and
+waited for with that deadline, so a stalled peer becomes a ``TimeoutError`` (the engine's
+DEADLINE_EXCEEDED) and a dead one the backend's error (ABORTED), never a hang. Sums are folded in
+rank order, so every rank gets the same bits on every run. Gloo runs on CPU tensors; an NCCL group
+runs the same code on the current CUDA device.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from keel._errors import FailedPreconditionError, InvalidArgumentError
+
+_DTYPES = {"int64": torch.int64, "float64": torch.float64}
+
+
+class ProcessGroupCommunicator:
+    """The collectives a :class:`keel.Engine` needs, over ``group`` (default: the whole world).
+
+    Args:
+        group: a process group of ``torch.distributed`` (initialized by the trainer), or None for
+            ``torch.distributed.group.WORLD``.
+    """
+
+    name = "torch.distributed"
+
+    def __init__(self, group: Any = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise FailedPreconditionError(
+                "torch.distributed is not initialized: call "
+                "torch.distributed.init_process_group(...) before creating keel's engine")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank: int = dist.get_rank(self.group)
+        self.size: int = dist.get_world_size(self.group)
+        if self.rank < 0:
+            raise InvalidArgumentError("this process is not a member of the given group")
+        backend = str(dist.get_backend(self.group)).lower()
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                       else torch.device("cpu"))
+        # Broadcast names its root by global rank; the group's members tell theirs (public API
+        # on every torch version).
+        me = torch.tensor([dist.get_rank()], dtype=torch.int64, device=self.device)
+        self._global_ranks = [int(r) for r in self._gather(me, 0, "rank exchange")]
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _wait(self, work: Any, timeout: float, what: str) -> None:
+        if timeout is None or timeout <= 0:
+            work.wait()
+            return
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+        except RuntimeError as error:
+            if "timed out" in str(error).lower():
+                raise TimeoutError(f"{what} did not complete within {timeout:g} s on rank "
+                                   f"{self.rank} of {self.size}: a peer stalled or died") from None
+            raise
+
+    def _gather(self, tensor: Any, timeout: float, what: str) -> List[Any]:
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._wait(dist.all_gather(parts, tensor, group=self.group, async_op=True), timeout, what)
+        return parts
+
+    def _bytes_tensor(self, data: Any) -> Any:
+        buffer = bytearray(data)
+        if not buffer:
+            return torch.empty(0, dtype=torch.uint8, device=self.device)
+        return torch.frombuffer(buffer, dtype=torch.uint8).to(self.device)
+
+    # --- the collectives ------------------------------------------------------------------------
+    def all_gather(self, mine: bytes, timeout: float) -> List[bytes]:
+        """Every rank's bytes, in rank order."""
+        length = torch.tensor([len(mine)], dtype=torch.int64, device=self.device)
+        lengths = [int(n) for n in self._gather(length, timeout, "all_gather (lengths)")]
+        longest = max(lengths)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        padded[:len(mine)] = self._bytes_tensor(mine)
+        parts = self._gather(padded, timeout, "all_gather")
+        return [part[:n].cpu().numpy().tobytes() for part, n in zip(parts, lengths)]
+
+    def barrier(self, timeout: float) -> None:
+        self._wait(dist.barrier(group=self.group, async_op=True), timeout, "barrier")
+
+    def all_reduce(self, values: memoryview, dtype: str, op: str, timeout: float) -> None:
+        """Reduces ``values`` (int64 or float64, in place) over the ranks: sum, min or max; sums
+        are folded in rank order so that every rank and run gets the same bits."""
+        local = torch.frombuffer(values, dtype=_DTYPES[dtype])
+        if local.numel() == 0:
+            return
+        parts = self._gather(local.to(self.device), timeout, f"all_reduce ({op})")
+        result = parts[0].clone()
+        for part in parts[1:]:
+            if op == "sum":
+                result += part
+            elif op == "min":
+                result = torch.minimum(result, part)
+            elif op == "max":
+                result = torch.maximum(result, part)
+            else:
+                raise InvalidArgumentError(f"op = {op!r} is not sum, min or max")
+        local.copy_(result.cpu())
+
+    def broadcast(self, data: bytes, root: int, timeout: float) -> bytes:
+        length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        source = self._global_ranks[root]
+        self._wait(dist.broadcast(length, source, group=self.group, async_op=True), timeout,
+                   "broadcast (length)")
+        payload = (self._bytes_tensor(data) if self.rank == root
+                   else torch.empty(int(length), dtype=torch.uint8, device=self.device))
+        if payload.numel() > 0:  # the same on every rank: the length was broadcast
+            self._wait(dist.broadcast(payload, source, group=self.group, async_op=True), timeout,
+                       "broadcast")
+        return payload.cpu().numpy().tobytes()
+
+    def all_to_all_v(self, send: memoryview, send_bytes: Sequence[int],
+                     timeout: float) -> Tuple[Any, List[int]]:
+        """Sends ``send_bytes[r]`` bytes of ``send`` (back to back in rank order) to each rank r;
+        returns what every rank sent here (a uint8 array) and how many bytes came from each."""
+        counts = torch.tensor(list(send_bytes), dtype=torch.int64, device=self.device)
+        recv_counts = torch.empty_like(counts)
+        self._wait(dist.all_to_all_single(recv_counts, counts, group=self.group, async_op=True),
+                   timeout, "all_to_all_v (sizes)")
+        recv_bytes = [int(n) for n in recv_counts.cpu()]
+        payload = self._bytes_tensor(send)
+        received = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=self.device)
+        # Every rank takes part, also one that sends and receives nothing.
+        self._wait(dist.all_to_all_single(received, payload, recv_bytes, list(send_bytes),
+                                          group=self.group, async_op=True),
+                   timeout, "all_to_all_v")
+        return received.cpu().numpy(), recv_bytes

@@ -1,0 +1,101 @@
+"""What one expert is: the shapes of its parameters and how it computes. Keel keeps every copy
+of an expert (home, replica, transient replica) as one contiguous float32 buffer per slot, split
+into these parameters, so the engine can move and add whole experts by address."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from keel._errors import InvalidArgumentError
+
+Params = Dict[str, torch.Tensor]
+
+
+class ExpertSpec:
+    """One expert's parameters and computation.
+
+    Args:
+        shapes: parameter name -> shape, in the order they are packed into a slot's buffer.
+        forward: ``forward(params, x) -> y``: ``x`` is ``[rows, input_size]`` float32, ``y``
+            ``[rows, output_size]``; ``params`` maps each name to a tensor of its shape.
+        init: ``init(generator) -> params`` with every parameter's initial value (float32); the
+            same generator state must give the same values on every rank.
+        input_size, output_size: the widths of ``x`` and ``y`` (the model's hidden size).
+    """
+
+    def __init__(self, shapes: Dict[str, Tuple[int, ...]],
+                 forward: Callable[[Params, torch.Tensor], torch.Tensor],
+                 init: Callable[[torch.Generator], Params], input_size: int,
+                 output_size: int) -> None:
+        if not shapes:
+            raise InvalidArgumentError("shapes is empty: an expert needs parameters")
+        self.shapes = {name: tuple(int(d) for d in shape) for name, shape in shapes.items()}
+        for name, shape in self.shapes.items():
+            if not shape or any(d < 1 for d in shape):
+                raise InvalidArgumentError(f"shapes[{name!r}] = {list(shape)} must be positive")
+        self.forward = forward
+        self.init = init
+        self.input_size = int(input_size)
+        self.output_size = int(output_size)
+        self.offsets: Dict[str, Tuple[int, int]] = {}
+        at = 0
+        for name, shape in self.shapes.items():
+            count = math.prod(shape)
+            self.offsets[name] = (at, count)
+            at += count
+        self.numel = at  # float32 values per slot
+
+    @property
+    def names(self) -> List[str]:
+        return list(self.shapes)
+
+    def views(self, flat: torch.Tensor) -> Params:
+        """Each parameter as a view of a slot's flat buffer ``[numel]``."""
+        return {name: flat[at:at + count].view(self.shapes[name])
+                for name, (at, count) in self.offsets.items()}
+
+    def pack(self, params: Params, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The parameters as one flat float32 buffer ``[numel]``; checks every name and shape."""
+        out = torch.empty(self.numel, dtype=torch.float32) if out is None else out
+        missing = set(self.shapes) - set(params)
+        if missing:
+            raise InvalidArgumentError(f"init gave no value for {sorted(missing)}")
+        for name, view in self.views(out).items():
+            value = params[name]
+            if tuple(value.shape) != self.shapes[name]:
+                raise InvalidArgumentError(f"init gave {name} of shape {list(value.shape)}, "
+                                           f"expected {list(self.shapes[name])}")
+            view.copy_(value)
+        return out
+
+
+def ffn_expert(hidden_size: int, ffn_size: int, activation: str = "gelu") -> ExpertSpec:
+    """The usual MoE expert: ``w2(act(w1 x))``, or ``w2(silu(w1 x) * w3 x)`` for ``swiglu``.
+
+    Parameters ``w1`` ``[hidden, ffn]``, ``w2`` ``[ffn, hidden]`` (and ``w3`` ``[hidden, ffn]``),
+    initialized like ``torch.nn.Linear`` (uniform in +-1/sqrt(fan_in)).
+    """
+    activations = {"gelu": torch.nn.functional.gelu, "relu": torch.relu}
+    if activation not in (*activations, "swiglu"):
+        raise InvalidArgumentError(f"activation = {activation!r} is not gelu, relu or swiglu")
+    shapes: Dict[str, Tuple[int, ...]] = {"w1": (hidden_size, ffn_size),
+                                          "w2": (ffn_size, hidden_size)}
+    if activation == "swiglu":
+        shapes["w3"] = (hidden_size, ffn_size)
+
+    def forward(p: Params, x: torch.Tensor) -> torch.Tensor:
+        if activation == "swiglu":
+            return (torch.nn.functional.silu(x @ p["w1"]) * (x @ p["w3"])) @ p["w2"]
+        return activations[activation](x @ p["w1"]) @ p["w2"]
+
+    def init(generator: torch.Generator) -> Params:
+        out = {}
+        for name, shape in shapes.items():
+            bound = 1.0 / math.sqrt(shape[0])
+            out[name] = (torch.rand(shape, generator=generator) * 2 - 1) * bound
+        return out
+
+    return ExpertSpec(shapes, forward, init, hidden_size, hidden_size)

@@ -1,0 +1,495 @@
+"""KeelMoE: Keel for the MoE layers of a PyTorch model.
+
+One :class:`keel.Engine` serves every MoE layer. Each layer's :class:`MoEDispatcher` takes the
+router's output and does what a Megatron- or torchtitan-style MoE layer's dispatcher does (route,
+all-to-all dispatch, local experts, all-to-all combine, weighted sum), with an autograd backward.
+Expert weights live in per-slot parameters whose memory the engine owns by address; the optimizer
+hooks (:meth:`KeelMoE.attach`) fold replica gradients into the homes before ``optimizer.step()``
+and push the homes' new weights to the replicas after it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from keel._errors import FailedPreconditionError, InternalError, InvalidArgumentError
+from keel.engine import Engine, check_tensor
+from keel.torch.communicator import ProcessGroupCommunicator
+from keel.torch.experts import ExpertSpec
+
+
+class StepTimes:
+    """CPU seconds of one step on this rank, per layer, the way separate GPUs would see them:
+    ``expert`` is the calling thread's time in the experts (forward and backward; run torch with
+    one intra-op thread), ``communication`` the process's time in route and the all-to-alls,
+    ``control`` in reduce_gradients, the optimizer and step_end."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.expert = [0.0] * num_layers
+        self.communication = [0.0] * num_layers
+        self.route = 0.0
+        self.control = 0.0
+        self.rows = [0] * num_layers  # rows this rank's experts computed, per layer
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to every rank by split sizes; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, send: List[int], recv: List[int],
+                exchange: Callable[[torch.Tensor, List[int], List[int]], torch.Tensor]) -> Any:
+        ctx.send, ctx.recv, ctx.exchange = send, recv, exchange
+        return exchange(rows, send, recv)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return ctx.exchange(grad.contiguous(), ctx.recv, ctx.send), None, None, None
+
+
+class _OnBackward(torch.autograd.Function):
+    """Identity whose backward calls ``hook`` when gradients pass: marks where the experts'
+    backward starts and ends, for timing."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, hook: Callable[[], None]) -> torch.Tensor:
+        ctx.hook = hook
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        ctx.hook()
+        return grad, None
+
+
+class MoEDispatcher(torch.nn.Module):
+    """One MoE layer's dispatcher and its slots' expert parameters (a ``torch.nn.Module``; put it
+    in your model so that ``model.parameters()`` includes the slots).
+
+    ``forward(hidden, topk_ids, topk_weights) -> out``:
+
+    - ``hidden``: ``[num_tokens, input_size]`` float32, this rank's tokens.
+    - ``topk_ids``: ``[num_tokens, top_k]`` int64 or int32, the router's expert per choice
+      (``-1`` drops a choice).
+    - ``topk_weights``: ``[num_tokens, top_k]`` float32, the router's gate weight per choice
+      (gradients flow back into it).
+    - ``out``: ``[num_tokens, output_size]`` float32, ``sum_k topk_weights[t, k] *
+      expert[topk_ids[t, k]](hidden[t])``, exactly what a dense MoE layer gives.
+
+    Collective: every rank calls every layer in the same order, forward and backward.
+    """
+
+    def __init__(self, moe: "KeelMoE", layer: int) -> None:
+        super().__init__()
+        self._moe = moe  # a plain attribute: the model's modules are the dispatchers, not KeelMoE
+        self.layer = layer
+        spec = moe.spec
+        engine = moe.engine
+        self.slots = torch.nn.ModuleList()
+        self.last_route: Optional[Any] = None
+        self._weights: List[torch.Tensor] = []
+        self._gradients: List[torch.Tensor] = []
+        self._optimizer: List[Optional[torch.Tensor]] = []
+        placement = engine.placement(layer)["phy2log"]
+        rank, per_rank = engine.rank, engine.slots_per_rank
+        for local in range(engine.local_slots):
+            weights = torch.zeros(spec.numel, dtype=torch.float32)
+            gradients = torch.zeros(spec.numel, dtype=torch.float32)
+            persistent = local < per_rank
+            optimizer = torch.zeros(moe.optimizer_floats, dtype=torch.float32) \
+                if persistent and moe.optimizer_floats > 0 else None
+            slot = torch.nn.ParameterDict()
+            for name, view in spec.views(weights).items():
+                slot[name] = torch.nn.Parameter(view)
+            self.slots.append(slot)
+            if persistent:
+                expert = int(placement[rank * per_rank + local])
+                if expert >= 0:
+                    spec.pack(moe.initial_expert(layer, expert), out=weights)
+            engine.register_slot(layer, local, weights, gradients, optimizer)
+            self._weights.append(weights)
+            self._gradients.append(gradients)
+            self._optimizer.append(optimizer)
+        self.attach_gradients()
+
+    # --- gradients ------------------------------------------------------------------------------
+    def _grad_views(self, local: int) -> Dict[str, torch.Tensor]:
+        return self._moe.spec.views(self._gradients[local])
+
+    def attach_gradients(self) -> None:
+        """Points every slot parameter's ``.grad`` at the slot's gradient buffer, zeroed, so that
+        backward accumulates where the engine reads."""
+        for local, slot in enumerate(self.slots):
+            self._gradients[local].zero_()
+            for name, view in self._grad_views(local).items():
+                slot[name].grad = view
+
+    def collect_gradients(self) -> None:
+        """Brings gradients that autograd put elsewhere (after ``zero_grad(set_to_none=True)``)
+        into the slot buffers the engine reads."""
+        for local, slot in enumerate(self.slots):
+            for name, view in self._grad_views(local).items():
+                grad = slot[name].grad
+                if grad is None:
+                    view.zero_()
+                elif grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
+                slot[name].grad = view
+
+    def keep_home_gradients(self, scale: float) -> List[int]:
+        """After the engine's reduction: homes keep their (scaled) gradients for the optimizer,
+        every other slot's parameters get ``.grad = None`` so that the optimizer skips them.
+        Returns the home slots."""
+        homes = sorted(local for _, local in self._moe.engine.home_slots(self.layer))
+        for local, slot in enumerate(self.slots):
+            home = local in homes
+            if home and scale != 1.0:
+                self._gradients[local].mul_(scale)
+            for name in slot:
+                slot[name].grad = self._grad_views(local)[name] if home else None
+        return homes
+
+    def home_parameters(self) -> Dict[int, Dict[str, torch.nn.Parameter]]:
+        """expert -> its parameters, for this rank's home slots of this layer."""
+        return {expert: dict(self.slots[local].items())
+                for expert, local in self._moe.engine.home_slots(self.layer)}
+
+    def optimizer_state_views(self, local: int) -> Dict[str, Dict[str, torch.Tensor]]:
+        """name -> the Adam state of that parameter of persistent slot ``local``, as views of the
+        slot's optimizer buffer (which the engine moves with the home)."""
+        buffer = self._optimizer[local]
+        out = {}
+        at = 0
+        for name, (_, count) in self._moe.spec.offsets.items():
+            shape = self._moe.spec.shapes[name]
+            out[name] = {"step": buffer[at:at + 1].view(()),
+                         "exp_avg": buffer[at + 1:at + 1 + count].view(shape),
+                         "exp_avg_sq": buffer[at + 1 + count:at + 1 + 2 * count].view(shape)}
+            at += 1 + 2 * count
+        return out
+
+    # --- forward --------------------------------------------------------------------------------
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        moe = self._moe
+        engine = moe.engine
+        spec = moe.spec
+        top_k = engine.top_k
+        check_tensor("hidden", hidden, (torch.float32,), shape=(None, spec.input_size))
+        tokens = hidden.shape[0]
+        check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), shape=(tokens, top_k))
+        check_tensor("topk_weights", topk_weights, (torch.float32,), shape=(tokens, top_k))
+        times = moe.times
+
+        started = time.process_time()
+        route = engine.route(self.layer, topk_ids)
+        self.last_route = route  # for inspection: which slots this step used
+        if times is not None:
+            elapsed = time.process_time() - started
+            times.route += elapsed
+            times.communication[self.layer] += elapsed
+
+        # Dispatch order: by (destination rank, local slot), stable in (token, k); dropped
+        # choices (slot -1) sort last and are not sent.
+        order = torch.sort(moe.slot_keys[route.slot.reshape(-1).long()], stable=True)[1]
+        send = route.send_counts.tolist()
+        recv = route.recv_totals.tolist()
+        order = order[:sum(send)]
+        token = torch.div(order, top_k, rounding_mode="floor")
+        exchange = moe.exchange(self.layer)
+        received = _AllToAll.apply(hidden.index_select(0, token), send, recv, exchange)
+
+        # Received rows come grouped by source rank, then local slot; the experts want them
+        # grouped by slot.
+        counts = route.recv_counts
+        slot_rows = counts.sum(0).tolist()
+        by_slot = _slot_major_order(counts)
+        inputs = received.index_select(0, by_slot)
+        if times is not None:
+            times.rows[self.layer] += int(counts.sum())
+            inputs = _OnBackward.apply(inputs, moe.stop_expert_clock(self.layer))
+        started = time.thread_time()
+        outputs = []
+        at = 0
+        for local, rows in enumerate(slot_rows):
+            if rows == 0:
+                continue
+            if route.local_experts[local] < 0:
+                raise InternalError(f"layer {self.layer}: {rows} rows routed to local slot "
+                                    f"{local} of rank {engine.rank}, which holds no expert")
+            params = dict(self.slots[local].items())
+            outputs.append(spec.forward(params, inputs[at:at + rows]))
+            at += rows
+        computed = torch.cat(outputs) if outputs else inputs.new_zeros((0, spec.output_size))
+        if times is not None:
+            times.expert[self.layer] += time.thread_time() - started
+            computed = _OnBackward.apply(computed, moe.start_expert_clock(self.layer))
+        back = torch.empty_like(by_slot)
+        back[by_slot] = torch.arange(by_slot.numel(), dtype=torch.int64)
+        unsorted = computed.index_select(0, back)
+        returned = _AllToAll.apply(unsorted, recv, send, exchange)
+        weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        return hidden.new_zeros((tokens, spec.output_size)).index_add(0, token, returned * weights)
+
+
+def _slot_major_order(counts: torch.Tensor) -> torch.Tensor:
+    """[rows] received-row index of every row in (local slot, source rank) order, given
+    ``counts`` ``[num_ranks, local_slots]`` rows per (source rank, local slot) in received order
+    (source-major)."""
+    flat = counts.reshape(-1)
+    starts = torch.cumsum(flat, 0) - flat  # where each (source, slot) block starts
+    by_slot_counts = counts.t().reshape(-1)
+    by_slot_starts = starts.reshape(counts.shape).t().reshape(-1)
+    block_offsets = torch.cumsum(by_slot_counts, 0) - by_slot_counts
+    total = int(flat.sum())
+    return (torch.repeat_interleave(by_slot_starts - block_offsets, by_slot_counts)
+            + torch.arange(total, dtype=torch.int64))
+
+
+class KeelMoE:
+    """Keel for every MoE layer of one model: the engine over a ``torch.distributed`` group, one
+    :class:`MoEDispatcher` per layer (:meth:`layer`), and the optimizer hooks (:meth:`attach`).
+
+    Collective: every rank of the group creates it with the same arguments.
+
+    Args:
+        expert: the expert's parameters and computation (:func:`keel.torch.ffn_expert`).
+        num_layers, num_experts, top_k: the model's MoE shape.
+        group: the ``torch.distributed`` group whose ranks hold the experts (default: world).
+        config: a :class:`keel.Config` or a dict of keys (docs/config.md); its ranks must equal
+            the group's size. None: the defaults with one node of the group's ranks.
+            Expert state moves between processes over ``migration.transport: ucx``, which
+            connects through the group; set it unless the config already names it.
+        optimizer: the optimizer state a home carries: ``"adam"`` (torch.optim.Adam or AdamW:
+            step, exp_avg, exp_avg_sq per parameter) or ``"none"`` (SGD without momentum).
+        average_gradients: divide each home's summed gradient by the group's size, as
+            DistributedDataParallel averages dense gradients.
+        init_expert: ``init_expert(layer, expert) -> params`` gives an expert's initial
+            parameters (the same on every rank); default: ``expert.init`` seeded by ``seed``,
+            layer and expert.
+        seed: seeds the default initialization.
+    """
+
+    _OPTIMIZERS = ("adam", "none")
+
+    def __init__(self, expert: ExpertSpec, *, num_layers: int, num_experts: int, top_k: int,
+                 group: Any = None, config: Any = None, optimizer: str = "adam",
+                 average_gradients: bool = True,
+                 init_expert: Optional[Callable[[int, int], Dict[str, torch.Tensor]]] = None,
+                 seed: int = 0) -> None:
+        if not isinstance(expert, ExpertSpec):
+            raise InvalidArgumentError(
+                f"expert must be a keel.torch.ExpertSpec, got {type(expert).__name__}")
+        if optimizer not in self._OPTIMIZERS:
+            raise InvalidArgumentError(
+                f"optimizer = {optimizer!r} is not one of {', '.join(self._OPTIMIZERS)}")
+        self.spec = expert
+        self.optimizer_kind = optimizer
+        # Adam: [step, exp_avg, exp_avg_sq] per parameter, packed per slot.
+        self.optimizer_floats = (sum(1 + 2 * count for _, count in expert.offsets.values())
+                                 if optimizer == "adam" else 0)
+        self.average_gradients = average_gradients
+        self.seed = seed
+        self._init_expert = init_expert
+        self.communicator = ProcessGroupCommunicator(group)
+        self.group = self.communicator.group
+        if isinstance(config, dict):
+            from keel import Config
+            config = Config.from_dict(config)
+        self.engine = Engine(self.communicator, config=config, num_layers=num_layers,
+                             num_experts=num_experts, top_k=top_k,
+                             weight_bytes=expert.numel * 4, gradient_bytes=expert.numel * 4,
+                             optimizer_bytes=self.optimizer_floats * 4,
+                             gradient_type="float32")
+        self.collective_timeout = _collective_timeout(config)
+        self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
+        # Physical slot -> dispatch key rank * local_slots + local slot; the last entry (index
+        # -1, a dropped choice) sorts after every real key.
+        engine = self.engine
+        num_physical = engine.num_ranks * engine.local_slots
+        keys = [0] * num_physical
+        for slot in range(num_physical):
+            owner, local = engine.locate_slot(slot)
+            keys[slot] = owner * engine.local_slots + local
+        self.slot_keys = torch.tensor(keys + [num_physical], dtype=torch.int64)
+        self.times: Optional[StepTimes] = None
+        self._expert_clock: List[float] = [0.0] * num_layers
+        self.layers = [MoEDispatcher(self, layer) for layer in range(num_layers)]
+        self._reduced = False
+        self._optimizers: List[Any] = []
+
+    # --- pieces for the model -------------------------------------------------------------------
+    def layer(self, index: int) -> MoEDispatcher:
+        """The dispatcher (a ``torch.nn.Module``) of MoE layer ``index``."""
+        if not 0 <= index < self.num_layers:
+            raise InvalidArgumentError(f"layer = {index} is not in [0, {self.num_layers})")
+        return self.layers[index]
+
+    def parameters(self) -> List[torch.nn.Parameter]:
+        """Every slot parameter of every layer (persistent and transient)."""
+        return [p for layer in self.layers for p in layer.parameters()]
+
+    def initial_expert(self, layer: int, expert: int) -> Dict[str, torch.Tensor]:
+        """Expert ``expert`` of ``layer`` before training: the same on every rank."""
+        if self._init_expert is not None:
+            return self._init_expert(layer, expert)
+        generator = torch.Generator().manual_seed(
+            (self.seed * 1_000_003 + layer * 65_537 + expert) % (2 ** 63))
+        return self.spec.init(generator)
+
+    # --- communication --------------------------------------------------------------------------
+    def exchange(self, layer: int) -> Callable[[torch.Tensor, List[int], List[int]], torch.Tensor]:
+        """The all-to-all of ``layer``'s rows over the group, with the collective deadline."""
+
+        def run(rows: torch.Tensor, send: List[int], recv: List[int]) -> torch.Tensor:
+            started = time.process_time()
+            out = rows.new_empty((sum(recv),) + tuple(rows.shape[1:]))
+            work = dist.all_to_all_single(out, rows.contiguous(), recv, send, group=self.group,
+                                          async_op=True)
+            self.communicator._wait(work, self.collective_timeout,
+                                    f"layer {layer} all-to-all")
+            if self.times is not None:
+                self.times.communication[layer] += time.process_time() - started
+            return out
+
+        return run
+
+    def start_expert_clock(self, layer: int) -> Callable[[], None]:
+        def start() -> None:
+            self._expert_clock[layer] = time.thread_time()
+        return start
+
+    def stop_expert_clock(self, layer: int) -> Callable[[], None]:
+        def stop() -> None:
+            if self.times is not None:
+                self.times.expert[layer] += time.thread_time() - self._expert_clock[layer]
+        return stop
+
+    # --- the optimizer --------------------------------------------------------------------------
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Installs Keel's hooks on ``optimizer``: before ``step()`` :meth:`reduce_gradients`
+        (unless called already, e.g. before gradient clipping), after it :meth:`step_end`.
+
+        The optimizer must hold every persistent slot's parameters (e.g. built over
+        ``model.parameters()``), in groups with the same hyper-parameters, since any slot can
+        become any expert's home. With ``optimizer="adam"`` it must be ``torch.optim.Adam`` or
+        ``AdamW`` (amsgrad off); each slot's Adam state then lives in the buffer the engine moves
+        with a home, so a home that moves keeps its state.
+        """
+        in_optimizer = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        settings = None
+        for layer in self.layers:
+            for local, slot in enumerate(layer.slots):
+                if local >= self.engine.slots_per_rank:
+                    continue
+                for name, param in slot.items():
+                    group = in_optimizer.get(id(param))
+                    if group is None:
+                        raise InvalidArgumentError(
+                            f"the optimizer does not hold layer {layer.layer} slot {local}'s "
+                            f"parameter {name!r}: build it over model.parameters() (or "
+                            f"KeelMoE.parameters())")
+                    mine = {k: v for k, v in group.items() if k != "params"}
+                    if settings is None:
+                        settings = mine
+                    elif mine != settings:
+                        raise InvalidArgumentError(
+                            "the optimizer holds Keel's slots in param groups with different "
+                            f"settings ({settings} and {mine}); any slot can become any "
+                            "expert's home, so they need one setting")
+        if self.optimizer_kind == "adam":
+            if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                raise InvalidArgumentError(
+                    f"optimizer is {type(optimizer).__name__}, but KeelMoE was created with "
+                    f"optimizer='adam' (torch.optim.Adam or AdamW)")
+            if settings and settings.get("amsgrad"):
+                raise InvalidArgumentError("amsgrad=True is not supported: Keel moves exp_avg "
+                                           "and exp_avg_sq with a home, not max_exp_avg_sq")
+            for layer in self.layers:
+                for local in range(self.engine.slots_per_rank):
+                    views = layer.optimizer_state_views(local)
+                    for name, param in layer.slots[local].items():
+                        optimizer.state[param] = dict(views[name])
+        if hasattr(optimizer, "register_step_pre_hook"):  # torch >= 2.0
+            optimizer.register_step_pre_hook(lambda *_: self.reduce_gradients())
+            optimizer.register_step_post_hook(lambda *_: self.step_end())
+        else:
+            step = optimizer.step
+
+            def step_with_keel(*args: Any, **kwargs: Any) -> Any:
+                self.reduce_gradients()
+                result = step(*args, **kwargs)
+                self.step_end()
+                return result
+
+            optimizer.step = step_with_keel
+        self._optimizers.append(optimizer)
+
+    def reduce_gradients(self) -> None:
+        """Collective, after backward and before the optimizer (the hook calls it; call it
+        yourself before clipping gradients): every replica's gradient is added into its expert's
+        home in a fixed order, averaged over the group when ``average_gradients``; non-home
+        slots get ``.grad = None`` so that the optimizer skips them. A placement whose
+        migration every rank verified is committed here."""
+        if self._reduced:
+            return
+        started = time.process_time()
+        for layer in self.layers:
+            layer.collect_gradients()
+        self.engine.reduce_gradients()
+        scale = 1.0 / self.engine.num_ranks if self.average_gradients else 1.0
+        for layer in self.layers:
+            layer.keep_home_gradients(scale)
+        self._reduced = True
+        if self.times is not None:
+            self.times.control += time.process_time() - started
+
+    def step_end(self) -> None:
+        """Collective, after the optimizer: pushes each home's new weights to its replicas, plans
+        the next placement in the background, and re-attaches every slot's zeroed gradient
+        buffer."""
+        if not self._reduced:
+            raise FailedPreconditionError(
+                "step_end before reduce_gradients: the optimizer ran on unreduced gradients")
+        started = time.process_time()
+        self.engine.step_end()
+        for layer in self.layers:
+            layer.attach_gradients()
+        self._reduced = False
+        if self.times is not None:
+            self.times.control += time.process_time() - started
+
+    # --- results --------------------------------------------------------------------------------
+    def gather_experts(self, layer: int) -> List[Dict[str, torch.Tensor]]:
+        """Collective: every expert's weights of ``layer`` from its home, on every rank
+        (``[num_experts]`` of name -> tensor)."""
+        mine = {e: {n: p.detach().clone() for n, p in params.items()}
+                for e, params in self.layers[layer].home_parameters().items()}
+        everyone: List[Any] = [None] * self.engine.num_ranks
+        dist.all_gather_object(everyone, mine, group=self.group)
+        experts: List[Optional[Dict[str, torch.Tensor]]] = [None] * self.num_experts
+        for part in everyone:
+            for e, params in part.items():
+                experts[e] = params
+        missing = [e for e, p in enumerate(experts) if p is None]
+        if missing:
+            raise InternalError(f"layer {layer}: experts {missing} have no home")
+        return experts  # type: ignore[return-value]
+
+    def stats(self) -> Dict[str, Any]:
+        """The engine's counters on this rank (epochs, bytes moved, ...)."""
+        return self.engine.stats()
+
+    def close(self) -> None:
+        """Stops the engine's threads (a running migration is cancelled)."""
+        self.engine.close()
+
+
+def _collective_timeout(config: Any) -> float:
+    if config is None:
+        from keel import Config
+        config = Config()
+    return float(config.to_dict()["engine"]["collective_timeout_seconds"])

@@ -1,0 +1,514 @@
+// keel._keel: the Python extension, pybind11 over include/keel/ and nothing else. Buffers cross as
+// addresses (a tensor's data_ptr()) with their sizes, so the module works with any torch version,
+// or none; the Python package (keel/__init__.py, keel/torch/) checks dtypes, shapes and devices
+// before it calls in. A Status that is not OK becomes the exception keel/_errors.py maps its code
+// to, with the message the library wrote (naming the bad field and value).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "keel/communicator.hpp"
+#include "keel/config.hpp"
+#include "keel/engine.hpp"
+#include "keel/plan.hpp"
+#include "keel/replay.hpp"
+#include "keel/status.hpp"
+#include "keel/trace.hpp"
+#include "keel/version.hpp"
+
+namespace py = pybind11;
+
+namespace keel::python {
+namespace {
+
+// A failed Status on its way to Python; the translator registered below raises it.
+class StatusError : public std::exception {
+ public:
+  explicit StatusError(Status status)
+      : status_(std::move(status)), what_(status_.ToString()) {}
+  const Status& status() const { return status_; }
+  const char* what() const noexcept override { return what_.c_str(); }
+
+ private:
+  Status status_;
+  std::string what_;
+};
+
+void ThrowIfError(const Status& status) {
+  if (!status.ok()) throw StatusError(status);
+}
+
+template <typename T>
+T ValueOrThrow(Result<T> result) {
+  if (!result.ok()) throw StatusError(result.status());
+  return std::move(result).value();
+}
+
+// The message of the Python exception being handled, "TypeName: text".
+std::string DescribePythonError(const py::error_already_set& error) {
+  std::string type = "exception";
+  if (error.type()) type = py::str(error.type().attr("__name__"));
+  return type + ": " + std::string(py::str(error.value()));
+}
+
+// The engine's collectives over a Python object (keel.torch.ProcessGroupCommunicator, or any
+// object with the same methods). The engine calls it only from the thread that calls the engine,
+// which released the GIL; every call takes the GIL back. A Python exception breaks the
+// communicator as a lost peer does: TimeoutError is DeadlineExceeded, anything else Aborted, and
+// every later call fails at once with Aborted.
+class PythonCommunicator final : public Communicator {
+ public:
+  explicit PythonCommunicator(py::object impl) : impl_(std::move(impl)) {
+    rank_ = impl_.attr("rank").cast<int>();
+    size_ = impl_.attr("size").cast<int>();
+    name_ = py::hasattr(impl_, "name") ? impl_.attr("name").cast<std::string>() : "python";
+  }
+  ~PythonCommunicator() override {
+    py::gil_scoped_acquire gil;
+    impl_ = py::object();
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string_view name() const override { return name_; }
+
+  Result<std::vector<std::string>> AllGather(std::string_view mine) override {
+    std::vector<std::string> all;
+    KEEL_RETURN_IF_ERROR(Call("all_gather", [&] {
+      py::list parts = impl_.attr("all_gather")(py::bytes(mine.data(), mine.size()), timeout());
+      if (static_cast<int>(parts.size()) != size_) throw WrongLength("all_gather", parts.size());
+      for (py::handle part : parts) all.push_back(part.cast<std::string>());
+    }));
+    return all;
+  }
+
+  Status Barrier() override {
+    return Call("barrier", [&] { impl_.attr("barrier")(timeout()); });
+  }
+
+  Status AllReduce(std::span<int64_t> values, ReduceOp op) override {
+    return Reduce(values.data(), values.size() * sizeof(int64_t), "int64", op);
+  }
+  Status AllReduce(std::span<double> values, ReduceOp op) override {
+    return Reduce(values.data(), values.size() * sizeof(double), "float64", op);
+  }
+
+  Status Broadcast(std::string& bytes, int root) override {
+    if (root < 0 || root >= size_) {
+      return InvalidArgument("broadcast root = " + std::to_string(root) + " is not in [0, " +
+                             std::to_string(size_) + ")");
+    }
+    return Call("broadcast", [&] {
+      bytes = impl_.attr("broadcast")(py::bytes(bytes), root, timeout()).cast<std::string>();
+    });
+  }
+
+  Status AllToAllV(std::span<const std::byte> send, std::span<const size_t> send_bytes,
+                   std::vector<std::byte>& recv, std::vector<size_t>& recv_bytes) override {
+    size_t total = 0;
+    for (size_t b : send_bytes) total += b;
+    if (static_cast<int>(send_bytes.size()) != size_ || total != send.size()) {
+      return InvalidArgument("all_to_all_v: send_bytes has " + std::to_string(send_bytes.size()) +
+                             " entries adding up to " + std::to_string(total) + ", expected " +
+                             std::to_string(size_) + " adding up to " +
+                             std::to_string(send.size()));
+    }
+    return Call("all_to_all_v", [&] {
+      // A read-only view of the engine's bytes: the callee copies what it sends.
+      py::memoryview view = py::memoryview::from_memory(static_cast<const void*>(send.data()),
+                                                                static_cast<py::ssize_t>(send.size()));
+      std::vector<size_t> counts(send_bytes.begin(), send_bytes.end());
+      py::tuple answer = impl_.attr("all_to_all_v")(view, counts, timeout());
+      py::buffer_info data = answer[0].cast<py::buffer>().request();
+      recv_bytes = answer[1].cast<std::vector<size_t>>();
+      size_t received = 0;
+      for (size_t b : recv_bytes) received += b;
+      const size_t data_bytes = static_cast<size_t>(data.size * data.itemsize);
+      if (static_cast<int>(recv_bytes.size()) != size_ || received != data_bytes) {
+        throw WrongLength("all_to_all_v", recv_bytes.size());
+      }
+      recv.resize(received);
+      if (received > 0) std::memcpy(recv.data(), data.ptr, received);
+    });
+  }
+
+ private:
+  // A Python answer of the wrong shape: the Python side is broken, not a peer.
+  static std::runtime_error WrongLength(const char* method, size_t got) {
+    return std::runtime_error(std::string(method) + " returned " + std::to_string(got) +
+                              " parts for the group's ranks");
+  }
+
+  double timeout() const { return timeout_seconds(); }
+
+  Status Reduce(void* data, size_t bytes, const char* dtype, ReduceOp op) {
+    return Call("all_reduce", [&] {
+      py::memoryview view = py::memoryview::from_memory(data, static_cast<py::ssize_t>(bytes));
+      impl_.attr("all_reduce")(view, dtype, std::string(ReduceOpName(op)), timeout());
+    });
+  }
+
+  template <typename Body>
+  Status Call(const char* collective, Body&& body) {
+    if (!broken_.ok()) {
+      return Aborted(std::string(collective) + ": the " + name_ +
+                     " communicator is broken by an earlier failure (" + broken_.message() + ")");
+    }
+    py::gil_scoped_acquire gil;
+    try {
+      body();
+      return Status::Ok();
+    } catch (py::error_already_set& error) {
+      const bool timed_out = error.matches(PyExc_TimeoutError);
+      const std::string message = std::string(collective) + " on rank " + std::to_string(rank_) +
+                                  " failed: " + DescribePythonError(error);
+      broken_ = timed_out ? DeadlineExceeded(message) : Aborted(message);
+      return broken_;
+    } catch (const std::exception& error) {
+      broken_ = Aborted(std::string(collective) + " on rank " + std::to_string(rank_) +
+                        " failed: " + error.what());
+      return broken_;
+    }
+  }
+
+  py::object impl_;
+  int rank_ = 0;
+  int size_ = 1;
+  std::string name_;
+  Status broken_;
+};
+
+GradientType ParseGradientType(const std::string& name) {
+  if (name == "float32") return GradientType::kFloat32;
+  if (name == "float64") return GradientType::kFloat64;
+  if (name == "fixed_int64") return GradientType::kFixedInt64;
+  throw StatusError(InvalidArgument("gradient_type = '" + name +
+                                    "' is not one of float32, float64, fixed_int64"));
+}
+
+template <typename T>
+T* Address(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+// One rank's engine and the communicator it runs over (destroyed after the engine).
+class PythonEngine {
+ public:
+  PythonEngine(py::object communicator, std::optional<Config> config,
+               const std::string& config_yaml, const std::string& config_path, int num_layers,
+               int num_experts, int top_k, size_t weight_bytes, size_t gradient_bytes,
+               size_t optimizer_bytes, const std::string& gradient_type)
+      : communicator_(std::make_unique<PythonCommunicator>(std::move(communicator))) {
+    EngineOptions options;
+    options.config = std::move(config);
+    options.config_yaml = config_yaml;
+    options.config_path = config_path;
+    options.num_layers = num_layers;
+    options.num_experts = num_experts;
+    options.top_k = top_k;
+    options.shape.weight_bytes = weight_bytes;
+    options.shape.gradient_bytes = gradient_bytes;
+    options.shape.optimizer_bytes = optimizer_bytes;
+    options.shape.gradient_type = ParseGradientType(gradient_type);
+    options.communicator = communicator_.get();
+    py::gil_scoped_release release;
+    engine_ = ValueOrThrow(Engine::Create(options));
+  }
+  ~PythonEngine() { Close(); }
+
+  // Cancels a running migration and stops the planner thread; later calls fail.
+  void Close() {
+    py::gil_scoped_release release;
+    engine_.reset();
+  }
+
+  Engine& engine() {
+    if (engine_ == nullptr) {
+      throw StatusError(FailedPrecondition("the engine is closed (close() was called)"));
+    }
+    return *engine_;
+  }
+
+  void RegisterSlot(int layer, int local_slot, uintptr_t weights, uintptr_t gradients,
+                    uintptr_t optimizer) {
+    ThrowIfError(engine().RegisterSlot(
+        layer, local_slot, {Address<void>(weights), Address<void>(gradients), Address<void>(optimizer)}));
+  }
+
+  // Routes `num_entries` int32 ids at `topk_ids` and writes each entry's physical slot to
+  // `slot_out` ([num_entries] int32); returns the splits as lists.
+  py::dict Route(int layer, uintptr_t topk_ids, int64_t num_entries, uintptr_t slot_out) {
+    if (num_entries < 0) {
+      throw StatusError(InvalidArgument("num_entries = " + std::to_string(num_entries) + " < 0"));
+    }
+    Engine& e = engine();
+    Result<LayerRoute> route = [&] {
+      py::gil_scoped_release release;
+      return e.Route(layer, {Address<const int32_t>(topk_ids), static_cast<size_t>(num_entries)});
+    }();
+    LayerRoute value = ValueOrThrow(std::move(route));
+    if (num_entries > 0) {
+      std::memcpy(Address<int32_t>(slot_out), value.slot.data(),
+                  value.slot.size() * sizeof(int32_t));
+    }
+    py::dict out;
+    out["send_counts"] = value.send_counts;
+    out["recv_counts"] = value.recv_counts;
+    out["recv_totals"] = value.recv_totals;
+    out["local_experts"] = value.local_experts;
+    out["epoch"] = value.epoch;
+    return out;
+  }
+
+  void ReduceGradients() {
+    Engine& e = engine();
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = e.ReduceGradients();
+    }
+    ThrowIfError(status);
+  }
+
+  void StepEnd() {
+    Engine& e = engine();
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = e.StepEnd();
+    }
+    ThrowIfError(status);
+  }
+
+  std::vector<std::pair<int, int>> HomeSlots(int layer) {
+    std::vector<std::pair<int, int>> homes;
+    for (const HomeSlot& home : engine().HomeSlots(layer)) {
+      homes.emplace_back(home.expert, home.local_slot);
+    }
+    return homes;
+  }
+
+  py::dict Placement(int layer) {
+    if (layer < 0) throw StatusError(InvalidArgument("layer = " + std::to_string(layer) + " < 0"));
+    const LayerPlacement p = engine().placement(layer);
+    if (p.num_experts == 0) {
+      throw StatusError(InvalidArgument("layer = " + std::to_string(layer) + " is out of range"));
+    }
+    py::dict out;
+    out["num_experts"] = p.num_experts;
+    out["num_ranks"] = p.num_ranks;
+    out["slots_per_rank"] = p.slots_per_rank;
+    out["max_copies"] = p.max_copies;
+    out["phy2log"] = p.phy2log;
+    out["log2phy"] = p.log2phy;
+    out["logcnt"] = p.logcnt;
+    out["home"] = p.home;
+    return out;
+  }
+
+  py::dict Stats() {
+    const EngineStats s = engine().stats();
+    py::dict out;
+    out["steps"] = s.steps;
+    out["epoch"] = s.epoch;
+    out["epochs_committed"] = s.epochs_committed;
+    out["epochs_aborted"] = s.epochs_aborted;
+    out["plans_unchanged"] = s.plans_unchanged;
+    out["plans_failed"] = s.plans_failed;
+    out["migration_in_flight"] = s.migration_in_flight;
+    out["bytes_moved"] = s.bytes_moved;
+    out["exposed_migration_seconds"] = s.exposed_migration_seconds;
+    out["route_seconds"] = s.route_seconds;
+    out["control_seconds"] = s.control_seconds;
+    out["last_abort"] = s.last_abort.ok() ? std::string() : s.last_abort.ToString();
+    out["last_plan_error"] = s.last_plan_error.ok() ? std::string() : s.last_plan_error.ToString();
+    return out;
+  }
+
+  std::pair<int, int> LocateSlot(int slot) {
+    const Engine::SlotLocation at = engine().LocateSlot(slot);
+    return {at.rank, at.local_slot};
+  }
+
+ private:
+  std::unique_ptr<PythonCommunicator> communicator_;
+  std::unique_ptr<Engine> engine_;
+};
+
+py::dict Plan(const std::string& policy, const py::bytes& weight, int num_layers, int num_experts,
+              int num_replicas, int num_groups, int num_nodes, int num_gpus,
+              const Config* config) {
+  PlanRequest request;
+  request.policy = policy;
+  request.num_layers = num_layers;
+  request.num_experts = num_experts;
+  const std::string raw = weight;
+  if (raw.size() % sizeof(double) != 0) {
+    throw StatusError(InvalidArgument("weight holds " + std::to_string(raw.size()) +
+                                      " bytes, not whole float64 values"));
+  }
+  request.weight.resize(raw.size() / sizeof(double));
+  if (!raw.empty()) std::memcpy(request.weight.data(), raw.data(), raw.size());
+  request.num_replicas = num_replicas;
+  request.num_groups = num_groups;
+  request.num_nodes = num_nodes;
+  request.num_gpus = num_gpus;
+  request.config = config;
+  PlanResult result = [&] {
+    py::gil_scoped_release release;
+    return ValueOrThrow(PlanPlacement(request));
+  }();
+  py::dict out;
+  out["num_layers"] = result.num_layers;
+  out["num_experts"] = result.num_experts;
+  out["num_replicas"] = result.num_replicas;
+  out["max_copies"] = result.max_copies;
+  out["phy2log"] = result.phy2log;
+  out["log2phy"] = result.log2phy;
+  out["logcnt"] = result.logcnt;
+  return out;
+}
+
+std::string Replay(const Trace& trace, const Config* config,
+                   const std::vector<std::string>& policies, bool oracle, bool include_series) {
+  ReplayRequest request;
+  request.trace = &trace;
+  request.config = config;
+  request.policies = policies;
+  request.oracle = oracle;
+  request.include_series = include_series;
+  py::gil_scoped_release release;
+  return ValueOrThrow(ReplayToJson(request));
+}
+
+// Every step's counts back to back as float64 bytes: [num_steps, num_layers * row_size].
+py::bytes TraceCounts(const Trace& trace) {
+  const size_t row = static_cast<size_t>(trace.num_layers) * trace.row_size();
+  std::string bytes(trace.steps.size() * row * sizeof(double), '\0');
+  for (size_t s = 0; s < trace.steps.size(); ++s) {
+    if (trace.steps[s].size() != row) {
+      throw StatusError(Internal("trace step " + std::to_string(s) + " has " +
+                                 std::to_string(trace.steps[s].size()) + " counts, expected " +
+                                 std::to_string(row)));
+    }
+    std::memcpy(bytes.data() + s * row * sizeof(double), trace.steps[s].data(),
+                row * sizeof(double));
+  }
+  return py::bytes(bytes);
+}
+
+}  // namespace
+}  // namespace keel::python
+
+PYBIND11_MODULE(_keel, m) {
+  using namespace keel;
+  using namespace keel::python;
+  m.doc() = "Keel's native core (pybind11 over include/keel/); use the keel package instead.";
+  m.attr("__version__") = kVersion;
+  m.attr("with_cuda") = kWithCuda;
+  m.attr("with_nccl") = kWithNccl;
+  m.attr("with_ucx") = kWithUcx;
+  m.attr("with_mpi") = kWithMpi;
+
+  py::register_exception_translator([](std::exception_ptr pointer) {
+    try {
+      if (pointer) std::rethrow_exception(pointer);
+    } catch (const StatusError& error) {
+      py::object from_status = py::module_::import("keel._errors").attr("from_status");
+      py::object exception = from_status(std::string(StatusCodeName(error.status().code())),
+                                         error.status().message());
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exception.ptr())), exception.ptr());
+    }
+  });
+
+  py::class_<Config>(m, "Config")
+      .def(py::init<>())
+      .def_static("from_yaml", [](const std::string& yaml, const std::string& source) {
+        return ValueOrThrow(Config::FromYaml(yaml, source));
+      }, py::arg("yaml"), py::arg("source") = "<config>")
+      .def_static("from_file", [](const std::string& path) {
+        return ValueOrThrow(Config::FromFile(path));
+      }, py::arg("path"))
+      .def_static("reference", &Config::Reference)
+      .def("to_yaml", &Config::ToYaml)
+      .def_property_readonly("num_ranks", &Config::num_ranks)
+      .def_property_readonly("policy", &Config::policy)
+      .def("__eq__", [](const Config& a, const Config& b) { return a == b; })
+      .def("__copy__", [](const Config& c) { return Config(c); })
+      .def("__deepcopy__", [](const Config& c, py::dict) { return Config(c); });
+
+  py::class_<Trace>(m, "Trace")
+      .def_readonly("description", &Trace::description)
+      .def_readonly("num_layers", &Trace::num_layers)
+      .def_readonly("num_experts", &Trace::num_experts)
+      .def_readonly("num_sources", &Trace::num_sources)
+      .def_readonly("step_ids", &Trace::step_ids)
+      .def_property_readonly("num_steps", &Trace::num_steps)
+      .def("counts_bytes", &TraceCounts);
+
+  m.def("read_trace", [](const std::string& path, const std::string& format) {
+    const TraceFormat parsed = ValueOrThrow(ParseTraceFormat(format));
+    py::gil_scoped_release release;
+    return ValueOrThrow(ReadTrace(path, parsed));
+  }, py::arg("path"), py::arg("format") = "auto");
+
+  m.def("synthetic_trace", [](uint64_t seed, int num_steps, int num_layers, int num_experts,
+                              int num_sources, int tokens_per_source, int top_k,
+                              double zipf_exponent) {
+    SyntheticTraceOptions options;
+    options.seed = seed;
+    options.num_steps = num_steps;
+    options.num_layers = num_layers;
+    options.num_experts = num_experts;
+    options.num_sources = num_sources;
+    options.tokens_per_source = tokens_per_source;
+    options.top_k = top_k;
+    options.zipf_exponent = zipf_exponent;
+    return ValueOrThrow(GenerateSyntheticTrace(options));
+  }, py::arg("seed"), py::arg("num_steps"), py::arg("num_layers"), py::arg("num_experts"),
+     py::arg("num_sources"), py::arg("tokens_per_source"), py::arg("top_k"),
+     py::arg("zipf_exponent"));
+
+  m.def("policy_names", [] { return PolicyNames(); });
+  m.def("plan", &Plan, py::arg("policy"), py::arg("weight"), py::arg("num_layers"),
+        py::arg("num_experts"), py::arg("num_replicas"), py::arg("num_groups"),
+        py::arg("num_nodes"), py::arg("num_gpus"), py::arg("config") = nullptr);
+  m.def("replay", &Replay, py::arg("trace"), py::arg("config") = nullptr,
+        py::arg("policies") = std::vector<std::string>{}, py::arg("oracle") = false,
+        py::arg("include_series") = true);
+
+  py::class_<PythonEngine>(m, "Engine")
+      .def(py::init<py::object, std::optional<Config>, const std::string&, const std::string&,
+                    int, int, int, size_t, size_t, size_t, const std::string&>(),
+           py::arg("communicator"), py::arg("config") = std::nullopt,
+           py::arg("config_yaml") = "", py::arg("config_path") = "", py::arg("num_layers"),
+           py::arg("num_experts"), py::arg("top_k"), py::arg("weight_bytes"),
+           py::arg("gradient_bytes"), py::arg("optimizer_bytes"),
+           py::arg("gradient_type") = "float32")
+      .def("close", &PythonEngine::Close)
+      .def("register_slot", &PythonEngine::RegisterSlot, py::arg("layer"), py::arg("local_slot"),
+           py::arg("weights"), py::arg("gradients"), py::arg("optimizer"))
+      .def("route", &PythonEngine::Route, py::arg("layer"), py::arg("topk_ids"),
+           py::arg("num_entries"), py::arg("slot_out"))
+      .def("reduce_gradients", &PythonEngine::ReduceGradients)
+      .def("step_end", &PythonEngine::StepEnd)
+      .def("home_slots", &PythonEngine::HomeSlots, py::arg("layer"))
+      .def("placement", &PythonEngine::Placement, py::arg("layer"))
+      .def("stats", &PythonEngine::Stats)
+      .def("locate_slot", &PythonEngine::LocateSlot, py::arg("slot"))
+      .def_property_readonly("rank", [](PythonEngine& e) { return e.engine().rank(); })
+      .def_property_readonly("num_ranks", [](PythonEngine& e) { return e.engine().num_ranks(); })
+      .def_property_readonly("slots_per_rank",
+                             [](PythonEngine& e) { return e.engine().slots_per_rank(); })
+      .def_property_readonly("transient_per_rank",
+                             [](PythonEngine& e) { return e.engine().transient_per_rank(); })
+      .def_property_readonly("epoch", [](PythonEngine& e) { return e.engine().epoch(); });
+}

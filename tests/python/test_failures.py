@@ -1,0 +1,131 @@
+"""What keel.torch does with bad input and with a lost rank: bad tensors, ids, configs and groups
+raise an exception naming the argument and its value; a rank that dies mid-step makes the others
+raise within the collective deadline instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, List
+
+import pytest
+
+from ranks import run_ranks, values
+
+
+def bad_inputs(rank: int, world: int) -> List[str]:
+    """One rank: every bad call, and the message each raised (or a note that it did not)."""
+    import torch
+    import keel
+    import keel.torch as kt
+
+    messages: List[str] = []
+
+    def expect_error(kind: type, call: Any) -> None:
+        try:
+            call()
+        except kind as error:
+            messages.append(str(error))
+        else:
+            messages.append(f"NO ERROR from {call}")
+
+    config = {"topology": {"num_nodes": 1, "gpus_per_node": 1},
+              "slots": {"persistent_per_rank": 4, "transient_per_rank": 0},
+              "policy": {"name": "static"}, "migration": {"transport": "ucx"}}
+    moe = kt.KeelMoE(kt.ffn_expert(8, 16), num_layers=1, num_experts=4, top_k=2, config=config)
+    layer = moe.layer(0)
+    hidden = torch.randn(5, 8)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]])
+    weights = torch.full((5, 2), 0.5)
+    expect_error(keel.InvalidArgumentError, lambda: layer(hidden, ids.float(), weights))
+    expect_error(keel.InvalidArgumentError, lambda: layer(hidden, ids[:, :1], weights))
+    expect_error(keel.InvalidArgumentError, lambda: layer(hidden, ids.to("meta"), weights))
+    expect_error(keel.InvalidArgumentError, lambda: layer(hidden.double(), ids, weights))
+    expect_error(keel.InvalidArgumentError, lambda: layer(hidden, ids, weights[:4]))
+    out_of_range = ids.clone()
+    out_of_range[3, 1] = 9
+    expect_error(keel.InvalidArgumentError, lambda: layer(hidden, out_of_range, weights))
+    # The engine is still usable after refusing bad input.
+    out = layer(hidden, ids, weights)
+    messages.append(f"ok {list(out.shape)}")
+    expect_error(keel.InvalidArgumentError, lambda: moe.attach(torch.optim.SGD(
+        moe.parameters(), lr=0.1)))
+    moe.close()
+    # A config whose ranks differ from the group's.
+    four = dict(config, topology={"num_nodes": 1, "gpus_per_node": 4})
+    expect_error(keel.InvalidArgumentError, lambda: kt.KeelMoE(
+        kt.ffn_expert(8, 16), num_layers=1, num_experts=4, top_k=2, config=four))
+    expect_error(keel.InvalidArgumentError, lambda: kt.KeelMoE(
+        kt.ffn_expert(8, 16), num_layers=1, num_experts=4, top_k=2,
+        config=dict(config, policy={"name": "roundrobin"})))
+    return messages
+
+
+def test_bad_input_names_the_argument_and_value() -> None:
+    messages = values(run_ranks(bad_inputs, 1))[0]
+    expected = [
+        "topk_ids has dtype float32, expected int32 or int64",
+        "topk_ids has shape [5, 1]: dimension 1 is 1, expected 2",
+        "topk_ids is on device meta",
+        "hidden has dtype float64, expected float32",
+        "topk_weights has shape [4, 2]: dimension 0 is 4, expected 5",
+        "topk_ids[7] = 9 is not an expert id in [0, 4) or -1",
+        "ok [5, 8]",
+        "optimizer is SGD, but KeelMoE was created with optimizer='adam'",
+        "topology.num_nodes x topology.gpus_per_node = 4 ranks, but the communicator has 1",
+        "policy.name: roundrobin is not allowed",
+    ]
+    assert len(messages) == len(expected), messages
+    for got, want in zip(messages, expected):
+        assert want in got, f"expected {want!r} in {got!r}"
+
+
+DEADLINE = 5.0
+
+
+def lose_a_rank(rank: int, world: int, how: str) -> Dict[str, Any]:
+    """Trains until rank `world - 1` dies (or stalls) at the start of step 2; the others report
+    what they raised and how long after that step began."""
+    import torch
+    import keel.torch as kt
+
+    config = {"topology": {"num_nodes": 1, "gpus_per_node": world},
+              "slots": {"persistent_per_rank": 3, "transient_per_rank": 1},
+              "migration": {"transport": "ucx", "deadline_seconds": DEADLINE},
+              "engine": {"collective_timeout_seconds": DEADLINE}}
+    moe = kt.KeelMoE(kt.ffn_expert(8, 16), num_layers=2, num_experts=8, top_k=2, config=config)
+    optimizer = torch.optim.Adam(moe.parameters(), lr=1e-2)
+    moe.attach(optimizer)
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(5):
+        started = time.monotonic()
+        if step == 2 and rank == world - 1:
+            if how == "dies":
+                os._exit(1)  # the process dies between steps, without a word to anyone
+            time.sleep(4 * DEADLINE)  # stuck, as in a long kernel or a debugger
+        try:
+            x = torch.randn(32, 8, generator=generator)
+            for layer in range(2):
+                ids = torch.randint(0, 8, (32, 2), generator=generator)
+                x = x + moe.layer(layer)(x, ids, torch.full((32, 2), 0.5))
+            x.sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        except Exception as error:  # what a trainer would see
+            return {"step": step, "type": type(error).__name__, "message": str(error),
+                    "seconds": time.monotonic() - started,
+                    "bases": [c.__name__ for c in type(error).__mro__]}
+    return {"step": None}
+
+
+@pytest.mark.parametrize("how", ["dies", "stalls"])
+def test_a_lost_rank_is_an_error_within_the_deadline(how: str) -> None:
+    answers = run_ranks(lose_a_rank, 4, how, timeout=90, allow_missing=[3])
+    survivors = [answers[r] for r in range(3)]
+    for rank, (status, result) in enumerate(survivors):
+        assert status == "ok", result
+        assert result["step"] == 2, f"rank {rank} raised nothing when rank 3 died: {result}"
+        assert {"TimeoutError", "KeelError", "RuntimeError"} & set(result["bases"]), result
+        if how == "stalls":
+            assert "TimeoutError" in result["bases"], result  # keel.DeadlineExceededError
+        assert result["seconds"] < 3 * DEADLINE, f"rank {rank} took {result['seconds']:.1f} s"
