@@ -401,12 +401,19 @@ std::unique_ptr<Communicator> LocalCommunicatorGroup::Join(int rank) {
   return std::make_unique<LocalCommunicator>(rendezvous_, rank);
 }
 
+// Backends this build lacks: communicator_mpi.cc and communicator_nccl.cc define them otherwise.
 #if !KEEL_MIGRATION_MPI
-// communicator_mpi.cc defines it in builds with MPI.
 Result<std::unique_ptr<Communicator>> CreateMpiCommunicator() {
   return Unimplemented(
       "this build of keel has no MPI (KEEL_WITH_MPI=OFF); use LocalGroup (keel_comm_create_local) "
       "for ranks as threads, or rebuild with MPI");
+}
+#endif
+#if !KEEL_MIGRATION_NCCL
+Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(Communicator& /*bootstrap*/,
+                                                             int /*device*/) {
+  return Unimplemented("this build of keel has no NCCL (KEEL_WITH_NCCL=OFF); rebuild on a machine "
+                       "with CUDA and NCCL");
 }
 #endif
 

@@ -1,6 +1,6 @@
 // The communicator backends behind include/keel/communicator.hpp's interface: ranks as threads of
 // one process (local) and NCCL, plus the argument checks, error wording and rank-order folds every
-// backend shares. The MPI backend's factory is public (keel/communicator.hpp).
+// backend shares. The MPI and NCCL backends' factories are public (keel/communicator.hpp).
 #pragma once
 
 #include <cstddef>
@@ -37,12 +37,6 @@ class LocalCommunicatorGroup {
 
   std::shared_ptr<Rendezvous> rendezvous_;
 };
-
-// An NCCL communicator on CUDA device `device` with the ranks of `bootstrap`, which carries the
-// NCCL unique id from rank 0 to the others; every rank of `bootstrap` calls it. Host data is
-// staged through device buffers on a stream of its own. Defined only in builds with
-// KEEL_WITH_NCCL (keel::kWithNccl); communicator_nccl.cc.
-Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(Communicator& bootstrap, int device);
 
 // Shared by the backends (and by communicators written for tests), so every backend checks
 // arguments and words its errors the same way.

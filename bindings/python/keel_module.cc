@@ -122,9 +122,10 @@ class PythonCommunicator final : public Communicator {
                              std::to_string(send.size()));
     }
     return Call("all_to_all_v", [&] {
-      // A read-only view of the engine's bytes: the callee copies what it sends.
-      py::memoryview view = py::memoryview::from_memory(static_cast<const void*>(send.data()),
-                                                                static_cast<py::ssize_t>(send.size()));
+      // The engine's bytes, lent for the call without a copy. Writable only so that torch can
+      // wrap them (torch.frombuffer); the callee only reads them.
+      py::memoryview view = py::memoryview::from_memory(
+          const_cast<std::byte*>(send.data()), static_cast<py::ssize_t>(send.size()));
       std::vector<size_t> counts(send_bytes.begin(), send_bytes.end());
       py::tuple answer = impl_.attr("all_to_all_v")(view, counts, timeout());
       py::buffer_info data = answer[0].cast<py::buffer>().request();

@@ -71,4 +71,10 @@ class Communicator {
 // Unimplemented in builds without MPI (keel::kWithMpi in keel/version.hpp).
 Result<std::unique_ptr<Communicator>> CreateMpiCommunicator();
 
+// An NCCL communicator on CUDA device `device` with the ranks of `bootstrap`, which carries the
+// NCCL unique id from rank 0 to the others; every rank of `bootstrap` calls it. Host data is
+// staged through device buffers on a stream of its own. Unimplemented in builds without NCCL
+// (keel::kWithNccl); FailedPrecondition without a usable GPU.
+Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(Communicator& bootstrap, int device);
+
 }  // namespace keel

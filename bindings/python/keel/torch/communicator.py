@@ -68,10 +68,13 @@ class ProcessGroupCommunicator:
         return parts
 
     def _bytes_tensor(self, data: Any) -> Any:
-        buffer = bytearray(data)
-        if not buffer:
+        """``data`` (bytes or a memoryview the engine lends for the call) as a uint8 tensor on
+        the group's device, without a copy on the CPU."""
+        if len(data) == 0:
             return torch.empty(0, dtype=torch.uint8, device=self.device)
-        return torch.frombuffer(buffer, dtype=torch.uint8).to(self.device)
+        if isinstance(data, bytes):
+            data = bytearray(data)
+        return torch.frombuffer(data, dtype=torch.uint8).to(self.device)
 
     # --- the collectives ------------------------------------------------------------------------
     def all_gather(self, mine: bytes, timeout: float) -> List[bytes]:

@@ -33,6 +33,13 @@ class StepTimes:
         self.communication = [0.0] * num_layers
         self.route = 0.0
         self.control = 0.0
+        # The calling thread's share of route and of the all-to-alls, so that a trainer can tell
+        # the rest of its own thread's time (attention, router, Python) apart.
+        self.route_thread = 0.0
+        self.exchange_thread = 0.0
+        # The dispatchers' own work on the calling thread, route included, experts and
+        # all-to-alls not: Keel's bookkeeping in Python (sorting, index building, gathers).
+        self.dispatch = 0.0
         self.rows = [0] * num_layers  # rows this rank's experts computed, per layer
 
 
@@ -183,14 +190,18 @@ class MoEDispatcher(torch.nn.Module):
         check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), shape=(tokens, top_k))
         check_tensor("topk_weights", topk_weights, (torch.float32,), shape=(tokens, top_k))
         times = moe.times
+        if times is not None:
+            entered = time.thread_time()
+            before = times.expert[self.layer] + times.exchange_thread
 
-        started = time.process_time()
+        started, started_thread = time.process_time(), time.thread_time()
         route = engine.route(self.layer, topk_ids)
         self.last_route = route  # for inspection: which slots this step used
         if times is not None:
             elapsed = time.process_time() - started
             times.route += elapsed
             times.communication[self.layer] += elapsed
+            times.route_thread += time.thread_time() - started_thread
 
         # Dispatch order: by (destination rank, local slot), stable in (token, k); dropped
         # choices (slot -1) sort last and are not sent.
@@ -232,7 +243,11 @@ class MoEDispatcher(torch.nn.Module):
         unsorted = computed.index_select(0, back)
         returned = _AllToAll.apply(unsorted, recv, send, exchange)
         weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1)
-        return hidden.new_zeros((tokens, spec.output_size)).index_add(0, token, returned * weights)
+        out = hidden.new_zeros((tokens, spec.output_size)).index_add(0, token, returned * weights)
+        if times is not None:
+            spent_elsewhere = times.expert[self.layer] + times.exchange_thread - before
+            times.dispatch += time.thread_time() - entered - spent_elsewhere
+        return out
 
 
 def _slot_major_order(counts: torch.Tensor) -> torch.Tensor:
@@ -345,7 +360,7 @@ class KeelMoE:
         """The all-to-all of ``layer``'s rows over the group, with the collective deadline."""
 
         def run(rows: torch.Tensor, send: List[int], recv: List[int]) -> torch.Tensor:
-            started = time.process_time()
+            started, started_thread = time.process_time(), time.thread_time()
             out = rows.new_empty((sum(recv),) + tuple(rows.shape[1:]))
             work = dist.all_to_all_single(out, rows.contiguous(), recv, send, group=self.group,
                                           async_op=True)
@@ -353,6 +368,7 @@ class KeelMoE:
                                     f"layer {layer} all-to-all")
             if self.times is not None:
                 self.times.communication[layer] += time.process_time() - started
+                self.times.exchange_thread += time.thread_time() - started_thread
             return out
 
         return run
@@ -461,6 +477,16 @@ class KeelMoE:
         self._reduced = False
         if self.times is not None:
             self.times.control += time.process_time() - started
+
+    def end_forward_pass(self) -> None:
+        """Collective, after a forward-only pass (evaluation, no backward, no optimizer): ends the
+        engine's step so that the next pass routes again. Nothing is reduced or updated; the
+        pass's routing still feeds the load estimator, as real traffic should."""
+        if self._reduced:
+            raise FailedPreconditionError(
+                "end_forward_pass after reduce_gradients: finish the training step with "
+                "optimizer.step() (or step_end())")
+        self.engine.step_end()
 
     # --- results --------------------------------------------------------------------------------
     def gather_experts(self, layer: int) -> List[Dict[str, torch.Tensor]]:

@@ -1,0 +1,91 @@
+"""Type stubs of keel._keel, the native half of the keel package (pybind11 over include/keel/).
+
+Use the keel package (keel.Config, keel.plan, keel.Engine, ...) rather than this module: it
+checks dtypes, shapes and devices before buffers cross by address. Every function raises the
+keel.KeelError subclass of the library's status (keel._errors) with the library's message.
+"""
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+__version__: str
+with_cuda: bool
+with_nccl: bool
+with_ucx: bool
+with_mpi: bool
+
+class Config:
+    """The configuration (docs/config.md) behind an opaque handle; Config() is the defaults."""
+    def __init__(self) -> None: ...
+    @staticmethod
+    def from_yaml(yaml: str, source: str = "<config>") -> Config: ...
+    @staticmethod
+    def from_file(path: str) -> Config: ...
+    @staticmethod
+    def reference() -> str: ...
+    def to_yaml(self) -> str: ...
+    @property
+    def num_ranks(self) -> int: ...
+    @property
+    def policy(self) -> str: ...
+    def __eq__(self, other: object) -> bool: ...
+
+class Trace:
+    """A routing trace in memory (include/keel/trace.hpp)."""
+    description: str
+    num_layers: int
+    num_experts: int
+    num_sources: int  # 0: per-expert counts only
+    step_ids: List[int]  # [num_steps]
+    @property
+    def num_steps(self) -> int: ...
+    def counts_bytes(self) -> bytes:
+        """float64, [num_steps, num_layers, num_sources or 1, num_experts], native byte order."""
+
+def read_trace(path: str, format: str = "auto") -> Trace: ...
+def synthetic_trace(seed: int, num_steps: int, num_layers: int, num_experts: int,
+                    num_sources: int, tokens_per_source: int, top_k: int,
+                    zipf_exponent: float) -> Trace: ...
+def policy_names() -> List[str]: ...
+
+def plan(policy: str, weight: bytes, num_layers: int, num_experts: int, num_replicas: int,
+         num_groups: int, num_nodes: int, num_gpus: int,
+         config: Optional[Config] = None) -> Dict[str, Any]:
+    """weight: float64 bytes, [num_layers, num_experts]. Returns num_layers, num_experts,
+    num_replicas, max_copies and flat int lists phy2log [num_layers * num_replicas], log2phy
+    [num_layers * num_experts * max_copies] (padded with -1), logcnt [num_layers * num_experts]."""
+
+def replay(trace: Trace, config: Optional[Config] = None, policies: Sequence[str] = ...,
+           oracle: bool = False, include_series: bool = True) -> str:
+    """The report of `keel replay --report`, as JSON text."""
+
+class Engine:
+    """One rank's engine over a Python communicator object (keel.torch.ProcessGroupCommunicator
+    or any object with rank, size, all_gather, barrier, all_reduce, broadcast, all_to_all_v)."""
+    def __init__(self, communicator: Any, config: Optional[Config] = None, config_yaml: str = "",
+                 config_path: str = "", *, num_layers: int, num_experts: int, top_k: int,
+                 weight_bytes: int, gradient_bytes: int, optimizer_bytes: int,
+                 gradient_type: str = "float32") -> None: ...
+    def close(self) -> None: ...
+    def register_slot(self, layer: int, local_slot: int, weights: int, gradients: int,
+                      optimizer: int) -> None:
+        """Buffers by address (a tensor's data_ptr(); 0 for none)."""
+    def route(self, layer: int, topk_ids: int, num_entries: int, slot_out: int) -> Dict[str, Any]:
+        """topk_ids: address of [num_entries] int32; slot_out: address of [num_entries] int32,
+        written. Returns send_counts [num_ranks], recv_counts [num_ranks * local_slots],
+        recv_totals [num_ranks], local_experts [local_slots] and epoch."""
+    def reduce_gradients(self) -> None: ...
+    def step_end(self) -> None: ...
+    def home_slots(self, layer: int) -> List[Tuple[int, int]]: ...
+    def placement(self, layer: int) -> Dict[str, Any]: ...
+    def stats(self) -> Dict[str, Any]: ...
+    def locate_slot(self, slot: int) -> Tuple[int, int]: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def num_ranks(self) -> int: ...
+    @property
+    def slots_per_rank(self) -> int: ...
+    @property
+    def transient_per_rank(self) -> int: ...
+    @property
+    def epoch(self) -> int: ...

@@ -1,0 +1,467 @@
+#!/usr/bin/env python3
+"""Trains a small character-level MoE transformer on the King James Bible through keel.torch:
+the Python counterpart of `keel demo`.
+
+Every rank runs the same model on its own batches; each MoE layer's experts live in Keel's slots
+and its tokens go through keel.torch's dispatcher (route, all-to-all, local experts, combine),
+the router is trained with the usual auxiliary load-balancing loss, and Adam runs on the homes.
+The same seed is trained once per policy (static, then keel), and each mode's report gives
+tokens per second, imbalance, the parallel step (the step separate GPUs would take: per layer
+the slowest rank's expert and communication time, plus the slowest rank's other compute and
+control), epochs, bytes moved, the loss curve and the held-out loss.
+
+Run it (4 ranks as processes on this machine, both policies, a comparison table at the end):
+
+    PYTHONPATH=build/python examples/torch/train_moe_lm.py --report out/torch-demo.json
+
+or one policy under torchrun (on Python 3.11 with torch 1.13, torchrun needs --redirects and
+--tee):
+
+    torchrun --nproc_per_node 4 --redirects 2 --tee 2 examples/torch/train_moe_lm.py \\
+        --policy keel --report keel.json
+
+The text comes from Debian's bible-kjv package (`bible -f Gen1:1-Rev22:21`); --text FILE trains
+on any other UTF-8 text instead. Needs torch (Debian: python3-torch) and the keel package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import keel
+import keel.torch as kt
+
+# Keel's migration transport and gloo stay on loopback unless the caller says otherwise.
+LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Train a character-level MoE transformer on the KJV Bible through Keel, "
+                    "once per placement policy, and compare the modes.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--ranks", type=int, default=4,
+                   help="processes to start when not launched by torchrun")
+    p.add_argument("--policy", action="append", choices=keel.policy_names(),
+                   help="placement policy; repeat to compare (default: static and keel)")
+    p.add_argument("--steps", type=int, default=120, help="training steps per mode")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks, each with an MoE")
+    p.add_argument("--experts", type=int, default=16, help="experts per MoE layer")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--d-model", type=int, default=64, help="hidden size")
+    p.add_argument("--ffn", type=int, default=512, help="expert FFN size")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    p.add_argument("--aux-loss", type=float, default=0.01,
+                   help="coefficient of the load-balancing loss (Switch/Mixtral); 0 turns it off")
+    p.add_argument("--eval-batches", type=int, default=8,
+                   help="held-out sequences per rank for the final held-out loss")
+    p.add_argument("--seed", type=int, default=1, help="seed of weights and data (every mode)")
+    p.add_argument("--text", default="",
+                   help="train on this UTF-8 file instead of the KJV Bible from `bible`")
+    p.add_argument("--config", default="",
+                   help="Keel config (YAML) for the keel modes; default: one node of --ranks "
+                        "GPUs sized to this model on a CPU, migration over UCX")
+    p.add_argument("--report", default="", help="write the JSON report here")
+    p.add_argument("--quiet", action="store_true", help="no per-step progress")
+    args = p.parse_args(argv)
+    args.policies = args.policy or ["static", "keel"]
+    for name in ("ranks", "steps", "layers", "experts", "top_k", "d_model", "ffn", "heads",
+                 "seq_len", "batch", "eval_batches"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.top_k > args.experts:
+        p.error(f"--top-k {args.top_k} exceeds --experts {args.experts}")
+    if args.d_model % args.heads:
+        p.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+    if args.aux_loss < 0:
+        p.error(f"--aux-loss must be >= 0, got {args.aux_loss}")
+    return args
+
+
+# --- data ---------------------------------------------------------------------------------------
+def load_text(path: str) -> str:
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as error:
+            sys.exit(f"train_moe_lm: --text {path}: {error}")
+        return text
+    if shutil.which("bible") is None:
+        sys.exit("train_moe_lm: the `bible` command is missing: install Debian's bible-kjv and "
+                 "bible-kjv-text (scripts/dev does), or pass --text FILE")
+    raw = subprocess.run(["bible", "-f", "Gen1:1-Rev22:21"], check=True, capture_output=True,
+                         text=True).stdout
+    # "Ge1:1 In the beginning..." -> the verse text alone.
+    return re.sub(r"(?m)^\S+?\d+:\d+ ", "", raw)
+
+
+class Corpus:
+    """The text as character ids: the first 95% to train on, the rest held out."""
+
+    def __init__(self, text: str) -> None:
+        self.chars = sorted(set(text))
+        index = {c: i for i, c in enumerate(self.chars)}
+        ids = torch.tensor([index[c] for c in text], dtype=torch.int64)
+        cut = int(len(ids) * 0.95)
+        self.train, self.heldout = ids[:cut], ids[cut:]
+
+    def batch(self, data: torch.Tensor, count: int, length: int,
+              generator: torch.Generator) -> torch.Tensor:
+        starts = torch.randint(0, len(data) - length - 1, (count,), generator=generator)
+        return torch.stack([data[s:s + length + 1] for s in starts.tolist()])
+
+
+# --- model --------------------------------------------------------------------------------------
+class Block(torch.nn.Module):
+    """Pre-norm attention, then a top-k MoE FFN whose experts Keel places."""
+
+    def __init__(self, args: argparse.Namespace, moe: torch.nn.Module) -> None:
+        super().__init__()
+        d = args.d_model
+        self.heads, self.top_k = args.heads, args.top_k
+        self.norm1, self.norm2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.proj = torch.nn.Linear(d, d)
+        self.router = torch.nn.Linear(d, args.experts, bias=False)
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(d // self.heads)
+        attention = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1) @ v
+        x = x + self.proj(attention.transpose(1, 2).reshape(b, s, d))
+
+        h = self.norm2(x).reshape(b * s, d)
+        probs = torch.softmax(self.router(h), dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        # Switch/Mixtral load balancing: E * sum_e (share of choices to e) * (mean prob of e).
+        experts = probs.shape[1]
+        share = torch.zeros(experts).index_add_(0, ids.reshape(-1), torch.ones(ids.numel()))
+        aux = experts * torch.sum(share / ids.numel() * probs.mean(dim=0))
+        x = x + self.moe(h, ids, weights).reshape(b, s, d)
+        return x, aux
+
+
+class CharMoE(torch.nn.Module):
+    def __init__(self, args: argparse.Namespace, vocab: int, moe: kt.KeelMoE) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, args.d_model)
+        self.position = torch.nn.Embedding(args.seq_len, args.d_model)
+        self.blocks = torch.nn.ModuleList(Block(args, moe.layer(l)) for l in range(args.layers))
+        self.norm = torch.nn.LayerNorm(args.d_model)
+        self.head = torch.nn.Linear(args.d_model, vocab)
+        self.register_buffer("mask", torch.triu(torch.ones(args.seq_len, args.seq_len,
+                                                           dtype=torch.bool), diagonal=1))
+
+    def forward(self, ids: torch.Tensor) -> tuple:
+        x = self.embed(ids) + self.position(torch.arange(ids.shape[1]))
+        aux = x.new_zeros(())
+        for block in self.blocks:
+            x, layer_aux = block(x, self.mask[:ids.shape[1], :ids.shape[1]])
+            aux = aux + layer_aux
+        return self.head(self.norm(x)), aux / len(self.blocks)
+
+
+def dense_parameters(model: torch.nn.Module, moe: kt.KeelMoE) -> List[torch.nn.Parameter]:
+    expert = {id(p) for p in moe.parameters()}
+    return [p for p in model.parameters() if id(p) not in expert]
+
+
+def keel_config(args: argparse.Namespace, world: int, policy: str) -> keel.Config:
+    if args.config:
+        return keel.Config.from_file(args.config).replace({"policy": {"name": policy}})
+    return keel.Config.from_dict({
+        "topology": {"num_nodes": 1, "gpus_per_node": world,
+                     "intra_node_gb_per_s": 2.0, "inter_node_gb_per_s": 2.0},
+        # The static placement plus two spare persistent slots and one transient slot per rank.
+        "slots": {"persistent_per_rank": -(-args.experts // world) + 2, "transient_per_rank": 1},
+        # The experts' size on a CPU thread.
+        "cost_model": {"hidden_size": args.d_model, "expert_ffn_size": args.ffn,
+                       "expert_tflops": 0.02, "dtype_bytes": 4,
+                       "home_move_bytes_per_parameter": 12.0},
+        "policy": {"name": policy, "replan_interval_steps": 2},
+        "migration": {"transport": "ucx", "deadline_seconds": 60},
+        "engine": {"collective_timeout_seconds": 120},
+    })
+
+
+# --- one rank's run -----------------------------------------------------------------------------
+def train(rank: int, world: int, args: argparse.Namespace, policy: str,
+          text: str) -> Optional[Dict[str, Any]]:
+    """Trains one mode on this rank; returns the mode's report on rank 0."""
+    torch.manual_seed(args.seed)  # the dense weights: the same on every rank and in every mode
+    torch.set_num_threads(1)  # one GPU per rank: its time is this thread's time
+    corpus = Corpus(text)
+    moe = kt.KeelMoE(kt.ffn_expert(args.d_model, args.ffn), num_layers=args.layers,
+                     num_experts=args.experts, top_k=args.top_k,
+                     config=keel_config(args, world, policy), seed=args.seed)
+    model = CharMoE(args, len(corpus.chars), moe)
+    dense = dense_parameters(model, moe)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    moe.attach(optimizer)
+    data = torch.Generator().manual_seed(args.seed * 7919 + rank)
+    tokens_per_step = args.batch * args.seq_len
+
+    per_step: Dict[str, List[Any]] = {k: [] for k in (
+        "parallel", "expert", "communication", "dense", "control", "exposed", "imbalance",
+        "loss", "dispatch", "epoch")}
+    layer_imbalance = [0.0] * args.layers
+    exposed_before = 0.0
+    started_wall = time.monotonic()
+    for step in range(args.steps):
+        moe.times = times = kt.StepTimes(args.layers)
+        batch = corpus.batch(corpus.train, args.batch, args.seq_len, data)
+        thread_started = time.thread_time()
+        logits, aux = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        (loss + args.aux_loss * aux).backward()
+        fwd_bwd_thread = time.thread_time() - thread_started
+        control_started = time.process_time()
+        # Dense gradients are averaged over the ranks (DistributedDataParallel's job); the
+        # experts' are Keel's, folded into their homes by the hook inside optimizer.step().
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in dense]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= world
+        at = 0
+        for p, g in zip(dense, grads):
+            p.grad = flat[at:at + g.numel()].view_as(g)
+            at += g.numel()
+        optimizer.step()
+        optimizer.zero_grad()
+        # The whole phase: dense all-reduce, Keel's hooks (reduce_gradients, step_end) and Adam.
+        times.control = time.process_time() - control_started
+        stats = moe.stats()
+        exposed = stats["exposed_migration_seconds"] - exposed_before
+        exposed_before = stats["exposed_migration_seconds"]
+        dense_thread = (fwd_bwd_thread - sum(times.expert) - times.route_thread
+                        - times.exchange_thread)
+
+        # The step as separate GPUs would take it: maxima over ranks.
+        L = args.layers
+        maxima = torch.tensor(times.expert + times.communication +
+                              [dense_thread, times.control, exposed, times.dispatch],
+                              dtype=torch.float64)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        rows = torch.zeros(world, L, dtype=torch.float64)
+        rows[rank] = torch.tensor(times.rows, dtype=torch.float64)
+        sums = torch.cat([rows.reshape(-1), torch.tensor([loss.item()], dtype=torch.float64)])
+        dist.all_reduce(sums)
+        rows = sums[:-1].reshape(world, L)
+        imbalances = (rows.max(dim=0).values * world / rows.sum(dim=0).clamp(min=1)).tolist()
+        for l in range(L):
+            layer_imbalance[l] += imbalances[l] / args.steps
+        expert, communication = maxima[:L].sum().item(), maxima[L:2 * L].sum().item()
+        rest = maxima[2 * L:].tolist()
+        parallel = expert + communication + rest[0] + rest[1] + rest[2]
+        for key, value in (("parallel", parallel), ("expert", expert),
+                           ("communication", communication), ("dense", rest[0]),
+                           ("control", rest[1]), ("exposed", rest[2]), ("dispatch", rest[3]),
+                           ("imbalance", sum(imbalances) / L),
+                           ("loss", sums[-1].item() / world), ("epoch", stats["epoch"])):
+            per_step[key].append(value)
+        if rank == 0 and not args.quiet:
+            bars = "".join("▁▂▃▄▅▆▇█"[min(7, round(7 * r / max(1.0, rows.sum(1).max().item())))]
+                           for r in rows.sum(1).tolist())
+            print(f"\r{policy:>8} step {step + 1:4d}/{args.steps}  loss {per_step['loss'][-1]:.4f}"
+                  f"  step {parallel * 1e3:7.1f} ms  imbalance {per_step['imbalance'][-1]:.3f} "
+                  f"{bars}  epoch {stats['epoch']}", end="", file=sys.stderr, flush=True)
+    wall = time.monotonic() - started_wall
+    if rank == 0 and not args.quiet:
+        print(file=sys.stderr)
+    moe.times = None
+
+    heldout = evaluate(model, moe, corpus, args, rank)
+    stats = moe.stats()
+    moe.close()
+    if rank != 0:
+        return None
+    mean = lambda key: sum(per_step[key]) / len(per_step[key])  # noqa: E731
+    return {
+        "policy": policy,
+        "parallel_step_seconds": {"mean": mean("parallel"), "per_step": per_step["parallel"]},
+        "expert_seconds": mean("expert"),
+        "communication_seconds": mean("communication"),
+        "dense_seconds": mean("dense"),
+        "control_seconds": mean("control"),
+        "exposed_migration_seconds": mean("exposed"),
+        "dispatch_seconds": mean("dispatch"),
+        "python_overhead_fraction": mean("dispatch") / mean("parallel"),
+        "mean_imbalance": mean("imbalance"),
+        "imbalance": per_step["imbalance"],
+        "imbalance_per_layer": layer_imbalance,
+        "epochs": stats["epochs_committed"],
+        "epochs_aborted": stats["epochs_aborted"],
+        "epoch_per_step": per_step["epoch"],
+        "bytes_moved": stats["bytes_moved"],
+        "loss": per_step["loss"],
+        "heldout_loss": heldout,
+        "tokens_per_second": tokens_per_step * world * args.steps / wall,
+        "wall_seconds": wall,
+    }
+
+
+@torch.no_grad()
+def evaluate(model: CharMoE, moe: kt.KeelMoE, corpus: Corpus, args: argparse.Namespace,
+             rank: int) -> float:
+    """Mean cross-entropy over the same held-out sequences in every mode (each rank its share),
+    in one forward pass."""
+    generator = torch.Generator().manual_seed(args.seed * 104729 + rank)
+    batch = corpus.batch(corpus.heldout, args.eval_batches, args.seq_len, generator)
+    logits, _ = model(batch[:, :-1])
+    moe.end_forward_pass()
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                           reduction="sum")
+    total = torch.tensor([loss.item(), float(batch[:, 1:].numel())], dtype=torch.float64)
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+# --- launching ----------------------------------------------------------------------------------
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, policy: str, text: str,
+             results: Any) -> None:
+    for key, value in LOOPBACK.items():
+        os.environ.setdefault(key, value)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    report = train(rank, world, args, policy, text)
+    if rank == 0:
+        results.put(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_mode(args: argparse.Namespace, policy: str, text: str) -> Dict[str, Any]:
+    """Starts --ranks processes for one policy and returns rank 0's report."""
+    import torch.multiprocessing as mp
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    processes = [context.Process(target=_spawned,
+                                 args=(r, args.ranks, port, args, policy, text, results))
+                 for r in range(args.ranks)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join()
+    failed = [r for r, p in enumerate(processes) if p.exitcode != 0]
+    if failed:
+        sys.exit(f"train_moe_lm: {policy}: ranks {failed} failed (exit codes "
+                 f"{[processes[r].exitcode for r in failed]})")
+    return json.loads(results.get())
+
+
+def summarize(modes: Dict[str, Dict[str, Any]], args: argparse.Namespace) -> Dict[str, Any]:
+    header = ("mode", "step ms", "expert ms", "comm ms", "dense ms", "imbalance", "epochs",
+              "moved MB", "tok/s", "loss first", "loss last", "held-out", "python %")
+    rows = []
+    for name, m in modes.items():
+        rows.append((name, f"{m['parallel_step_seconds']['mean'] * 1e3:.1f}",
+                     f"{m['expert_seconds'] * 1e3:.1f}", f"{m['communication_seconds'] * 1e3:.1f}",
+                     f"{m['dense_seconds'] * 1e3:.1f}", f"{m['mean_imbalance']:.3f}",
+                     str(m["epochs"]), f"{m['bytes_moved'] / 1e6:.2f}",
+                     f"{m['tokens_per_second']:.0f}", f"{m['loss'][0]:.4f}",
+                     f"{m['loss'][-1]:.4f}", f"{m['heldout_loss']:.4f}",
+                     f"{m['python_overhead_fraction'] * 100:.2f}"))
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    for row in [header] + rows:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                        for i, (c, w) in enumerate(zip(row, widths))))
+    comparison: Dict[str, Any] = {}
+    if "static" in modes and "keel" in modes:
+        static, ours = modes["static"], modes["keel"]
+        target = 0.85 if args.aux_loss > 0 else 0.7
+        ratio = ours["parallel_step_seconds"]["mean"] / static["parallel_step_seconds"]["mean"]
+        loss_gap = abs(ours["heldout_loss"] - static["heldout_loss"]) / static["heldout_loss"]
+        comparison = {
+            "parallel_step_ratio": {"value": ratio, "target": target, "met": ratio <= target},
+            "keel_mean_imbalance": {"value": ours["mean_imbalance"], "target": 1.10,
+                                    "met": ours["mean_imbalance"] <= 1.10},
+            "heldout_loss_gap": {"value": loss_gap, "target": 0.01, "met": loss_gap <= 0.01},
+            "python_overhead_fraction": {"value": ours["python_overhead_fraction"],
+                                         "target": 0.05,
+                                         "met": ours["python_overhead_fraction"] <= 0.05},
+            "static_mean_imbalance": static["mean_imbalance"],
+        }
+        print()
+        met = lambda c: "met" if c["met"] else "MISSED"  # noqa: E731
+        print(f"keel / static parallel step: {ratio:.3f} (target <= {target}: "
+              f"{met(comparison['parallel_step_ratio'])})")
+        print(f"keel mean imbalance:         {ours['mean_imbalance']:.3f} (target <= 1.10: "
+              f"{met(comparison['keel_mean_imbalance'])}; static {static['mean_imbalance']:.3f})")
+        print(f"held-out loss gap:           {loss_gap * 100:.2f}% (target <= 1%: "
+              f"{met(comparison['heldout_loss_gap'])})")
+        print(f"Python dispatch overhead:    {ours['python_overhead_fraction'] * 100:.2f}% of "
+              f"the step (target <= 5%: {met(comparison['python_overhead_fraction'])})")
+    return comparison
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    text = load_text(args.text)
+    # The held-out 5% must hold a couple of sequences.
+    if len(text) < 40 * (args.seq_len + 1):
+        sys.exit(f"train_moe_lm: the text has {len(text)} characters; --seq-len {args.seq_len} "
+                 f"needs at least {40 * (args.seq_len + 1)}")
+    settings = {k: v for k, v in vars(args).items() if k not in ("policy", "report", "quiet")}
+    if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank of one mode
+        for key, value in LOOPBACK.items():
+            os.environ.setdefault(key, value)
+        if len(args.policies) != 1:
+            sys.exit("train_moe_lm: under torchrun, pass exactly one --policy")
+        dist.init_process_group("gloo")
+        report = train(dist.get_rank(), dist.get_world_size(), args, args.policies[0], text)
+        if report is not None:
+            summarize({args.policies[0]: report}, args)
+            if args.report:
+                write_report(args.report, {"example": "train_moe_lm", "settings": settings,
+                                           "modes": {args.policies[0]: report}})
+        dist.destroy_process_group()
+        return 0
+    if not args.quiet:
+        print(f"train_moe_lm: {args.ranks} ranks, {args.layers} layers x {args.experts} experts "
+              f"top-{args.top_k}, d_model {args.d_model}, FFN {args.ffn}, {args.batch} x "
+              f"{args.seq_len} characters per rank, {args.steps} steps, aux loss "
+              f"{args.aux_loss}; text: {len(text)} characters", file=sys.stderr)
+    modes = {policy: run_mode(args, policy, text) for policy in args.policies}
+    comparison = summarize(modes, args)
+    if args.report:
+        write_report(args.report, {"example": "train_moe_lm", "settings": settings,
+                                   "modes": modes, "comparison": comparison})
+    return 0
+
+
+def write_report(path: str, report: Dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    temporary = path + ".tmp"
+    with open(temporary, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(temporary, path)
+    print(f"report: {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
