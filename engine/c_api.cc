@@ -642,10 +642,10 @@ keel_status_t keel_engine_placement(const keel_engine_t* engine, int layer, int3
     if (phy2log_out == nullptr) return Null("phy2log_out");
     KEEL_RETURN_IF_ERROR(keel::CheckLayer(*engine, layer));
     const keel::LayerPlacement placement = engine->engine->placement(layer);
-    KEEL_RETURN_IF_ERROR(keel::CheckCapacity(
-        capacity, static_cast<long long>(placement.phy2log.size()),
-        "num_ranks * slots_per_rank = " + std::to_string(placement.num_ranks) + " * " +
-            std::to_string(placement.slots_per_rank)));
+    KEEL_RETURN_IF_ERROR(
+        keel::CheckCapacity(capacity, static_cast<long long>(placement.phy2log.size()),
+                            "num_ranks * slots_per_rank = " + std::to_string(placement.num_ranks) +
+                                " * " + std::to_string(placement.slots_per_rank)));
     std::copy(placement.phy2log.begin(), placement.phy2log.end(), phy2log_out);
     return Status::Ok();
   });

@@ -137,11 +137,11 @@ Result<KeelConfig> ResolveConfig(const EngineOptions& options, int num_ranks) {
   const int given = (options.config.has_value() ? 1 : 0) + (options.config_yaml.empty() ? 0 : 1) +
                     (options.config_path.empty() ? 0 : 1);
   if (given > 1) {
-    return InvalidArgument(
-        "more than one of config, config_yaml and config_path is set" +
-        (options.config_path.empty() ? std::string()
-                                     : " (config_path = \"" + options.config_path + "\")") +
-        "; give at most one");
+    return InvalidArgument("more than one of config, config_yaml and config_path is set" +
+                           (options.config_path.empty()
+                                ? std::string()
+                                : " (config_path = \"" + options.config_path + "\")") +
+                           "; give at most one");
   }
   if (options.config.has_value()) return TypedConfig(*options.config);
   if (!options.config_yaml.empty()) return ParseConfig(options.config_yaml, "config_yaml");
@@ -894,8 +894,7 @@ Status Engine::Impl::StartMigration(std::vector<Placement> planned) {
         ExpertStore::Wrap(rank_, options_.num_layers, slots_per_rank_, layout, std::move(weights),
                           std::move(optimizer), transport_->device_memory()));
     store_ = std::make_unique<ExpertStore>(std::move(store));
-    KEEL_ASSIGN_OR_RETURN(migrator_,
-                          Migrator::Create(*transport_, *store_, config_.migration));
+    KEEL_ASSIGN_OR_RETURN(migrator_, Migrator::Create(*transport_, *store_, config_.migration));
   }
   KEEL_RETURN_IF_ERROR(migrator_->Start(static_cast<uint64_t>(stats_.epoch + 1),
                                         std::make_shared<const TransferPlan>(std::move(plan))));

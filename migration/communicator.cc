@@ -412,8 +412,9 @@ Result<std::unique_ptr<Communicator>> CreateMpiCommunicator() {
 #if !KEEL_MIGRATION_NCCL
 Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(Communicator& /*bootstrap*/,
                                                              int /*device*/) {
-  return Unimplemented("this build of keel has no NCCL (KEEL_WITH_NCCL=OFF); rebuild on a machine "
-                       "with CUDA and NCCL");
+  return Unimplemented(
+      "this build of keel has no NCCL (KEEL_WITH_NCCL=OFF); rebuild on a machine "
+      "with CUDA and NCCL");
 }
 #endif
 

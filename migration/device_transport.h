@@ -11,8 +11,8 @@
 #include <string_view>
 
 #include "keel/status.hpp"
-#include "migration/device_memory.h"
 #include "keel/transport.hpp"
+#include "migration/device_memory.h"
 
 namespace keel {
 

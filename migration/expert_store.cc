@@ -1,9 +1,10 @@
 // ExpertStore: live slot buffers plus a staging map keyed by (layer, slot, region).
-#include "migration/device_memory.h"
 #include "migration/expert_store.h"
 
 #include <algorithm>
 #include <string>
+
+#include "migration/device_memory.h"
 
 namespace keel {
 

@@ -16,11 +16,11 @@
 
 #include "common/config.h"
 #include "keel/status.hpp"
+#include "keel/transport.hpp"
 #include "migration/exchange.h"
 #include "migration/expert_store.h"
 #include "migration/observer.h"
 #include "migration/transfer_plan.h"
-#include "keel/transport.hpp"
 
 namespace keel {
 

@@ -10,8 +10,8 @@
 
 #include "common/config.h"
 #include "keel/status.hpp"
-#include "migration/observer.h"
 #include "keel/transport.hpp"
+#include "migration/observer.h"
 
 namespace keel {
 

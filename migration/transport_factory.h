@@ -6,8 +6,8 @@
 
 #include "common/config.h"
 #include "keel/status.hpp"
-#include "migration/communicator.h"
 #include "keel/transport.hpp"
+#include "migration/communicator.h"
 #include "migration/transport_local.h"
 
 namespace keel {

@@ -8,9 +8,9 @@
 #include <memory>
 
 #include "keel/status.hpp"
+#include "keel/transport.hpp"
 #include "migration/communicator.h"
 #include "migration/device_transport.h"
-#include "keel/transport.hpp"
 
 namespace keel {
 

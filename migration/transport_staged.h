@@ -9,8 +9,8 @@
 #include <memory>
 
 #include "keel/status.hpp"
-#include "migration/device_memory.h"
 #include "keel/transport.hpp"
+#include "migration/device_memory.h"
 
 namespace keel {
 

@@ -9,8 +9,8 @@
 #include <memory>
 
 #include "keel/status.hpp"
-#include "migration/communicator.h"
 #include "keel/transport.hpp"
+#include "migration/communicator.h"
 
 namespace keel {
 

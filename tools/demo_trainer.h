@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "common/config.h"
-#include "keel/status.hpp"
 #include "keel/engine.hpp"
+#include "keel/status.hpp"
 #include "monitor/metrics.h"
 #include "monitor/trace.h"
 #include "tools/demo_model.h"
@@ -88,7 +88,7 @@ struct RankRunOptions {
   const TokenGate* gate = nullptr;
   Communicator* communicator = nullptr;
   LocalGroup* local_group = nullptr;  // the communicator's group, for the local transport
-  Metrics* metrics = nullptr;     // shared exporter (may be null)
+  Metrics* metrics = nullptr;         // shared exporter (may be null)
   // Barrier (untimed) before each timed collective, so the time measured inside it is the
   // exchange and not the wait for the slowest rank: needed where waiting burns CPU (MPI polls).
   bool barrier_before_timing = false;

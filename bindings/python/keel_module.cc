@@ -32,8 +32,7 @@ namespace {
 // A failed Status on its way to Python; the translator registered below raises it.
 class StatusError : public std::exception {
  public:
-  explicit StatusError(Status status)
-      : status_(std::move(status)), what_(status_.ToString()) {}
+  explicit StatusError(Status status) : status_(std::move(status)), what_(status_.ToString()) {}
   const Status& status() const { return status_; }
   const char* what() const noexcept override { return what_.c_str(); }
 
@@ -124,8 +123,8 @@ class PythonCommunicator final : public Communicator {
     return Call("all_to_all_v", [&] {
       // The engine's bytes, lent for the call without a copy. Writable only so that torch can
       // wrap them (torch.frombuffer); the callee only reads them.
-      py::memoryview view = py::memoryview::from_memory(
-          const_cast<std::byte*>(send.data()), static_cast<py::ssize_t>(send.size()));
+      py::memoryview view = py::memoryview::from_memory(const_cast<std::byte*>(send.data()),
+                                                        static_cast<py::ssize_t>(send.size()));
       std::vector<size_t> counts(send_bytes.begin(), send_bytes.end());
       py::tuple answer = impl_.attr("all_to_all_v")(view, counts, timeout());
       py::buffer_info data = answer[0].cast<py::buffer>().request();
@@ -241,7 +240,8 @@ class PythonEngine {
   void RegisterSlot(int layer, int local_slot, uintptr_t weights, uintptr_t gradients,
                     uintptr_t optimizer) {
     ThrowIfError(engine().RegisterSlot(
-        layer, local_slot, {Address<void>(weights), Address<void>(gradients), Address<void>(optimizer)}));
+        layer, local_slot,
+        {Address<void>(weights), Address<void>(gradients), Address<void>(optimizer)}));
   }
 
   // Routes `num_entries` int32 ids at `topk_ids` and writes each entry's physical slot to
@@ -345,8 +345,7 @@ class PythonEngine {
 };
 
 py::dict Plan(const std::string& policy, const py::bytes& weight, int num_layers, int num_experts,
-              int num_replicas, int num_groups, int num_nodes, int num_gpus,
-              const Config* config) {
+              int num_replicas, int num_groups, int num_nodes, int num_gpus, const Config* config) {
   PlanRequest request;
   request.policy = policy;
   request.num_layers = num_layers;
@@ -424,20 +423,23 @@ PYBIND11_MODULE(_keel, m) {
       if (pointer) std::rethrow_exception(pointer);
     } catch (const StatusError& error) {
       py::object from_status = py::module_::import("keel._errors").attr("from_status");
-      py::object exception = from_status(std::string(StatusCodeName(error.status().code())),
-                                         error.status().message());
+      py::object exception =
+          from_status(std::string(StatusCodeName(error.status().code())), error.status().message());
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exception.ptr())), exception.ptr());
     }
   });
 
   py::class_<Config>(m, "Config")
       .def(py::init<>())
-      .def_static("from_yaml", [](const std::string& yaml, const std::string& source) {
-        return ValueOrThrow(Config::FromYaml(yaml, source));
-      }, py::arg("yaml"), py::arg("source") = "<config>")
-      .def_static("from_file", [](const std::string& path) {
-        return ValueOrThrow(Config::FromFile(path));
-      }, py::arg("path"))
+      .def_static(
+          "from_yaml",
+          [](const std::string& yaml, const std::string& source) {
+            return ValueOrThrow(Config::FromYaml(yaml, source));
+          },
+          py::arg("yaml"), py::arg("source") = "<config>")
+      .def_static(
+          "from_file", [](const std::string& path) { return ValueOrThrow(Config::FromFile(path)); },
+          py::arg("path"))
       .def_static("reference", &Config::Reference)
       .def("to_yaml", &Config::ToYaml)
       .def_property_readonly("num_ranks", &Config::num_ranks)
@@ -455,28 +457,33 @@ PYBIND11_MODULE(_keel, m) {
       .def_property_readonly("num_steps", &Trace::num_steps)
       .def("counts_bytes", &TraceCounts);
 
-  m.def("read_trace", [](const std::string& path, const std::string& format) {
-    const TraceFormat parsed = ValueOrThrow(ParseTraceFormat(format));
-    py::gil_scoped_release release;
-    return ValueOrThrow(ReadTrace(path, parsed));
-  }, py::arg("path"), py::arg("format") = "auto");
+  m.def(
+      "read_trace",
+      [](const std::string& path, const std::string& format) {
+        const TraceFormat parsed = ValueOrThrow(ParseTraceFormat(format));
+        py::gil_scoped_release release;
+        return ValueOrThrow(ReadTrace(path, parsed));
+      },
+      py::arg("path"), py::arg("format") = "auto");
 
-  m.def("synthetic_trace", [](uint64_t seed, int num_steps, int num_layers, int num_experts,
-                              int num_sources, int tokens_per_source, int top_k,
-                              double zipf_exponent) {
-    SyntheticTraceOptions options;
-    options.seed = seed;
-    options.num_steps = num_steps;
-    options.num_layers = num_layers;
-    options.num_experts = num_experts;
-    options.num_sources = num_sources;
-    options.tokens_per_source = tokens_per_source;
-    options.top_k = top_k;
-    options.zipf_exponent = zipf_exponent;
-    return ValueOrThrow(GenerateSyntheticTrace(options));
-  }, py::arg("seed"), py::arg("num_steps"), py::arg("num_layers"), py::arg("num_experts"),
-     py::arg("num_sources"), py::arg("tokens_per_source"), py::arg("top_k"),
-     py::arg("zipf_exponent"));
+  m.def(
+      "synthetic_trace",
+      [](uint64_t seed, int num_steps, int num_layers, int num_experts, int num_sources,
+         int tokens_per_source, int top_k, double zipf_exponent) {
+        SyntheticTraceOptions options;
+        options.seed = seed;
+        options.num_steps = num_steps;
+        options.num_layers = num_layers;
+        options.num_experts = num_experts;
+        options.num_sources = num_sources;
+        options.tokens_per_source = tokens_per_source;
+        options.top_k = top_k;
+        options.zipf_exponent = zipf_exponent;
+        return ValueOrThrow(GenerateSyntheticTrace(options));
+      },
+      py::arg("seed"), py::arg("num_steps"), py::arg("num_layers"), py::arg("num_experts"),
+      py::arg("num_sources"), py::arg("tokens_per_source"), py::arg("top_k"),
+      py::arg("zipf_exponent"));
 
   m.def("policy_names", [] { return PolicyNames(); });
   m.def("plan", &Plan, py::arg("policy"), py::arg("weight"), py::arg("num_layers"),
@@ -487,13 +494,12 @@ PYBIND11_MODULE(_keel, m) {
         py::arg("include_series") = true);
 
   py::class_<PythonEngine>(m, "Engine")
-      .def(py::init<py::object, std::optional<Config>, const std::string&, const std::string&,
-                    int, int, int, size_t, size_t, size_t, const std::string&>(),
-           py::arg("communicator"), py::arg("config") = std::nullopt,
-           py::arg("config_yaml") = "", py::arg("config_path") = "", py::arg("num_layers"),
-           py::arg("num_experts"), py::arg("top_k"), py::arg("weight_bytes"),
-           py::arg("gradient_bytes"), py::arg("optimizer_bytes"),
-           py::arg("gradient_type") = "float32")
+      .def(py::init<py::object, std::optional<Config>, const std::string&, const std::string&, int,
+                    int, int, size_t, size_t, size_t, const std::string&>(),
+           py::arg("communicator"), py::arg("config") = std::nullopt, py::arg("config_yaml") = "",
+           py::arg("config_path") = "", py::arg("num_layers"), py::arg("num_experts"),
+           py::arg("top_k"), py::arg("weight_bytes"), py::arg("gradient_bytes"),
+           py::arg("optimizer_bytes"), py::arg("gradient_type") = "float32")
       .def("close", &PythonEngine::Close)
       .def("register_slot", &PythonEngine::RegisterSlot, py::arg("layer"), py::arg("local_slot"),
            py::arg("weights"), py::arg("gradients"), py::arg("optimizer"))

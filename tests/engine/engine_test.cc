@@ -256,9 +256,9 @@ TEST(EngineTest, RouteCountsPlusTheRemapKernelEqualsRoute) {
     threads.emplace_back([&, r] {
       status[r] = [&]() -> Status {
         KEEL_ASSIGN_OR_RETURN(auto communicator, group->Join(r));
-        KEEL_ASSIGN_OR_RETURN(auto engine, Engine::Create(SmallOptions(TestConfig("keel"), 2,
-                                                                       communicator.get(),
-                                                                       group.get())));
+        KEEL_ASSIGN_OR_RETURN(
+            auto engine,
+            Engine::Create(SmallOptions(TestConfig("keel"), 2, communicator.get(), group.get())));
         std::vector<std::byte> buffer(8);
         for (int l = 0; l < 2; ++l) {
           for (int i = 0; i < engine->local_slots(); ++i) {

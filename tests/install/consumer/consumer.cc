@@ -1,9 +1,9 @@
 // A trainer's smallest use of installed Keel: two thread-ranks route, reduce and step through the
 // engine on the static placement, the planner answers DeepSeek's EPLB example, and a bad config
 // is refused with the key named. Exits non-zero, saying why, when anything differs.
+#include <keel/keel.h>
 #include <keel/config.hpp>
 #include <keel/engine.hpp>
-#include <keel/keel.h>
 #include <keel/local_group.hpp>
 #include <keel/plan.hpp>
 #include <keel/version.hpp>
@@ -49,9 +49,9 @@ void RunRank(keel::LocalGroup& group, int rank, std::vector<float>& home_gradien
   if (!engine.ok()) return;
   std::vector<float> weights(2, 0.0f), gradients(2, 0.0f), optimizer(2, 0.0f);
   for (int slot = 0; slot < 2; ++slot) {
-    Check((*engine)->RegisterSlot(0, slot, {&weights[slot], &gradients[slot], &optimizer[slot]})
-              .ok(),
-          "RegisterSlot");
+    Check(
+        (*engine)->RegisterSlot(0, slot, {&weights[slot], &gradients[slot], &optimizer[slot]}).ok(),
+        "RegisterSlot");
   }
   std::vector<int32_t> ids(8);
   for (int t = 0; t < 8; ++t) ids[t] = t % 4;
@@ -102,9 +102,9 @@ int main() {
   auto plan = keel::PlanPlacement(request);
   Check(plan.ok(), "PlanPlacement: " + plan.status().ToString());
   if (plan.ok()) {
-    Check(plan->phy2log == std::vector<int32_t>({5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11,
-                                                 1}),
-          "EPLB example's phy2log");
+    Check(
+        plan->phy2log == std::vector<int32_t>({5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1}),
+        "EPLB example's phy2log");
   }
 
   auto bad = keel::Config::FromYaml("policy:\n  name: roundrobin\n", "mine.yaml");
