@@ -112,7 +112,6 @@ class Engine:
             weight_bytes=weight_bytes, gradient_bytes=gradient_bytes,
             optimizer_bytes=optimizer_bytes, gradient_type=gradient_type)
         self._buffers: Dict[Tuple[int, int], Tuple[Any, ...]] = {}
-        self._slot_of_entries: Optional[Any] = None
 
     # --- shape of this rank ---------------------------------------------------------------------
     @property

@@ -11,7 +11,7 @@ and push the homes' new weights to the replicas after it.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
