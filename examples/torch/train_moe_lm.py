@@ -5,17 +5,18 @@ the Python counterpart of `keel demo`.
 Every rank runs the same model on its own batches; each MoE layer's experts live in Keel's slots
 and its tokens go through keel.torch's dispatcher (route, all-to-all, local experts, combine),
 the router is trained with the usual auxiliary load-balancing loss, and Adam runs on the homes.
-The same seed is trained once per policy (static, then keel), and each mode's report gives
-tokens per second, imbalance, the parallel step (the step separate GPUs would take: per layer
-the slowest rank's expert and communication time, plus the slowest rank's other compute and
-control), epochs, bytes moved, the loss curve and the held-out loss.
+Each policy (static and keel by default) trains its own copy of the model from the same seed on
+the same batches; the ranks step the modes in turn, step by step, so that a shared machine's
+drifting speed weighs on every mode alike. Each mode's report gives tokens per second,
+imbalance, the parallel step (the step separate GPUs would take: per layer the slowest rank's
+expert and communication time, plus the slowest rank's other compute and control), epochs,
+bytes moved, the loss curve and the held-out loss.
 
 Run it (4 ranks as processes on this machine, both policies, a comparison table at the end):
 
     PYTHONPATH=build/python examples/torch/train_moe_lm.py --report out/torch-demo.json
 
-or one policy under torchrun (on Python 3.11 with torch 1.13, torchrun needs --redirects and
---tee):
+or under torchrun (on Python 3.11 with torch 1.13, torchrun needs --redirects and --tee):
 
     torchrun --nproc_per_node 4 --redirects 2 --tee 2 examples/torch/train_moe_lm.py \\
         --policy keel --report keel.json
@@ -57,7 +58,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, default=4,
                    help="processes to start when not launched by torchrun")
     p.add_argument("--policy", action="append", choices=keel.policy_names(),
-                   help="placement policy; repeat to compare (default: static and keel)")
+                   help="placement policy; repeat to compare several, trained in turn step by "
+                        "step (default: static and keel)")
     p.add_argument("--steps", type=int, default=120, help="training steps per mode")
     p.add_argument("--layers", type=int, default=4, help="transformer blocks, each with an MoE")
     p.add_argument("--experts", type=int, default=16, help="experts per MoE layer")
@@ -194,8 +196,9 @@ def keel_config(args: argparse.Namespace, world: int, policy: str) -> keel.Confi
     return keel.Config.from_dict({
         "topology": {"num_nodes": 1, "gpus_per_node": world,
                      "intra_node_gb_per_s": 2.0, "inter_node_gb_per_s": 2.0},
-        # The static placement plus two spare persistent slots and one transient slot per rank.
-        "slots": {"persistent_per_rank": -(-args.experts // world) + 2, "transient_per_rank": 1},
+        # The static placement plus one spare persistent slot and one transient slot per rank,
+        # as `keel demo` has.
+        "slots": {"persistent_per_rank": -(-args.experts // world) + 1, "transient_per_rank": 1},
         # The experts' size on a CPU thread.
         "cost_model": {"hidden_size": args.d_model, "expert_ffn_size": args.ffn,
                        "expert_tflops": 0.02, "dtype_bytes": 4,
@@ -207,61 +210,63 @@ def keel_config(args: argparse.Namespace, world: int, policy: str) -> keel.Confi
 
 
 # --- one rank's run -----------------------------------------------------------------------------
-def train(rank: int, world: int, args: argparse.Namespace, policy: str,
-          text: str) -> Optional[Dict[str, Any]]:
-    """Trains one mode on this rank; returns the mode's report on rank 0."""
-    torch.manual_seed(args.seed)  # the dense weights: the same on every rank and in every mode
-    torch.set_num_threads(1)  # one GPU per rank: its time is this thread's time
-    corpus = Corpus(text)
-    moe = kt.KeelMoE(kt.ffn_expert(args.d_model, args.ffn), num_layers=args.layers,
-                     num_experts=args.experts, top_k=args.top_k,
-                     config=keel_config(args, world, policy), seed=args.seed)
-    model = CharMoE(args, len(corpus.chars), moe)
-    dense = dense_parameters(model, moe)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    moe.attach(optimizer)
-    data = torch.Generator().manual_seed(args.seed * 7919 + rank)
-    tokens_per_step = args.batch * args.seq_len
+class Mode:
+    """One policy's model, engine and optimizer on this rank, and what its steps measured."""
 
-    per_step: Dict[str, List[Any]] = {k: [] for k in (
-        "parallel", "expert", "communication", "dense", "control", "exposed", "imbalance",
-        "loss", "dispatch", "epoch")}
-    layer_imbalance = [0.0] * args.layers
-    exposed_before = 0.0
-    started_wall = time.monotonic()
-    for step in range(args.steps):
+    KEYS = ("parallel", "expert", "communication", "dense", "control", "exposed", "dispatch",
+            "imbalance", "loss", "epoch")
+
+    def __init__(self, policy: str, args: argparse.Namespace, world: int, vocab: int) -> None:
+        torch.manual_seed(args.seed)  # the dense weights: the same on every rank, in every mode
+        self.policy, self.args, self.world = policy, args, world
+        self.moe = kt.KeelMoE(kt.ffn_expert(args.d_model, args.ffn), num_layers=args.layers,
+                              num_experts=args.experts, top_k=args.top_k,
+                              config=keel_config(args, world, policy), seed=args.seed)
+        self.model = CharMoE(args, vocab, self.moe)
+        self.dense = dense_parameters(self.model, self.moe)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr)
+        self.moe.attach(self.optimizer)
+        self.per_step: Dict[str, List[float]] = {k: [] for k in self.KEYS}
+        self.layer_imbalance = [0.0] * args.layers
+        self.exposed_before = 0.0
+        self.wall = 0.0
+
+    def step(self, batch: torch.Tensor, rank: int) -> None:
+        args, world, moe = self.args, self.world, self.moe
+        started_wall = time.monotonic()
         moe.times = times = kt.StepTimes(args.layers)
-        batch = corpus.batch(corpus.train, args.batch, args.seq_len, data)
         thread_started = time.thread_time()
-        logits, aux = model(batch[:, :-1])
+        logits, aux = self.model(batch[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
         (loss + args.aux_loss * aux).backward()
         fwd_bwd_thread = time.thread_time() - thread_started
         control_started = time.process_time()
         # Dense gradients are averaged over the ranks (DistributedDataParallel's job); the
         # experts' are Keel's, folded into their homes by the hook inside optimizer.step().
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in dense]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)
         flat /= world
         at = 0
-        for p, g in zip(dense, grads):
+        for p, g in zip(self.dense, grads):
             p.grad = flat[at:at + g.numel()].view_as(g)
             at += g.numel()
-        optimizer.step()
-        optimizer.zero_grad()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
         # The whole phase: dense all-reduce, Keel's hooks (reduce_gradients, step_end) and Adam.
-        times.control = time.process_time() - control_started
+        control = time.process_time() - control_started
+        self.wall += time.monotonic() - started_wall
+        moe.times = None
         stats = moe.stats()
-        exposed = stats["exposed_migration_seconds"] - exposed_before
-        exposed_before = stats["exposed_migration_seconds"]
+        exposed = stats["exposed_migration_seconds"] - self.exposed_before
+        self.exposed_before = stats["exposed_migration_seconds"]
         dense_thread = (fwd_bwd_thread - sum(times.expert) - times.route_thread
                         - times.exchange_thread)
 
         # The step as separate GPUs would take it: maxima over ranks.
         L = args.layers
         maxima = torch.tensor(times.expert + times.communication +
-                              [dense_thread, times.control, exposed, times.dispatch],
+                              [dense_thread, control, exposed, times.dispatch],
                               dtype=torch.float64)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         rows = torch.zeros(world, L, dtype=torch.float64)
@@ -271,55 +276,77 @@ def train(rank: int, world: int, args: argparse.Namespace, policy: str,
         rows = sums[:-1].reshape(world, L)
         imbalances = (rows.max(dim=0).values * world / rows.sum(dim=0).clamp(min=1)).tolist()
         for l in range(L):
-            layer_imbalance[l] += imbalances[l] / args.steps
+            self.layer_imbalance[l] += imbalances[l] / args.steps
         expert, communication = maxima[:L].sum().item(), maxima[L:2 * L].sum().item()
-        rest = maxima[2 * L:].tolist()
-        parallel = expert + communication + rest[0] + rest[1] + rest[2]
+        dense, control, exposed, dispatch = maxima[2 * L:].tolist()
+        parallel = expert + communication + dense + control + exposed
         for key, value in (("parallel", parallel), ("expert", expert),
-                           ("communication", communication), ("dense", rest[0]),
-                           ("control", rest[1]), ("exposed", rest[2]), ("dispatch", rest[3]),
+                           ("communication", communication), ("dense", dense),
+                           ("control", control), ("exposed", exposed), ("dispatch", dispatch),
                            ("imbalance", sum(imbalances) / L),
                            ("loss", sums[-1].item() / world), ("epoch", stats["epoch"])):
-            per_step[key].append(value)
-        if rank == 0 and not args.quiet:
-            bars = "".join("▁▂▃▄▅▆▇█"[min(7, round(7 * r / max(1.0, rows.sum(1).max().item())))]
-                           for r in rows.sum(1).tolist())
-            print(f"\r{policy:>8} step {step + 1:4d}/{args.steps}  loss {per_step['loss'][-1]:.4f}"
-                  f"  step {parallel * 1e3:7.1f} ms  imbalance {per_step['imbalance'][-1]:.3f} "
-                  f"{bars}  epoch {stats['epoch']}", end="", file=sys.stderr, flush=True)
-    wall = time.monotonic() - started_wall
-    if rank == 0 and not args.quiet:
-        print(file=sys.stderr)
-    moe.times = None
+            self.per_step[key].append(value)
+        self.rank_rows = rows.sum(1).tolist()
 
-    heldout = evaluate(model, moe, corpus, args, rank)
-    stats = moe.stats()
-    moe.close()
-    if rank != 0:
-        return None
-    mean = lambda key: sum(per_step[key]) / len(per_step[key])  # noqa: E731
-    return {
-        "policy": policy,
-        "parallel_step_seconds": {"mean": mean("parallel"), "per_step": per_step["parallel"]},
-        "expert_seconds": mean("expert"),
-        "communication_seconds": mean("communication"),
-        "dense_seconds": mean("dense"),
-        "control_seconds": mean("control"),
-        "exposed_migration_seconds": mean("exposed"),
-        "dispatch_seconds": mean("dispatch"),
-        "python_overhead_fraction": mean("dispatch") / mean("parallel"),
-        "mean_imbalance": mean("imbalance"),
-        "imbalance": per_step["imbalance"],
-        "imbalance_per_layer": layer_imbalance,
-        "epochs": stats["epochs_committed"],
-        "epochs_aborted": stats["epochs_aborted"],
-        "epoch_per_step": per_step["epoch"],
-        "bytes_moved": stats["bytes_moved"],
-        "loss": per_step["loss"],
-        "heldout_loss": heldout,
-        "tokens_per_second": tokens_per_step * world * args.steps / wall,
-        "wall_seconds": wall,
-    }
+    def report(self, heldout: float) -> Dict[str, Any]:
+        per_step, args = self.per_step, self.args
+        mean = lambda key: sum(per_step[key]) / len(per_step[key])  # noqa: E731
+        stats = self.moe.stats()
+        return {
+            "policy": self.policy,
+            "parallel_step_seconds": {"mean": mean("parallel"), "per_step": per_step["parallel"]},
+            "expert_seconds": mean("expert"),
+            "communication_seconds": mean("communication"),
+            "dense_seconds": mean("dense"),
+            "control_seconds": mean("control"),
+            "exposed_migration_seconds": mean("exposed"),
+            "dispatch_seconds": mean("dispatch"),
+            "python_overhead_fraction": mean("dispatch") / mean("parallel"),
+            "per_step": {k: per_step[k] for k in ("expert", "communication", "dense", "control")},
+            "mean_imbalance": mean("imbalance"),
+            "imbalance": per_step["imbalance"],
+            "imbalance_per_layer": self.layer_imbalance,
+            "epochs": stats["epochs_committed"],
+            "epochs_aborted": stats["epochs_aborted"],
+            "epoch_per_step": per_step["epoch"],
+            "bytes_moved": stats["bytes_moved"],
+            "loss": per_step["loss"],
+            "heldout_loss": heldout,
+            "tokens_per_second": args.batch * args.seq_len * self.world * args.steps / self.wall,
+            "wall_seconds": self.wall,
+        }
+
+
+def train(rank: int, world: int, args: argparse.Namespace,
+          text: str) -> Optional[Dict[str, Dict[str, Any]]]:
+    """Trains every mode of args.policies on this rank, step by step in turn, so that each step
+    of every mode sees the same batch and the same machine (a shared machine's speed drifts
+    over minutes); returns the modes' reports on rank 0."""
+    torch.set_num_threads(1)  # one GPU per rank: its time is this thread's time
+    corpus = Corpus(text)
+    modes = [Mode(policy, args, world, len(corpus.chars)) for policy in args.policies]
+    data = torch.Generator().manual_seed(args.seed * 7919 + rank)
+    terminal = sys.stderr.isatty()
+    for step in range(args.steps):
+        batch = corpus.batch(corpus.train, args.batch, args.seq_len, data)
+        for mode in modes:
+            mode.step(batch, rank)
+        last = step + 1 == args.steps
+        if rank == 0 and not args.quiet and (terminal or (step + 1) % 10 == 0 or last):
+            line = "  ".join(
+                f"{m.policy} {m.per_step['parallel'][-1] * 1e3:6.1f} ms "
+                f"imb {m.per_step['imbalance'][-1]:.3f} "
+                + "".join("▁▂▃▄▅▆▇█"[min(7, round(7 * r / max(1.0, max(m.rank_rows))))]
+                          for r in m.rank_rows)
+                + f" ep {m.per_step['epoch'][-1]}" for m in modes)
+            print(f"{chr(13) if terminal else ''}step {step + 1:4d}/{args.steps}  loss "
+                  f"{modes[0].per_step['loss'][-1]:.4f}  {line}", end="" if terminal and not last
+                  else "\n", file=sys.stderr, flush=True)
+    reports = {mode.policy: mode.report(evaluate(mode.model, mode.moe, corpus, args, rank))
+               for mode in modes}
+    for mode in modes:
+        mode.moe.close()
+    return reports if rank == 0 else None
 
 
 @torch.no_grad()
@@ -339,29 +366,28 @@ def evaluate(model: CharMoE, moe: kt.KeelMoE, corpus: Corpus, args: argparse.Nam
 
 
 # --- launching ----------------------------------------------------------------------------------
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, policy: str, text: str,
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, text: str,
              results: Any) -> None:
     for key, value in LOOPBACK.items():
         os.environ.setdefault(key, value)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    report = train(rank, world, args, policy, text)
+    reports = train(rank, world, args, text)
     if rank == 0:
-        results.put(json.dumps(report))
+        results.put(json.dumps(reports))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def run_mode(args: argparse.Namespace, policy: str, text: str) -> Dict[str, Any]:
-    """Starts --ranks processes for one policy and returns rank 0's report."""
+def run_ranks(args: argparse.Namespace, text: str) -> Dict[str, Dict[str, Any]]:
+    """Starts --ranks processes and returns rank 0's reports."""
     import torch.multiprocessing as mp
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    processes = [context.Process(target=_spawned,
-                                 args=(r, args.ranks, port, args, policy, text, results))
+    processes = [context.Process(target=_spawned, args=(r, args.ranks, port, args, text, results))
                  for r in range(args.ranks)]
     for p in processes:
         p.start()
@@ -369,7 +395,7 @@ def run_mode(args: argparse.Namespace, policy: str, text: str) -> Dict[str, Any]
         p.join()
     failed = [r for r, p in enumerate(processes) if p.exitcode != 0]
     if failed:
-        sys.exit(f"train_moe_lm: {policy}: ranks {failed} failed (exit codes "
+        sys.exit(f"train_moe_lm: ranks {failed} failed (exit codes "
                  f"{[processes[r].exitcode for r in failed]})")
     return json.loads(results.get())
 
@@ -427,26 +453,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.exit(f"train_moe_lm: the text has {len(text)} characters; --seq-len {args.seq_len} "
                  f"needs at least {40 * (args.seq_len + 1)}")
     settings = {k: v for k, v in vars(args).items() if k not in ("policy", "report", "quiet")}
-    if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank of one mode
+    if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         for key, value in LOOPBACK.items():
             os.environ.setdefault(key, value)
-        if len(args.policies) != 1:
-            sys.exit("train_moe_lm: under torchrun, pass exactly one --policy")
         dist.init_process_group("gloo")
-        report = train(dist.get_rank(), dist.get_world_size(), args, args.policies[0], text)
-        if report is not None:
-            summarize({args.policies[0]: report}, args)
-            if args.report:
-                write_report(args.report, {"example": "train_moe_lm", "settings": settings,
-                                           "modes": {args.policies[0]: report}})
+        modes = train(dist.get_rank(), dist.get_world_size(), args, text)
         dist.destroy_process_group()
-        return 0
-    if not args.quiet:
-        print(f"train_moe_lm: {args.ranks} ranks, {args.layers} layers x {args.experts} experts "
-              f"top-{args.top_k}, d_model {args.d_model}, FFN {args.ffn}, {args.batch} x "
-              f"{args.seq_len} characters per rank, {args.steps} steps, aux loss "
-              f"{args.aux_loss}; text: {len(text)} characters", file=sys.stderr)
-    modes = {policy: run_mode(args, policy, text) for policy in args.policies}
+        if modes is None:
+            return 0
+    else:
+        if not args.quiet:
+            print(f"train_moe_lm: {args.ranks} ranks, {args.layers} layers x {args.experts} "
+                  f"experts top-{args.top_k}, d_model {args.d_model}, FFN {args.ffn}, "
+                  f"{args.batch} x {args.seq_len} characters per rank, {args.steps} steps, aux "
+                  f"loss {args.aux_loss}, modes {', '.join(args.policies)} (in turn, step by "
+                  f"step); text: {len(text)} characters", file=sys.stderr)
+        modes = run_ranks(args, text)
     comparison = summarize(modes, args)
     if args.report:
         write_report(args.report, {"example": "train_moe_lm", "settings": settings,
