@@ -155,8 +155,9 @@ class MoEDispatcher(torch.nn.Module):
             home = local in homes
             if home and scale != 1.0:
                 self._gradients[local].mul_(scale)
+            views = self._grad_views(local)
             for name in slot:
-                slot[name].grad = self._grad_views(local)[name] if home else None
+                slot[name].grad = views[name] if home else None
         return homes
 
     def home_parameters(self) -> Dict[int, Dict[str, torch.nn.Parameter]]:
