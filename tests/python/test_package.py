@@ -64,6 +64,11 @@ def test_plan_answers_like_eplb() -> None:
         keel.plan("keel", [[1.0, 2.0, -1.0, 4.0]], 4, 1, 1, 4)
     with pytest.raises(keel.InvalidArgumentError, match="roundrobin"):
         keel.plan("roundrobin", weight, 16, 4, 2, 8)
+    with pytest.raises(keel.InvalidArgumentError, match="num_gpus = 8.0 must be an integer"):
+        keel.plan("eplb", weight, 16, 4, 2, 8.0)
+    counts = torch.tensor([16, 4, 2, 8])  # tensor and numpy integers are integers too
+    assert keel.plan("eplb", weight.numpy(), *counts.tolist())[0].tolist() == \
+        keel.plan("eplb", weight, *counts)[0].tolist()
 
 
 def test_synthetic_trace_replays_into_a_report() -> None:

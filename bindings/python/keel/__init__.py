@@ -19,6 +19,7 @@ Every failure raises a :class:`KeelError` subclass that is also the matching bui
 from __future__ import annotations
 
 import json
+import operator
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from keel import _keel
@@ -218,12 +219,17 @@ def plan(policy: str, weight: Any, num_replicas: int, num_groups: int = 1, num_n
     if len(shape) != 2:
         raise InvalidArgumentError(
             f"weight has shape {list(shape)}; expected [num_layers, num_experts]")
+    counts = []
     for name, value in (("num_replicas", num_replicas), ("num_groups", num_groups),
                         ("num_nodes", num_nodes), ("num_gpus", num_gpus)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InvalidArgumentError(f"{name} = {value!r} must be an int")
-    out = _keel.plan(policy, data, shape[0], shape[1], num_replicas, num_groups, num_nodes,
-                     num_gpus, config._native if config is not None else None)
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            counts.append(operator.index(value))  # int, numpy and torch integers
+        except TypeError:
+            raise InvalidArgumentError(f"{name} = {value!r} must be an integer") from None
+    out = _keel.plan(policy, data, shape[0], shape[1], *counts,
+                     config._native if config is not None else None)
     layers, experts = out["num_layers"], out["num_experts"]
     return (_tensor(out["phy2log"], (layers, out["num_replicas"]), "int64"),
             _tensor(out["log2phy"], (layers, experts, out["max_copies"]), "int64"),
