@@ -251,11 +251,11 @@ class PythonEngine {
       throw StatusError(InvalidArgument("num_entries = " + std::to_string(num_entries) + " < 0"));
     }
     Engine& e = engine();
-    Result<LayerRoute> route = [&] {
+    LayerRoute value = [&] {
       py::gil_scoped_release release;
-      return e.Route(layer, {Address<const int32_t>(topk_ids), static_cast<size_t>(num_entries)});
+      return ValueOrThrow(
+          e.Route(layer, {Address<const int32_t>(topk_ids), static_cast<size_t>(num_entries)}));
     }();
-    LayerRoute value = ValueOrThrow(std::move(route));
     if (num_entries > 0) {
       std::memcpy(Address<int32_t>(slot_out), value.slot.data(),
                   value.slot.size() * sizeof(int32_t));
@@ -269,24 +269,18 @@ class PythonEngine {
     return out;
   }
 
+  // Collectives run with the GIL released: the communicator takes it back for each call. A
+  // StatusError thrown here is translated once the release has ended.
   void ReduceGradients() {
     Engine& e = engine();
-    Status status;
-    {
-      py::gil_scoped_release release;
-      status = e.ReduceGradients();
-    }
-    ThrowIfError(status);
+    py::gil_scoped_release release;
+    ThrowIfError(e.ReduceGradients());
   }
 
   void StepEnd() {
     Engine& e = engine();
-    Status status;
-    {
-      py::gil_scoped_release release;
-      status = e.StepEnd();
-    }
-    ThrowIfError(status);
+    py::gil_scoped_release release;
+    ThrowIfError(e.StepEnd());
   }
 
   std::vector<std::pair<int, int>> HomeSlots(int layer) {

@@ -39,14 +39,15 @@ class Route(NamedTuple):
     epoch: int          #: the placement epoch this routing used
 
 
-def check_tensor(name: str, tensor: Any, dtypes: Tuple[Any, ...], dims: Optional[int] = None,
+def check_tensor(name: str, tensor: Any, dtypes: Optional[Tuple[Any, ...]],
+                 dims: Optional[int] = None,
                  shape: Optional[Tuple[Optional[int], ...]] = None) -> None:
     """Raises InvalidArgumentError naming `name` unless `tensor` is a CPU torch tensor of one of
-    `dtypes` with `dims` dimensions (or `shape`, None entries free)."""
+    `dtypes` (None: any) with `dims` dimensions (or `shape`, None entries free)."""
     torch = _torch()
     if not isinstance(tensor, torch.Tensor):
         raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in dtypes:
+    if dtypes is not None and tensor.dtype not in dtypes:
         expected = " or ".join(str(d).replace("torch.", "") for d in dtypes)
         raise InvalidArgumentError(
             f"{name} has dtype {str(tensor.dtype).replace('torch.', '')}, expected {expected}")
@@ -155,7 +156,6 @@ class Engine:
                 persistent slot (any persistent slot can become a home); None for a transient
                 slot.
         """
-        torch = _torch()
         persistent = 0 <= local_slot < self.slots_per_rank
         pointers = []
         for name, tensor, size in (("weights", weights, self.weight_bytes),
@@ -164,12 +164,7 @@ class Engine:
             if tensor is None:
                 pointers.append(0)
                 continue
-            if not isinstance(tensor, torch.Tensor):
-                raise InvalidArgumentError(
-                    f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-            if tensor.device.type != "cpu":
-                raise InvalidArgumentError(f"{name} is on device {tensor.device}; this release "
-                                           f"of keel takes host (CPU) tensors only")
+            check_tensor(name, tensor, None)
             if not tensor.is_contiguous():
                 raise InvalidArgumentError(f"{name} of layer {layer} slot {local_slot} is not "
                                            f"contiguous")
