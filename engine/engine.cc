@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <numeric>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -17,14 +19,15 @@
 #include "common/config.h"
 #include "common/log.h"
 #include "engine/engine_internal.h"
+#include "keel/device_memory.hpp"
 #include "kernels/histogram.h"
 #include "kernels/remap.h"
-#include "migration/device_memory.h"
 #include "migration/expert_store.h"
 #include "migration/migrator.h"
 #include "migration/transfer_plan.h"
 #include "migration/transport_factory.h"
 #include "migration/transport_local.h"
+#include "migration/transport_staged.h"
 #include "monitor/metrics.h"
 #include "monitor/trace_recorder.h"
 #include "placement/load.h"
@@ -59,77 +62,109 @@ size_t GradientElementBytes(GradientType type) {
   return type == GradientType::kFloat32 ? sizeof(float) : sizeof(double);
 }
 
-// acc += source for `bytes` bytes of T; unaligned-safe (the trainer's buffers are plain bytes).
-template <typename T>
-void AddElements(std::byte* acc, const std::byte* source, size_t bytes) {
-  for (size_t offset = 0; offset + sizeof(T) <= bytes; offset += sizeof(T)) {
-    T a;
-    T b;
-    std::memcpy(&a, acc + offset, sizeof(T));
-    std::memcpy(&b, source + offset, sizeof(T));
-    a += b;
-    std::memcpy(acc + offset, &a, sizeof(T));
+// A device buffer that grows to the largest size asked of it; the engine keeps it between steps.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (data_ != nullptr) memory_->FreeDevice(data_);
   }
-}
+  Status Reserve(DeviceMemory& memory, size_t bytes) {
+    if (data_ != nullptr && bytes <= size_) return Status::Ok();
+    if (data_ != nullptr) memory_->FreeDevice(data_);
+    data_ = nullptr;
+    memory_ = &memory;
+    KEEL_ASSIGN_OR_RETURN(data_, memory.AllocateDevice(bytes));
+    size_ = bytes;
+    return Status::Ok();
+  }
+  std::byte* data() const { return data_; }
 
-// acc += source, element-wise, in the gradient's type. Integer sums wrap instead of overflowing.
-void AddGradient(GradientType type, std::byte* acc, const std::byte* source, size_t bytes) {
-  switch (type) {
-    case GradientType::kFloat32:
-      return AddElements<float>(acc, source, bytes);
-    case GradientType::kFloat64:
-      return AddElements<double>(acc, source, bytes);
-    case GradientType::kFixedInt64:
-      return AddElements<uint64_t>(acc, source, bytes);
-  }
-}
-
-// Bytes for each peer, appended in an order both sides derive from the same plan.
-struct PeerBuffers {
-  explicit PeerBuffers(int num_ranks) : bytes(num_ranks) {}
-  void Append(int peer, const void* data, size_t size) {
-    const auto* begin = static_cast<const std::byte*>(data);
-    bytes[peer].insert(bytes[peer].end(), begin, begin + size);
-  }
-  bool empty() const {
-    return std::all_of(bytes.begin(), bytes.end(), [](const auto& b) { return b.empty(); });
-  }
-  std::vector<std::vector<std::byte>> bytes;
+ private:
+  DeviceMemory* memory_ = nullptr;
+  std::byte* data_ = nullptr;
+  size_t size_ = 0;
 };
+
+// Waits for the last of a run of device operations (none: nothing to wait for).
+Status WaitForLast(DeviceMemory& memory, std::optional<uint64_t> last) {
+  return last.has_value() ? memory.WaitFor(*last) : Status::Ok();
+}
 
 // What every rank received from every peer in one AllToAllV, consumed front to back per peer.
 class PeerReader {
  public:
-  const std::byte* Next(int peer, size_t size) {
-    const std::byte* at = recv_.data() + offset_[peer] + consumed_[peer];
-    consumed_[peer] += size;
-    return at;
+  // The next `size` bytes from `peer`, in host memory.
+  const std::byte* Next(int peer, size_t size) { return recv_.data() + Advance(peer, size); }
+  // The same bytes in the device copy of everything received (CopyToDevice).
+  const std::byte* NextOnDevice(int peer, size_t size) { return device_ + Advance(peer, size); }
+  // Copies everything received into `buffer` (device memory, resized to fit) for NextOnDevice.
+  Status CopyToDevice(DeviceMemory& memory, DeviceBuffer& buffer) {
+    KEEL_RETURN_IF_ERROR(buffer.Reserve(memory, recv_.size()));
+    device_ = buffer.data();
+    return memory.Copy(device_, recv_.data(), recv_.size());
   }
-  bool Exhausted(int peer) const { return consumed_[peer] == recv_bytes_[peer]; }
 
   std::vector<std::byte> recv_;
   std::vector<size_t> recv_bytes_;
   std::vector<size_t> offset_;
   std::vector<size_t> consumed_;
+
+ private:
+  size_t Advance(int peer, size_t size) {
+    const size_t at = offset_[peer] + consumed_[peer];
+    consumed_[peer] += size;
+    return at;
+  }
+  std::byte* device_ = nullptr;
 };
 
-Result<PeerReader> Exchange(Communicator& communicator, const PeerBuffers& out) {
-  const int size = communicator.size();
-  std::vector<size_t> send_bytes(size);
-  std::vector<std::byte> send;
-  for (int r = 0; r < size; ++r) {
-    send_bytes[r] = out.bytes[r].size();
-    send.insert(send.end(), out.bytes[r].begin(), out.bytes[r].end());
+// Slot bytes for each peer (registered buffers, which may be device memory), sent in one
+// AllToAllV in an order both sides derive from the same plan.
+class PeerSends {
+ public:
+  explicit PeerSends(int num_ranks) : parts_(num_ranks) {}
+  void Add(int peer, const void* data, size_t size) {
+    parts_[peer].push_back({static_cast<const std::byte*>(data), size});
   }
-  PeerReader reader;
-  KEEL_RETURN_IF_ERROR(communicator.AllToAllV(send, send_bytes, reader.recv_, reader.recv_bytes_));
-  reader.offset_.assign(size, 0);
-  reader.consumed_.assign(size, 0);
-  for (int r = 1; r < size; ++r) {
-    reader.offset_[r] = reader.offset_[r - 1] + reader.recv_bytes_[r - 1];
+
+  // Gathers the parts into one host buffer through `memory` and exchanges it.
+  Result<PeerReader> Exchange(Communicator& communicator, DeviceMemory& memory) const {
+    const int size = communicator.size();
+    std::vector<size_t> send_bytes(size, 0);
+    for (int r = 0; r < size; ++r) {
+      for (const Part& part : parts_[r]) send_bytes[r] += part.size;
+    }
+    std::vector<std::byte> send(std::accumulate(send_bytes.begin(), send_bytes.end(), size_t{0}));
+    std::optional<uint64_t> last;
+    size_t at = 0;
+    for (int r = 0; r < size; ++r) {
+      for (const Part& part : parts_[r]) {
+        KEEL_ASSIGN_OR_RETURN(last, memory.StartCopy(send.data() + at, part.data, part.size));
+        at += part.size;
+      }
+    }
+    KEEL_RETURN_IF_ERROR(WaitForLast(memory, last));
+    PeerReader reader;
+    KEEL_RETURN_IF_ERROR(
+        communicator.AllToAllV(send, send_bytes, reader.recv_, reader.recv_bytes_));
+    reader.offset_.assign(size, 0);
+    reader.consumed_.assign(size, 0);
+    for (int r = 1; r < size; ++r) {
+      reader.offset_[r] = reader.offset_[r - 1] + reader.recv_bytes_[r - 1];
+    }
+    return reader;
   }
-  return reader;
-}
+
+ private:
+  struct Part {
+    const std::byte* data;
+    size_t size;
+  };
+  std::vector<std::vector<Part>> parts_;  // [peer]
+};
 
 // The config the options name: one of config, config_yaml, config_path, or the defaults sized to
 // the communicator.
@@ -174,6 +209,8 @@ class Engine::Impl {
   ~Impl();
 
   Status Init();
+  Status ChooseMemory();
+  bool device_memory() const { return options_.shape.memory == MemoryKind::kDevice; }
   Status RegisterSlot(int layer, int local_slot, const SlotBuffers& buffers);
   Result<LayerRoute> Route(int layer, std::span<const int32_t> topk_ids);
   Result<LayerRoute> RouteCounts(int layer, std::span<const int32_t> expert_counts);
@@ -210,6 +247,12 @@ class Engine::Impl {
   const SlotBuffers& Buffers(int layer, int local_slot) const {
     return buffers_[static_cast<size_t>(layer) * local_slots() + local_slot];
   }
+  std::byte* Weights(int layer, int local_slot) const {
+    return static_cast<std::byte*>(Buffers(layer, local_slot).weights);
+  }
+  std::byte* Gradients(int layer, int local_slot) const {
+    return static_cast<std::byte*>(Buffers(layer, local_slot).gradients);
+  }
   // The physical slot of copy `copy` of a StepRouting (a persistent slot, or num_slots + i for
   // transients[i]), given `transient_slot` [transients] from TransientSlots.
   int PhysicalSlot(int copy, const std::vector<int>& transient_slot) const {
@@ -230,6 +273,10 @@ class Engine::Impl {
   Status RecordStep();
   bool aggregating() const { return rank_ == config_.monitor.aggregating_rank; }
 
+  // Every copy and sum of slot buffers goes through it (host memory for MemoryKind::kHost).
+  std::shared_ptr<DeviceMemory> memory_;
+  DeviceBuffer sum_scratch_;          // ReduceGradients' sums, one gradient buffer each
+  DeviceBuffer received_;             // ReduceGradients' received gradients
   std::vector<SlotBuffers> buffers_;  // [layer * local_slots + local slot]
   int registered_ = 0;
   std::vector<bool> is_registered_;
@@ -248,6 +295,7 @@ class Engine::Impl {
 
   // Migration.
   std::unique_ptr<Transport> owned_transport_;
+  std::unique_ptr<Transport> staged_transport_;  // over owned_transport_ or options.transport
   Transport* transport_ = nullptr;
   std::unique_ptr<ExpertStore> store_;
   std::unique_ptr<Migrator> migrator_;
@@ -303,11 +351,7 @@ Status Engine::Impl::Init() {
     return InvalidArgument("top_k = " + std::to_string(options_.top_k) +
                            " exceeds num_experts = " + std::to_string(options_.num_experts));
   }
-  if (options_.shape.memory == MemoryKind::kDevice) {
-    return Unimplemented(
-        "shape.memory = device: this engine moves host buffers only; register host (or pinned "
-        "host) buffers and copy to the GPU in the trainer");
-  }
+  KEEL_RETURN_IF_ERROR(ChooseMemory());
   communicator_.set_timeout_seconds(config.engine.collective_timeout_seconds);
 
   // Every rank must plan with the same inputs, or their placements would diverge.
@@ -362,6 +406,11 @@ Status Engine::Impl::Init() {
                           CreateTransport(config.migration, communicator_, fabric));
     transport_ = owned_transport_.get();
   }
+  if (device_memory() && transport_->device_memory() == nullptr) {
+    // A transport of host memory only: device buffers travel through host staging buffers.
+    KEEL_ASSIGN_OR_RETURN(staged_transport_, CreateStagedTransport(*transport_, memory_));
+    transport_ = staged_transport_.get();
+  }
   if (transport_->rank() != rank_ || transport_->num_ranks() != num_ranks_) {
     return InvalidArgument("transport is rank " + std::to_string(transport_->rank()) + " of " +
                            std::to_string(transport_->num_ranks()) + ", the communicator rank " +
@@ -392,6 +441,27 @@ Status Engine::Impl::Init() {
   return Status::Ok();
 }
 
+// Where the slot buffers live: host memory, the device memory the options name, or this rank's
+// GPU.
+Status Engine::Impl::ChooseMemory() {
+  if (!device_memory()) {
+    memory_ = CreateHostMemory();
+    return Status::Ok();
+  }
+  if (options_.device_memory != nullptr) {
+    memory_ = options_.device_memory;
+    return Status::Ok();
+  }
+  Result<std::shared_ptr<DeviceMemory>> cuda = CreateCudaDeviceMemory();
+  if (!cuda.ok()) {
+    return Status(
+        cuda.status().code(),
+        "shape.memory = device needs a GPU (or options.device_memory): " + cuda.status().message());
+  }
+  memory_ = std::move(*cuda);
+  return Status::Ok();
+}
+
 Status Engine::Impl::RegisterSlot(int layer, int local_slot, const SlotBuffers& buffers) {
   if (layer < 0 || layer >= options_.num_layers) {
     return InvalidArgument("layer = " + std::to_string(layer) + " is not in [0, " +
@@ -410,6 +480,19 @@ Status Engine::Impl::RegisterSlot(int layer, int local_slot, const SlotBuffers& 
   }
   if (migrating_) {
     return FailedPrecondition("slots cannot be registered again while an epoch's transfers run");
+  }
+  if (device_memory()) {
+    const std::pair<const char*, const void*> regions[] = {
+        {"weights", buffers.weights},
+        {"gradients", buffers.gradients},
+        {"optimizer", persistent ? buffers.optimizer : nullptr}};
+    for (const auto& [name, data] : regions) {
+      if (data != nullptr && !memory_->IsDeviceMemory(data)) {
+        return InvalidArgument(std::string("buffers.") + name + " of layer " +
+                               std::to_string(layer) + " local_slot " + std::to_string(local_slot) +
+                               " is not device memory, but shape.memory = device");
+      }
+    }
   }
   const size_t index = static_cast<size_t>(layer) * local_slots() + local_slot;
   if (!is_registered_[index]) ++registered_;
@@ -624,7 +707,7 @@ Status Engine::Impl::FillTransients(int layer, const Placement& placement,
     }
     return -1;
   };
-  PeerBuffers out(num_ranks_);
+  PeerSends out(num_ranks_);
   for (const TransientReplica& t : routing.transients) {
     if (t.source_rank != rank_) continue;
     const int slot = source_slot(t);
@@ -633,16 +716,18 @@ Status Engine::Impl::FillTransients(int layer, const Placement& placement,
                       " names source rank " + std::to_string(t.source_rank) +
                       ", which holds no copy");
     }
-    out.Append(t.rank, Buffers(layer, slot % slots_per_rank_).weights, bytes);
+    out.Add(t.rank, Buffers(layer, slot % slots_per_rank_).weights, bytes);
   }
-  KEEL_ASSIGN_OR_RETURN(PeerReader in, Exchange(communicator_, out));
+  KEEL_ASSIGN_OR_RETURN(PeerReader in, out.Exchange(communicator_, *memory_));
+  std::optional<uint64_t> last;
   for (size_t i = 0; i < routing.transients.size(); ++i) {
     const TransientReplica& t = routing.transients[i];
     if (t.rank != rank_) continue;
-    std::memcpy(Buffers(layer, LocalOfPhysical(transient_slot[i])).weights,
-                in.Next(t.source_rank, bytes), bytes);
+    KEEL_ASSIGN_OR_RETURN(last,
+                          memory_->StartCopy(Weights(layer, LocalOfPhysical(transient_slot[i])),
+                                             in.Next(t.source_rank, bytes), bytes));
   }
-  return Status::Ok();
+  return WaitForLast(*memory_, last);
 }
 
 // Waits for the running epoch and lets every rank agree whether it commits.
@@ -716,47 +801,60 @@ Status Engine::Impl::ReduceGradients() {
                        [&](const TransientReplica& t) { return t.expert == expert; });
   };
 
-  PeerBuffers out(num_ranks_);
+  PeerSends out(num_ranks_);
   for (int l = 0; l < options_.num_layers; ++l) {
     for (int e = 0; e < options_.num_experts; ++e) {
       if (!needs_reduction(l, e)) continue;
       const int destination = target[l].home(e);
       for_each_source(l, e, [&](int slot) {
         if (RankOfPhysical(slot) == rank_ && destination != rank_) {
-          out.Append(destination, Buffers(l, LocalOfPhysical(slot)).gradients, bytes);
+          out.Add(destination, Buffers(l, LocalOfPhysical(slot)).gradients, bytes);
         }
       });
     }
   }
-  KEEL_ASSIGN_OR_RETURN(PeerReader in, Exchange(communicator_, out));
+  KEEL_ASSIGN_OR_RETURN(PeerReader in, out.Exchange(communicator_, *memory_));
+  KEEL_RETURN_IF_ERROR(in.CopyToDevice(*memory_, received_));
 
-  // Sum into scratch first: a home slot's own gradient buffer may still be another expert's
-  // source until every sum of the layer is done.
+  // Sum into zeroed scratch first: a home slot's own gradient buffer may still be another
+  // expert's source until every sum of the layer is done.
   struct Sum {
     int layer;
-    int local_slot;
-    std::vector<std::byte> value;
+    int expert;
+    int local_slot;  // the home's
   };
   std::vector<Sum> sums;
   for (int l = 0; l < options_.num_layers; ++l) {
     for (int e = 0; e < options_.num_experts; ++e) {
       if (!needs_reduction(l, e) || target[l].home(e) != rank_) continue;
-      Sum sum{l, keel::HomeSlot(target[l], e) % slots_per_rank_,
-              std::vector<std::byte>(bytes, std::byte{0})};
-      for_each_source(l, e, [&](int slot) {
-        const int source_rank = RankOfPhysical(slot);
-        const std::byte* data =
-            source_rank == rank_
-                ? static_cast<const std::byte*>(Buffers(l, LocalOfPhysical(slot)).gradients)
-                : in.Next(source_rank, bytes);
-        AddGradient(options_.shape.gradient_type, sum.value.data(), data, bytes);
-      });
-      sums.push_back(std::move(sum));
+      sums.push_back({l, e, keel::HomeSlot(target[l], e) % slots_per_rank_});
     }
   }
-  for (const Sum& sum : sums) {
-    std::memcpy(Buffers(sum.layer, sum.local_slot).gradients, sum.value.data(), bytes);
+  KEEL_RETURN_IF_ERROR(sum_scratch_.Reserve(*memory_, sums.size() * bytes));
+  const std::vector<std::byte> zeros(sums.size() * bytes, std::byte{0});
+  KEEL_RETURN_IF_ERROR(memory_->Copy(sum_scratch_.data(), zeros.data(), zeros.size()));
+  std::optional<uint64_t> last;
+  Status added;
+  for (size_t i = 0; i < sums.size() && added.ok(); ++i) {
+    std::byte* sum = sum_scratch_.data() + i * bytes;
+    for_each_source(sums[i].layer, sums[i].expert, [&](int slot) {
+      const int source_rank = RankOfPhysical(slot);
+      const std::byte* data = source_rank == rank_ ? Gradients(sums[i].layer, LocalOfPhysical(slot))
+                                                   : in.NextOnDevice(source_rank, bytes);
+      Result<uint64_t> add = memory_->StartAdd(options_.shape.gradient_type, sum, data, bytes);
+      if (add.ok()) {
+        last = *add;
+      } else if (added.ok()) {
+        added = add.status();
+      }
+    });
   }
+  KEEL_RETURN_IF_ERROR(added);
+  for (size_t i = 0; i < sums.size(); ++i) {
+    KEEL_ASSIGN_OR_RETURN(last, memory_->StartCopy(Gradients(sums[i].layer, sums[i].local_slot),
+                                                   sum_scratch_.data() + i * bytes, bytes));
+  }
+  KEEL_RETURN_IF_ERROR(WaitForLast(*memory_, last));
 
   if (commit) {
     KEEL_RETURN_IF_ERROR(migrator_->Commit(pending_));
@@ -780,25 +878,27 @@ Status Engine::Impl::PushWeights() {
   bool any = false;
   for (const Placement& p : placements_) any |= p.max_copies() > 1;
   if (!any) return Status::Ok();
-  PeerBuffers out(num_ranks_);
+  PeerSends out(num_ranks_);
+  std::optional<uint64_t> last;
   for (int l = 0; l < options_.num_layers; ++l) {
     const Placement& p = placements_[l];
     for (int e = 0; e < options_.num_experts; ++e) {
       if (p.logcnt()[e] < 2 || p.home(e) != rank_) continue;
       const int home_slot = keel::HomeSlot(p, e);
-      const void* weights = Buffers(l, home_slot % slots_per_rank_).weights;
+      const std::byte* weights = Weights(l, home_slot % slots_per_rank_);
       for (int slot : p.copies(e)) {
         if (slot == home_slot) continue;
         const int rank = p.rank_of_slot(slot);
         if (rank == rank_) {
-          std::memcpy(Buffers(l, slot % slots_per_rank_).weights, weights, bytes);
+          KEEL_ASSIGN_OR_RETURN(
+              last, memory_->StartCopy(Weights(l, slot % slots_per_rank_), weights, bytes));
         } else {
-          out.Append(rank, weights, bytes);
+          out.Add(rank, weights, bytes);
         }
       }
     }
   }
-  KEEL_ASSIGN_OR_RETURN(PeerReader in, Exchange(communicator_, out));
+  KEEL_ASSIGN_OR_RETURN(PeerReader in, out.Exchange(communicator_, *memory_));
   for (int l = 0; l < options_.num_layers; ++l) {
     const Placement& p = placements_[l];
     for (int e = 0; e < options_.num_experts; ++e) {
@@ -806,11 +906,12 @@ Status Engine::Impl::PushWeights() {
       const int home_slot = keel::HomeSlot(p, e);
       for (int slot : p.copies(e)) {
         if (slot == home_slot || p.rank_of_slot(slot) != rank_) continue;
-        std::memcpy(Buffers(l, slot % slots_per_rank_).weights, in.Next(p.home(e), bytes), bytes);
+        KEEL_ASSIGN_OR_RETURN(last, memory_->StartCopy(Weights(l, slot % slots_per_rank_),
+                                                       in.Next(p.home(e), bytes), bytes));
       }
     }
   }
-  return Status::Ok();
+  return WaitForLast(*memory_, last);
 }
 
 Status Engine::Impl::RecordStep() {

@@ -1,13 +1,15 @@
-// CreateCudaDeviceMemory for builds with CUDA: copies on a non-blocking stream of their own with
-// one event each (reused), checksums with kernels::gpu::SlotChecksums on the same stream.
+// CreateCudaDeviceMemory for builds with CUDA: copies and adds (kernels::gpu::AddInto) on a
+// non-blocking stream of their own with one event each (reused), checksums with
+// kernels::gpu::SlotChecksums on the same stream.
 #include <deque>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "keel/device_memory.hpp"
+#include "kernels/add.h"
 #include "kernels/checksum.h"
 #include "migration/cuda_common.h"
-#include "migration/device_memory.h"
 
 namespace keel {
 namespace {
@@ -59,6 +61,20 @@ class CudaDeviceMemory final : public DeviceMemory {
     cudaFreeHost(data);
   }
 
+  Result<std::byte*> AllocateDevice(size_t bytes) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    KEEL_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    void* data = nullptr;
+    KEEL_CUDA_RETURN_IF_ERROR(cudaMalloc(&data, bytes == 0 ? 1 : bytes));
+    return static_cast<std::byte*>(data);
+  }
+
+  void FreeDevice(std::byte* data) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    cudaSetDevice(device_);
+    cudaFree(data);
+  }
+
   Result<uint64_t> StartCopy(std::byte* destination, const std::byte* source,
                              size_t bytes) override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -68,18 +84,17 @@ class CudaDeviceMemory final : public DeviceMemory {
       Remember(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDefault, stream_->get()),
                "cudaMemcpyAsync");
     }
+    return RecordLocked();
+  }
+
+  Result<uint64_t> StartAdd(GradientType type, std::byte* acc, const std::byte* source,
+                            size_t bytes) override {
+    std::lock_guard<std::mutex> lock(mutex_);
     KEEL_RETURN_IF_ERROR(failure_);
-    if (free_events_.empty()) {
-      auto event = std::make_unique<CudaEvent>();
-      KEEL_RETURN_IF_ERROR(event->Create());
-      free_events_.push_back(std::move(event));
-    }
-    std::unique_ptr<CudaEvent> event = std::move(free_events_.back());
-    free_events_.pop_back();
-    Remember(cudaEventRecord(event->get(), stream_->get()), "cudaEventRecord");
-    KEEL_RETURN_IF_ERROR(failure_);
-    in_flight_.push_back(std::move(event));
-    return started_++;
+    KEEL_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    KEEL_RETURN_IF_ERROR(kernels::gpu::AddInto(kernels::AddTypeOf(type), acc, source,
+                                               static_cast<int64_t>(bytes), stream_->get()));
+    return RecordLocked();
   }
 
   Result<uint64_t> CompletedCopies() override {
@@ -112,6 +127,22 @@ class CudaDeviceMemory final : public DeviceMemory {
   }
 
  private:
+  // The number of the operation just enqueued: an event recorded after it on the stream.
+  Result<uint64_t> RecordLocked() {
+    KEEL_RETURN_IF_ERROR(failure_);
+    if (free_events_.empty()) {
+      auto event = std::make_unique<CudaEvent>();
+      KEEL_RETURN_IF_ERROR(event->Create());
+      free_events_.push_back(std::move(event));
+    }
+    std::unique_ptr<CudaEvent> event = std::move(free_events_.back());
+    free_events_.pop_back();
+    Remember(cudaEventRecord(event->get(), stream_->get()), "cudaEventRecord");
+    KEEL_RETURN_IF_ERROR(failure_);
+    in_flight_.push_back(std::move(event));
+    return started_++;
+  }
+
   // A failed copy leaves the stream's later work undefined: every later call reports it.
   void Remember(cudaError_t code, const char* call) {
     if (code != cudaSuccess && failure_.ok()) {

@@ -10,9 +10,9 @@
 #include <span>
 #include <string_view>
 
+#include "keel/device_memory.hpp"
 #include "keel/status.hpp"
 #include "keel/transport.hpp"
-#include "migration/device_memory.h"
 
 namespace keel {
 

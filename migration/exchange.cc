@@ -10,8 +10,8 @@
 #include <optional>
 #include <thread>
 
+#include "keel/device_memory.hpp"
 #include "kernels/checksum.h"
-#include "migration/device_memory.h"
 
 namespace keel {
 namespace {

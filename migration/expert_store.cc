@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <string>
 
-#include "migration/device_memory.h"
+#include "keel/device_memory.hpp"
 
 namespace keel {
 

@@ -10,8 +10,8 @@
 #include <tuple>
 #include <vector>
 
+#include "keel/device_memory.hpp"
 #include "keel/status.hpp"
-#include "migration/device_memory.h"
 #include "migration/transfer_plan.h"
 #include "placement/placement.h"
 

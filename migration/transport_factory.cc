@@ -2,9 +2,9 @@
 // never referenced (if constexpr discards the call), and the library still links.
 #include "migration/transport_factory.h"
 
+#include "keel/device_memory.hpp"
 #include "keel/version.hpp"
 #include "kernels/device.h"
-#include "migration/device_memory.h"
 #include "migration/transport_nccl.h"
 #include "migration/transport_staged.h"
 #include "migration/transport_ucx.h"

@@ -15,9 +15,10 @@ namespace {
 
 class StagedTransport final : public Transport {
  public:
-  StagedTransport(std::unique_ptr<Transport> host, std::shared_ptr<DeviceMemory> device,
-                  const StagedTransportOptions& options)
-      : host_(std::move(host)), device_(std::move(device)), options_(options) {}
+  // `owned` is null when the host transport is borrowed.
+  StagedTransport(std::unique_ptr<Transport> owned, Transport& host,
+                  std::shared_ptr<DeviceMemory> device, const StagedTransportOptions& options)
+      : owned_(std::move(owned)), host_(&host), device_(std::move(device)), options_(options) {}
 
   ~StagedTransport() override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -240,7 +241,8 @@ class StagedTransport final : public Transport {
     pooled_bytes_ += bytes;
   }
 
-  std::unique_ptr<Transport> host_;
+  std::unique_ptr<Transport> owned_;
+  Transport* const host_;
   std::shared_ptr<DeviceMemory> device_;
   const StagedTransportOptions options_;
   std::mutex mutex_;  // guards everything below, and every call into host_
@@ -259,8 +261,17 @@ Result<std::unique_ptr<Transport>> CreateStagedTransport(std::unique_ptr<Transpo
                                                          const StagedTransportOptions& options) {
   if (host == nullptr) return InvalidArgument("staged transport: needs a host transport");
   if (device == nullptr) return InvalidArgument("staged transport: needs device memory");
+  Transport& borrowed = *host;
   return std::unique_ptr<Transport>(
-      std::make_unique<StagedTransport>(std::move(host), std::move(device), options));
+      std::make_unique<StagedTransport>(std::move(host), borrowed, std::move(device), options));
+}
+
+Result<std::unique_ptr<Transport>> CreateStagedTransport(Transport& host,
+                                                         std::shared_ptr<DeviceMemory> device,
+                                                         const StagedTransportOptions& options) {
+  if (device == nullptr) return InvalidArgument("staged transport: needs device memory");
+  return std::unique_ptr<Transport>(
+      std::make_unique<StagedTransport>(nullptr, host, std::move(device), options));
 }
 
 }  // namespace keel

@@ -8,9 +8,9 @@
 #include <cstddef>
 #include <memory>
 
+#include "keel/device_memory.hpp"
 #include "keel/status.hpp"
 #include "keel/transport.hpp"
-#include "migration/device_memory.h"
 
 namespace keel {
 
@@ -28,6 +28,10 @@ struct StagedTransportOptions {
 // Wraps `host` (same rank, same peers; its name labels the byte counters) with `device`.
 Result<std::unique_ptr<Transport>> CreateStagedTransport(
     std::unique_ptr<Transport> host, std::shared_ptr<DeviceMemory> device,
+    const StagedTransportOptions& options = {});
+// The same over a host transport someone else owns, which must outlive the result.
+Result<std::unique_ptr<Transport>> CreateStagedTransport(
+    Transport& host, std::shared_ptr<DeviceMemory> device,
     const StagedTransportOptions& options = {});
 
 }  // namespace keel

@@ -21,6 +21,8 @@
 #include "common/file.h"
 #include "keel/local_group.hpp"
 #include "keel/version.hpp"
+#include "kernels/checksum.h"
+#include "kernels/device.h"
 #include "migration/communicator.h"
 #include "monitor/metrics.h"
 #include "monitor/trace.h"
@@ -47,6 +49,7 @@ struct DemoFlags {
   int ranks = 8;
   std::string comm = "local";
   std::string transport = "local";
+  std::string memory = "host";
   int layers = 4;
   int experts = 32;
   int top_k = 2;
@@ -94,6 +97,15 @@ Status CheckFlags(const DemoFlags& f) {
   }
   if (f.transport != "local" && f.transport != "ucx") {
     return InvalidArgument("--transport '" + f.transport + "' is not local or ucx");
+  }
+  if (f.memory != "host" && f.memory != "device" && f.memory != "guarded-host") {
+    return InvalidArgument("--memory '" + f.memory + "' is not host, device or guarded-host");
+  }
+  if (f.memory == "device" && !kernels::GpuAvailable()) {
+    return FailedPrecondition(
+        std::string("--memory device needs a GPU, and ") +
+        (kWithCuda ? "the CUDA runtime sees none" : "this keel was built without CUDA") +
+        "; --memory guarded-host runs the same device path on the CPU");
   }
   if (!(f.learning_rate > 0.0 && f.learning_rate < 1.0)) {
     return InvalidArgument("--learning-rate " + std::to_string(f.learning_rate) +
@@ -277,6 +289,15 @@ void PrintModeTable(const std::vector<nlohmann::json>& modes) {
   PrintTable(header, rows);
 }
 
+// Checksum64 of the keel run's final weights, as hex: equal across --memory kinds and transports.
+std::string FinalWeightsChecksum(const std::vector<float>& weights) {
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx",
+                static_cast<unsigned long long>(kernels::cpu::Checksum64(
+                    std::as_bytes(std::span<const float>(weights.data(), weights.size())))));
+  return hex;
+}
+
 nlohmann::json Target(double value, double target) {
   return {{"value", value}, {"target", target}, {"met", value <= target}};
 }
@@ -372,11 +393,11 @@ int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator*
 
   if (rank0 && !flags.quiet) {
     std::fprintf(stderr,
-                 "keel demo: %d ranks (%s, %s transport), %d layers x %d experts top-%d, %d "
-                 "tokens per rank, FFN %dx%d, %d steps; gate: %s\n",
+                 "keel demo: %d ranks (%s, %s transport, %s memory), %d layers x %d experts "
+                 "top-%d, %d tokens per rank, FFN %dx%d, %d steps; gate: %s\n",
                  ranks, mpi ? "mpi processes" : "threads", config->migration.transport.c_str(),
-                 model.layers, model.experts, model.top_k, model.tokens, model.ffn.hidden,
-                 model.ffn.ffn, model.steps, gate->description().c_str());
+                 flags.memory.c_str(), model.layers, model.experts, model.top_k, model.tokens,
+                 model.ffn.hidden, model.ffn.ffn, model.steps, gate->description().c_str());
   }
 
   std::vector<ModeRun> runs;
@@ -387,6 +408,7 @@ int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator*
     options.config.policy.name = policy;
     options.gate = &*gate;
     options.metrics = metrics.get();
+    options.memory = flags.memory;
     options.barrier_before_timing = mpi;
     std::optional<DemoProgress> progress;
     if (rank0 && !flags.quiet) {
@@ -422,6 +444,7 @@ int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator*
       {"ranks", ranks},
       {"comm", mpi ? "mpi" : "local"},
       {"transport", config->migration.transport},
+      {"memory", flags.memory},
       {"model",
        {{"layers", model.layers},
         {"experts", model.experts},
@@ -441,6 +464,7 @@ int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator*
       {"mode_order", {"static", "keel"}},
       {"modes", {{"static", modes[0]}, {"keel", modes[1]}}},
       {"final_weights_identical", identical},
+      {"final_weights_checksum", FinalWeightsChecksum(runs[1].result.final_weights)},
       {"targets",
        {{"keel_parallel_step_ratio", Target(ratio, kTargetStepRatio)},
         {"keel_mean_imbalance", Target(modes[1]["mean_imbalance"].get<double>(), kTargetImbalance)},
@@ -515,6 +539,10 @@ int RunDemo(int argc, char** argv) {
   parser.Add("transport", "NAME", &flags.transport,
              "migration transport: local (threads only) or ucx; overrides migration.transport "
              "of --config when given");
+  parser.Add("memory", "KIND", &flags.memory,
+             "where the expert slot buffers live: host, device (CUDA memory; needs a GPU) or "
+             "guarded-host (host memory that faults on any direct CPU access: the device path "
+             "without a GPU)");
   parser.Add("layers", "N", &flags.layers, "MoE layers (with --trace: the trace's)");
   parser.Add("experts", "N", &flags.experts, "experts per layer (with --trace: the trace's)");
   parser.Add("top-k", "K", &flags.top_k, "experts each token is routed to");
@@ -537,7 +565,8 @@ int RunDemo(int argc, char** argv) {
              "a free one) while both runs train");
   parser.Add("report", "FILE", &flags.report_path,
              "write the JSON report: per mode parallel step seconds, imbalance, epochs, bytes "
-             "moved, exposed migration, loss curve, engine overhead; final_weights_identical and "
+             "moved, exposed migration, loss curve, engine overhead; final_weights_identical, "
+             "final_weights_checksum and "
              "the targets");
   parser.Add("trace", "FILE", &flags.trace_path,
              "draw each rank's expert ids from a routing trace's per-step, per-layer counts "

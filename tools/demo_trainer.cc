@@ -66,6 +66,15 @@ class RankTrainer {
         ranks_(communicator_.size()),
         weight_floats_(model_.ffn.weight_floats()) {}
 
+  ~RankTrainer() {
+    engine_.reset();  // before the buffers it was given
+    for (std::byte* buffer : device_buffers_) {
+      if (buffer != nullptr) device_->FreeDevice(buffer);
+    }
+  }
+  RankTrainer(const RankTrainer&) = delete;
+  RankTrainer& operator=(const RankTrainer&) = delete;
+
   Status Init();
   Result<StepMeasurement> Step(int64_t step);
   Result<std::vector<float>> GatherFinalWeights();
@@ -85,6 +94,11 @@ class RankTrainer {
     return optimizer_.data() +
            (static_cast<size_t>(layer) * slots_per_rank_ + persistent_slot) * 2 * weight_floats_;
   }
+  // Device memory: the host copies of the slots follow and feed the registered device buffers.
+  enum Region { kWeights, kGradients, kOptimizer };
+  Status SetUpMemory();
+  Status Download(int layer, int local_slot, Region region);
+  Status Upload(int layer, int local_slot, Region region);
   Status SyncForTiming() {
     return options_.barrier_before_timing ? communicator_.Barrier() : Status::Ok();
   }
@@ -106,10 +120,12 @@ class RankTrainer {
   int slots_per_rank_ = 0;
   int local_slots_ = 0;
 
-  std::vector<float> weights_;      // [layers, local slots, weight_floats]
-  std::vector<int64_t> gradients_;  // [layers, local slots, weight_floats]
-  std::vector<float> optimizer_;    // [layers, persistent slots, 2 * weight_floats]
-  std::vector<float> teacher_;      // [hidden, hidden]
+  std::shared_ptr<DeviceMemory> device_;    // null: the host vectors below are the slots
+  std::vector<std::byte*> device_buffers_;  // [layers, local slots, Region]; null: none
+  std::vector<float> weights_;              // [layers, local slots, weight_floats]
+  std::vector<int64_t> gradients_;          // [layers, local slots, weight_floats]
+  std::vector<float> optimizer_;            // [layers, persistent slots, 2 * weight_floats]
+  std::vector<float> teacher_;              // [hidden, hidden]
 
   // This step.
   std::vector<std::vector<float>> x_;  // [layers + 1][tokens, hidden] layer inputs, then output
@@ -136,11 +152,17 @@ Status RankTrainer::Init() {
   engine_options.shape.gradient_type = GradientType::kFixedInt64;
   engine_options.communicator = &communicator_;
   engine_options.local_group = options_.local_group;
+  KEEL_RETURN_IF_ERROR(SetUpMemory());
+  if (device_ != nullptr) {
+    engine_options.shape.memory = MemoryKind::kDevice;
+    engine_options.device_memory = device_;
+  }
   KEEL_ASSIGN_OR_RETURN(engine_, EngineFactory::Create(engine_options, options_.metrics));
   slots_per_rank_ = engine_->slots_per_rank();
   local_slots_ = engine_->local_slots();
 
   const size_t slots = static_cast<size_t>(model_.layers) * local_slots_;
+  if (device_ != nullptr) device_buffers_.assign(slots * 3, nullptr);
   weights_.assign(slots * weight_floats_, 0.0f);
   gradients_.assign(slots * weight_floats_, 0);
   optimizer_.assign(static_cast<size_t>(model_.layers) * slots_per_rank_ * 2 * weight_floats_,
@@ -159,6 +181,20 @@ Status RankTrainer::Init() {
           InitExpertWeights(model_.ffn, model_.seed, l, expert, {Weights(l, s), weight_floats_});
         }
       }
+      if (device_ != nullptr) {
+        const size_t sizes[] = {model_.ffn.weight_bytes(), model_.ffn.gradient_bytes(),
+                                s < slots_per_rank_ ? model_.ffn.optimizer_bytes() : 0};
+        for (const Region region : {kWeights, kGradients, kOptimizer}) {
+          if (sizes[region] == 0) continue;
+          std::byte*& buffer = device_buffers_[SlotIndex(l, s) * 3 + region];
+          KEEL_ASSIGN_OR_RETURN(buffer, device_->AllocateDevice(sizes[region]));
+          KEEL_RETURN_IF_ERROR(Upload(l, s, region));
+        }
+        void** registered[] = {&buffers.weights, &buffers.gradients, &buffers.optimizer};
+        for (const Region region : {kWeights, kGradients, kOptimizer}) {
+          *registered[region] = device_buffers_[SlotIndex(l, s) * 3 + region];
+        }
+      }
       KEEL_RETURN_IF_ERROR(engine_->RegisterSlot(l, s, buffers));
     }
   }
@@ -170,6 +206,50 @@ Status RankTrainer::Init() {
   layers_.resize(model_.layers);
   topk_ids_.resize(static_cast<size_t>(model_.tokens) * model_.top_k);
   return Status::Ok();
+}
+
+Status RankTrainer::SetUpMemory() {
+  if (options_.memory == "host") return Status::Ok();
+  if (options_.memory == "guarded-host") {
+    KEEL_ASSIGN_OR_RETURN(device_, CreateGuardedHostMemory());
+  } else if (options_.memory == "device") {
+    KEEL_ASSIGN_OR_RETURN(device_, CreateCudaDeviceMemory());
+  } else {
+    return InvalidArgument("memory \"" + options_.memory +
+                           "\" is not one of host, device, guarded-host");
+  }
+  return Status::Ok();
+}
+
+// The host copy of a slot region and its size.
+std::pair<std::byte*, size_t> HostRegion(float* weights, int64_t* gradients, float* optimizer,
+                                         size_t weight_floats, int region) {
+  switch (region) {
+    case 0:
+      return {reinterpret_cast<std::byte*>(weights), weight_floats * sizeof(float)};
+    case 1:
+      return {reinterpret_cast<std::byte*>(gradients), weight_floats * sizeof(int64_t)};
+    default:
+      return {reinterpret_cast<std::byte*>(optimizer), 2 * weight_floats * sizeof(float)};
+  }
+}
+
+Status RankTrainer::Download(int layer, int local_slot, Region region) {
+  const std::byte* device = device_buffers_[SlotIndex(layer, local_slot) * 3 + region];
+  if (device == nullptr) return Status::Ok();
+  const auto [host, bytes] = HostRegion(
+      Weights(layer, local_slot), Gradients(layer, local_slot),
+      region == kOptimizer ? Optimizer(layer, local_slot) : nullptr, weight_floats_, region);
+  return device_->Copy(host, device, bytes);
+}
+
+Status RankTrainer::Upload(int layer, int local_slot, Region region) {
+  std::byte* device = device_buffers_[SlotIndex(layer, local_slot) * 3 + region];
+  if (device == nullptr) return Status::Ok();
+  const auto [host, bytes] = HostRegion(
+      Weights(layer, local_slot), Gradients(layer, local_slot),
+      region == kOptimizer ? Optimizer(layer, local_slot) : nullptr, weight_floats_, region);
+  return device_->Copy(device, host, bytes);
 }
 
 Status RankTrainer::ExchangeRows(std::span<const float> send, std::span<const int64_t> rows_to,
@@ -211,6 +291,11 @@ Status RankTrainer::Forward(int64_t step, int layer, StepTimes& times, std::vect
   if (!routed.ok())
     return routed.status().WithContext("Route(layer " + std::to_string(layer) + ")");
   const LayerRoute& route = *routed;
+  if (device_ != nullptr) {
+    // The engine may have changed any slot's weights since the last step (pushes, migration,
+    // this step's transient fills): the CPU experts read them from the device.
+    for (int s = 0; s < local_slots_; ++s) KEEL_RETURN_IF_ERROR(Download(layer, s, kWeights));
+  }
 
   // Dispatch order: a counting sort on (rank, local slot), stable in (token, k).
   LayerActivations& act = layers_[layer];
@@ -364,21 +449,35 @@ Result<StepMeasurement> RankTrainer::Step(int64_t step) {
     loss += RowLoss(hidden, x_[layers].data() + row, targets_.data() + row, d_x_.data() + row);
   }
   for (int l = layers - 1; l >= 0; --l) KEEL_RETURN_IF_ERROR(Backward(l, times));
+  if (device_ != nullptr) {
+    for (int l = 0; l < layers; ++l) {
+      for (int s = 0; s < local_slots_; ++s) KEEL_RETURN_IF_ERROR(Upload(l, s, kGradients));
+    }
+  }
 
   KEEL_RETURN_IF_ERROR(SyncForTiming());
   {
     CpuTimer timer(&times.control);
     KEEL_RETURN_IF_ERROR(engine_->ReduceGradients().WithContext("ReduceGradients"));
   }
-  {
-    CpuTimer timer(&times.optimizer);
-    const double global_tokens = static_cast<double>(model_.tokens) * ranks_;
-    for (int l = 0; l < layers; ++l) {
-      for (const HomeSlot& home : engine_->HomeSlots(l)) {
+  const double global_tokens = static_cast<double>(model_.tokens) * ranks_;
+  for (int l = 0; l < layers; ++l) {
+    for (const HomeSlot& home : engine_->HomeSlots(l)) {
+      if (device_ != nullptr) {
+        for (const Region region : {kWeights, kGradients, kOptimizer}) {
+          KEEL_RETURN_IF_ERROR(Download(l, home.local_slot, region));
+        }
+      }
+      {
+        CpuTimer timer(&times.optimizer);
         AdamUpdate(model_.adam, step + 1, global_tokens,
                    {Gradients(l, home.local_slot), weight_floats_},
                    {Weights(l, home.local_slot), weight_floats_},
                    {Optimizer(l, home.local_slot), 2 * weight_floats_});
+      }
+      if (device_ != nullptr) {
+        KEEL_RETURN_IF_ERROR(Upload(l, home.local_slot, kWeights));
+        KEEL_RETURN_IF_ERROR(Upload(l, home.local_slot, kOptimizer));
       }
     }
   }
@@ -442,6 +541,7 @@ Result<std::vector<float>> RankTrainer::GatherFinalWeights() {
   const size_t weight_bytes = weight_floats_ * sizeof(float);
   for (int l = 0; l < model_.layers; ++l) {
     for (const HomeSlot& home : engine_->HomeSlots(l)) {
+      if (device_ != nullptr) KEEL_RETURN_IF_ERROR(Download(l, home.local_slot, kWeights));
       const int32_t key[2] = {l, home.expert};
       mine.append(reinterpret_cast<const char*>(key), sizeof(key));
       mine.append(reinterpret_cast<const char*>(Weights(l, home.local_slot)), weight_bytes);

@@ -89,6 +89,11 @@ struct RankRunOptions {
   Communicator* communicator = nullptr;
   LocalGroup* local_group = nullptr;  // the communicator's group, for the local transport
   Metrics* metrics = nullptr;         // shared exporter (may be null)
+  // Where the slot buffers live: "host", "device" (CUDA device memory of the current GPU) or
+  // "guarded-host" (CreateGuardedHostMemory: the device path without a GPU). With device memory
+  // the trainer keeps host copies for its CPU experts and moves them by copies, untimed, as a
+  // GPU trainer's kernels would read and write the slots in place.
+  std::string memory = "host";
   // Barrier (untimed) before each timed collective, so the time measured inside it is the
   // exchange and not the wait for the slowest rank: needed where waiting burns CPU (MPI polls).
   bool barrier_before_timing = false;

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds and runs the CUDA kernels' tests and benchmark on a lent GPU machine, standalone
 # (bench/gpu/CMakeLists.txt, sm_90): the GPU-against-CPU equivalence tests and the CPU reference
-# tests (tests/kernels/), then kernels_gpu_bench. Logs, the gtest XML and the benchmark JSON go
-# to $OUT when it is set (the device tool brings that folder back), else to bench/gpu/out/.
+# tests (tests/kernels/), then kernels_gpu_bench; then, where the machine has the project's
+# dependencies, the whole project's engine tests with CUDA slot buffers. Logs, the gtest XML and
+# the benchmark JSON go to $OUT when it is set (the device tool brings that folder back), else to
+# bench/gpu/out/.
 #
 # Once, on the machine without a GPU:   bench/gpu/prepare.sh   (googletest into .gpu-deps/)
 # Then through the device tool:         run(command="bash bench/gpu/run.sh", carry=[".gpu-deps"])
@@ -45,6 +47,24 @@ echo "== benchmark"
 "$build/kernels_gpu_bench" --json "$out/bench.json" --runs "${KEEL_GPU_BENCH_RUNS:-50}" \
   >"$out/bench.log" 2>&1 || status=1
 grep -v '^  timed ' "$out/bench.log"
+
+# The whole project, where the machine has its dependencies (yaml-cpp, prometheus-cpp, ...):
+# the engine's training tests with CUDA slot buffers and the CUDA device memory tests.
+full=${KEEL_GPU_FULL_BUILD:-/tmp/keel-gpu-full-build}
+echo "== whole project ($full)"
+if { cmake -S "$root" -B "$full" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKEEL_WITH_PYTHON=OFF &&
+  cmake --build "$full" -j "$(nproc)" --target keel_engine_tests keel_migration_tests; } \
+  >"$out/full_build.log" 2>&1; then
+  "$full/tests/keel_engine_tests" --gtest_filter='*/Cuda:CApiEngineTest.DeviceMemory*' \
+    --gtest_output="xml:$out/engine_cuda.xml" >"$out/engine_cuda.log" 2>&1 || status=1
+  "$full/tests/keel_migration_tests" --gtest_filter='Cuda*:*DeviceMemory*' \
+    --gtest_output="xml:$out/device_memory.xml" >"$out/device_memory.log" 2>&1 || status=1
+  grep -hE '^\[  (PASSED|FAILED|SKIPPED) ' "$out/engine_cuda.log" "$out/device_memory.log"
+else
+  echo "whole project not built here (see $out/full_build.log; it needs the Debian packages"
+  echo "that scripts/dev installs): engine tests with CUDA memory not run"
+  tail -n 5 "$out/full_build.log"
+fi
 
 echo "run.sh: exit $status (logs in $out)"
 exit $status

@@ -14,20 +14,18 @@
 
 #include "keel/communicator.hpp"
 #include "keel/config.hpp"
+#include "keel/device_memory.hpp"
 #include "keel/local_group.hpp"
 #include "keel/status.hpp"
 #include "keel/transport.hpp"
 
 namespace keel {
 
-// Where the registered buffers live. Device buffers need a build with CUDA.
+// Where the registered buffers live. With kDevice the engine never touches them from the CPU:
+// every copy and gradient sum goes through EngineOptions::device_memory.
 enum class MemoryKind { kHost, kDevice };
 
-// How ReduceGradients adds gradient buffers. Sums always run in the same fixed order (home
-// first, then the other copies by ascending slot, then this step's transient replicas), so a
-// given placement always gives the same bits. kFixedInt64 (gradients as int64 fixed point) is
-// order-independent too: training is then bitwise identical under every placement.
-enum class GradientType { kFloat32, kFloat64, kFixedInt64 };
+// GradientType (how ReduceGradients adds gradient buffers) is in keel/device_memory.hpp.
 
 // Shapes of the expert state the trainer owns. The engine moves and adds these bytes; it never
 // interprets weights or optimizer state.
@@ -58,6 +56,12 @@ struct EngineOptions {
   // "local" connects to `local_group` (the group the communicator joined).
   Transport* transport = nullptr;
   LocalGroup* local_group = nullptr;
+  // With shape.memory = kDevice: the device memory that holds the slot buffers (the same object
+  // the trainer allocated them from, or any object that recognizes them). Null: CUDA device
+  // memory on the device current on the creating thread (CreateCudaDeviceMemory). A transport
+  // without device support (device_memory() null) is staged through host memory over it.
+  // Ignored with kHost.
+  std::shared_ptr<DeviceMemory> device_memory;
 };
 
 // A layer's placement in force, in DeepSeek EPLB's shapes (the same on every rank).

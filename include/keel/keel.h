@@ -107,9 +107,10 @@ typedef enum keel_gradient_type {
   KEEL_GRADIENT_FIXED_INT64 = 2
 } keel_gradient_type_t;
 
-/* Where registered buffers live. This version of the engine moves host memory only, so
- * KEEL_MEMORY_DEVICE makes keel_engine_create fail with KEEL_UNIMPLEMENTED; register host
- * (pinned) buffers and keep the device copy in the trainer. */
+/* Where registered buffers live. KEEL_MEMORY_DEVICE: CUDA device memory of the device current
+ * on the thread that calls keel_engine_create; the engine then copies and adds them on that GPU
+ * and never touches them from the CPU. Without a usable GPU (or in a build without CUDA)
+ * keel_engine_create fails with a message that says so. */
 typedef enum keel_memory_kind { KEEL_MEMORY_HOST = 0, KEEL_MEMORY_DEVICE = 1 } keel_memory_kind_t;
 
 /* What keel_engine_create needs. Growth rule: fields are only ever appended, and a new field's

@@ -2,8 +2,10 @@
 # End-to-end test of `keel demo` at a small size: 4 ranks as threads train the MoE model under the
 # static placement and the keel policy; the report must show bitwise identical final weights,
 # lower imbalance under keel, a decreasing loss and at least one committed epoch. When Open MPI
-# and UCX are available, the same run as 4 MPI processes over the UCX transport. Bad flags are
-# usage errors (exit 2).
+# and UCX are available, the same run as 4 MPI processes over the UCX transport. The threads run
+# again with every slot buffer in guarded device memory (--memory guarded-host), which must give
+# the same final weights bit for bit; --memory device without a GPU says it needs one. Bad flags
+# are usage errors (exit 2).
 # $1: path of the keel binary.
 set -euo pipefail
 
@@ -49,6 +51,27 @@ PY
 grep -q "final weights identical:     yes (bitwise)" "$work/out" || fail "no verdict: $(cat "$work/out")"
 grep -q "imbalance" "$work/err" || fail "no progress on stderr"
 check_report "$work/threads.json" 4 || fail "threads report: $(cat "$work/threads.json")"
+
+# Slot buffers in guarded device memory: the engine reaches them only through the device
+# interface (a stray host access would crash the run), and the bits equal host memory's.
+"$keel" demo --ranks 4 "${small[@]}" --memory guarded-host --report "$work/guarded.json" \
+  >"$work/out" 2>"$work/err" || fail "guarded-host demo failed: $(cat "$work/err")"
+check_report "$work/guarded.json" 4 || fail "guarded-host report: $(cat "$work/guarded.json")"
+python3 - "$work/threads.json" "$work/guarded.json" <<'PY' || fail "guarded-host weights differ"
+import json, sys
+host, guarded = (json.load(open(p)) for p in sys.argv[1:])
+assert guarded["memory"] == "guarded-host" and host["memory"] == "host"
+assert len(host["final_weights_checksum"]) == 16
+assert guarded["final_weights_checksum"] == host["final_weights_checksum"], (
+    guarded["final_weights_checksum"], host["final_weights_checksum"])
+assert guarded["modes"]["keel"]["loss"] == host["modes"]["keel"]["loss"]
+PY
+if ! "$keel" version | grep -q "cuda=on" || ! command -v nvidia-smi >/dev/null 2>&1; then
+  got=0
+  "$keel" demo --memory device --quiet >/dev/null 2>"$work/err" || got=$?
+  [[ "$got" != 0 ]] && grep -q -- "--memory device needs a GPU" "$work/err" ||
+    fail "--memory device without a GPU: exit $got, $(cat "$work/err")"
+fi
 
 # --quiet writes nothing on stderr.
 "$keel" demo --ranks 2 --layers 1 --experts 4 --tokens 64 --steps 3 --quiet >/dev/null \

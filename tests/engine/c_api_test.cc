@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "keel/version.hpp"
+#include "kernels/device.h"
 #include "kernels/histogram.h"
 #include "kernels/remap.h"
 
@@ -423,6 +424,14 @@ TEST_F(CApiEngineTest, CreateRejectsBadShapes) {
   options_.gradient_type = KEEL_GRADIENT_FIXED_INT64;
   options_.gradient_bytes = 12;
   EXPECT_TRUE(CreateFails(KEEL_INVALID_ARGUMENT, {"options->gradient_bytes = 12", "8"}));
+}
+
+// Device buffers are CUDA memory through the C API; without a GPU the error says what is missing.
+TEST_F(CApiEngineTest, DeviceMemoryNeedsAGpu) {
+  if (kernels::GpuAvailable()) GTEST_SKIP() << "a GPU is present";
+  options_.memory = KEEL_MEMORY_DEVICE;
+  EXPECT_TRUE(CreateFails(kWithCuda ? KEEL_FAILED_PRECONDITION : KEEL_UNIMPLEMENTED,
+                          {"shape.memory = device needs a GPU"}));
 }
 
 TEST_F(CApiEngineTest, CreateRejectsAForeignGroup) {

@@ -1,7 +1,8 @@
 // The engine across real processes: 4 Open MPI ranks, the MPI communicator and the UCX
 // transport. Every rank trains the toy model, then the ranks compare notes: epochs switched at
 // the same steps, every row sent where its owner expected it, every copy and home exactly the
-// reference. Exit status 0 only when every check passed on this rank.
+// reference. Exit status 0 only when every check passed on this rank. With "guarded" as the third
+// argument every slot buffer lives in guarded device memory (CreateGuardedHostMemory).
 #include <mpi.h>
 
 #include <cstdio>
@@ -22,7 +23,7 @@ std::vector<int64_t> FromBytes(const std::string& bytes) {
   return values;
 }
 
-Status Main(const std::string& policy, int steps) {
+Status Main(const std::string& policy, int steps, const std::string& memory) {
   KEEL_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> communicator, CreateMpiCommunicator());
   if (communicator->size() != kRanks) {
     return InvalidArgument("run with mpirun -np " + std::to_string(kRanks));
@@ -30,9 +31,16 @@ Status Main(const std::string& policy, int steps) {
   const int rank = communicator->rank();
   KeelConfig config = TestConfig(policy);
   config.migration.transport = "ucx";
+  std::shared_ptr<DeviceMemory> device;
+  if (memory == "guarded") {
+    KEEL_ASSIGN_OR_RETURN(device, CreateGuardedHostMemory());
+  } else if (memory != "host") {
+    return InvalidArgument("memory \"" + memory + "\" is not one of host, guarded");
+  }
   RankBuffers buffers;
   RankRecord record;
-  KEEL_RETURN_IF_ERROR(RunRank(config, steps, *communicator, nullptr, buffers, record));
+  KEEL_RETURN_IF_ERROR(
+      RunRank(config, steps, *communicator, nullptr, buffers, record, nullptr, device));
   KEEL_RETURN_IF_ERROR(CheckAgainstReference(rank, buffers, record, ComputeReference(steps)));
 
   KEEL_ASSIGN_OR_RETURN(std::vector<std::string> epochs,
@@ -50,11 +58,12 @@ Status Main(const std::string& policy, int steps) {
   if (policy == "keel" && record.stats.epochs_committed < 1) {
     return Internal("the keel policy committed no epoch on the skewed load");
   }
-  std::printf("rank %d: %d steps, epoch %lld, %lld committed, %lld aborted, %llu bytes moved\n",
-              rank, steps, static_cast<long long>(record.stats.epoch),
-              static_cast<long long>(record.stats.epochs_committed),
-              static_cast<long long>(record.stats.epochs_aborted),
-              static_cast<unsigned long long>(record.stats.bytes_moved));
+  std::printf(
+      "rank %d (%s memory): %d steps, epoch %lld, %lld committed, %lld aborted, %llu bytes moved\n",
+      rank, memory.c_str(), steps, static_cast<long long>(record.stats.epoch),
+      static_cast<long long>(record.stats.epochs_committed),
+      static_cast<long long>(record.stats.epochs_aborted),
+      static_cast<unsigned long long>(record.stats.bytes_moved));
   return communicator->Barrier();
 }
 
@@ -65,7 +74,8 @@ int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   const std::string policy = argc > 1 ? argv[1] : "keel";
   const int steps = argc > 2 ? std::atoi(argv[2]) : 24;
-  const keel::Status status = keel::toy::Main(policy, steps);
+  const std::string memory = argc > 3 ? argv[3] : "host";
+  const keel::Status status = keel::toy::Main(policy, steps, memory);
   if (!status.ok()) std::fprintf(stderr, "engine_mpi: %s\n", status.ToString().c_str());
   MPI_Finalize();
   return status.ok() ? 0 : 1;

@@ -1,6 +1,9 @@
 // The engine with ranks as threads (local communicator and transport): physical routing that
 // agrees across ranks, epochs switched at the same step everywhere, aborted epochs that lose no
-// update, and gradient reduction that is deterministic.
+// update, and gradient reduction that is deterministic. The training tests run with slot buffers
+// in host memory, in guarded device memory (CreateGuardedHostMemory, one per rank like one GPU
+// per rank), where any host access to a slot buffer by the engine crashes the test, and in CUDA
+// memory where a GPU is present.
 #include "keel/engine.hpp"
 
 #include <gtest/gtest.h>
@@ -10,6 +13,7 @@
 #include <functional>
 #include <thread>
 
+#include "kernels/device.h"
 #include "kernels/remap.h"
 #include "migration/communicator.h"
 #include "monitor/metrics.h"
@@ -25,7 +29,34 @@ struct TrainingRun {
   std::vector<RankRecord> records;
 };
 
-TrainingRun RunAll(const KeelConfig& config, int steps,
+enum class Memory { kHost, kGuardedDevice, kCuda };
+
+std::string MemoryName(const ::testing::TestParamInfo<Memory>& info) {
+  switch (info.param) {
+    case Memory::kHost:
+      return "Host";
+    case Memory::kGuardedDevice:
+      return "GuardedDevice";
+    case Memory::kCuda:
+      break;
+  }
+  return "Cuda";
+}
+
+// This rank's device memory for `memory`: null for host buffers.
+std::shared_ptr<DeviceMemory> RankMemory(Memory memory) {
+  switch (memory) {
+    case Memory::kHost:
+      return nullptr;
+    case Memory::kGuardedDevice:
+      return testing::ValueOrDie(CreateGuardedHostMemory());
+    case Memory::kCuda:
+      break;
+  }
+  return testing::ValueOrDie(CreateCudaDeviceMemory());
+}
+
+TrainingRun RunAll(const KeelConfig& config, int steps, Memory memory,
                    const std::function<void(LocalFabric&)>& before = nullptr,
                    Metrics* metrics = nullptr) {
   LocalCommunicatorGroup group(kRanks);
@@ -38,8 +69,8 @@ TrainingRun RunAll(const KeelConfig& config, int steps,
   for (int r = 0; r < kRanks; ++r) {
     threads.emplace_back([&, r] {
       std::unique_ptr<Communicator> communicator = group.Join(r);
-      run.records[r].status =
-          RunRank(config, steps, *communicator, &fabric, run.buffers[r], run.records[r], metrics);
+      run.records[r].status = RunRank(config, steps, *communicator, &fabric, run.buffers[r],
+                                      run.records[r], metrics, RankMemory(memory));
     });
   }
   for (auto& t : threads) t.join();
@@ -85,9 +116,21 @@ std::unique_ptr<LocalGroup> MakeGroup(int ranks) {
   return testing::ValueOrDie(LocalGroup::Create(ranks));
 }
 
-TEST(EngineTest, StaticPolicyTrainsExactlyAndNeverMigrates) {
+// Every training test with host buffers, guarded device buffers, and CUDA buffers where a GPU
+// is present (bench/gpu/run.sh runs them there).
+class EngineMemoryTest : public ::testing::TestWithParam<Memory> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == Memory::kCuda && !kernels::GpuAvailable()) GTEST_SKIP() << "no GPU";
+  }
+};
+INSTANTIATE_TEST_SUITE_P(Memory, EngineMemoryTest,
+                         ::testing::Values(Memory::kHost, Memory::kGuardedDevice, Memory::kCuda),
+                         MemoryName);
+
+TEST_P(EngineMemoryTest, StaticPolicyTrainsExactlyAndNeverMigrates) {
   constexpr int kSteps = 6;
-  TrainingRun run = RunAll(TestConfig("static"), kSteps);
+  TrainingRun run = RunAll(TestConfig("static"), kSteps, GetParam());
   for (const RankRecord& record : run.records) {
     ASSERT_TRUE(record.status.ok()) << record.status.ToString();
     EXPECT_EQ(record.stats.epoch, 0);
@@ -97,9 +140,9 @@ TEST(EngineTest, StaticPolicyTrainsExactlyAndNeverMigrates) {
   ExpectMatchesReference(run, ComputeReference(kSteps));
 }
 
-TEST(EngineTest, KeelPolicySwitchesEpochsTogetherAndLosesNoUpdate) {
+TEST_P(EngineMemoryTest, KeelPolicySwitchesEpochsTogetherAndLosesNoUpdate) {
   constexpr int kSteps = 24;
-  TrainingRun run = RunAll(TestConfig("keel"), kSteps);
+  TrainingRun run = RunAll(TestConfig("keel"), kSteps, GetParam());
   for (const RankRecord& record : run.records) {
     ASSERT_TRUE(record.status.ok()) << record.status.ToString();
   }
@@ -114,11 +157,11 @@ TEST(EngineTest, KeelPolicySwitchesEpochsTogetherAndLosesNoUpdate) {
   ExpectMatchesReference(run, ComputeReference(kSteps));
 }
 
-TEST(EngineTest, AbortedEpochKeepsOldPlacementAndLosesNoUpdate) {
+TEST_P(EngineMemoryTest, AbortedEpochKeepsOldPlacementAndLosesNoUpdate) {
   constexpr int kSteps = 24;
   // The first data chunk between every pair of ranks arrives corrupted: the first epoch that
   // moves anything fails its checksums and aborts.
-  TrainingRun run = RunAll(TestConfig("keel"), kSteps, [](LocalFabric& fabric) {
+  TrainingRun run = RunAll(TestConfig("keel"), kSteps, GetParam(), [](LocalFabric& fabric) {
     for (int src = 0; src < kRanks; ++src) {
       for (int dst = 0; dst < kRanks; ++dst) {
         if (src != dst) fabric.CorruptChunk(src, dst, 0);
@@ -140,15 +183,16 @@ TEST(EngineTest, AbortedEpochKeepsOldPlacementAndLosesNoUpdate) {
 
 // The aggregating rank records the exact traffic matrix of every step as a Keel trace and feeds
 // the Prometheus metrics the dashboards query.
-TEST(EngineTest, RecordsTraceAndMetrics) {
+TEST_P(EngineMemoryTest, RecordsTraceAndMetrics) {
   constexpr int kSteps = 12;
   KeelConfig config = TestConfig("keel");
-  const std::string trace_path = ::testing::TempDir() + "/engine_trace.jsonl";
+  const std::string trace_path =
+      ::testing::TempDir() + "/engine_trace_" + MemoryName({GetParam(), 0}) + ".jsonl";
   config.monitor.trace_path = trace_path;
   config.monitor.aggregating_rank = 2;
   auto metrics = Metrics::Create(MetricsLayout::FromConfig(config, kLayers, kExperts, 2));
   ASSERT_TRUE(metrics.ok());
-  TrainingRun run = RunAll(config, kSteps, nullptr, metrics->get());
+  TrainingRun run = RunAll(config, kSteps, GetParam(), nullptr, metrics->get());
   for (const RankRecord& record : run.records) {
     ASSERT_TRUE(record.status.ok()) << record.status.ToString();
   }
@@ -178,70 +222,126 @@ TEST(EngineTest, RecordsTraceAndMetrics) {
             std::string::npos);
 }
 
+// Expert 0's home gradient after one step of float32 gradients whose sum depends on its order
+// (every rank sends everything to expert 0, whose transient replicas split it).
+std::vector<float> FloatHomeGradient(Memory memory) {
+  std::unique_ptr<LocalGroup> group = MakeGroup(kRanks);
+  std::vector<std::vector<float>> homes(kRanks);
+  std::vector<Status> status(kRanks);
+  std::atomic<int> transient_copies{0};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      status[r] = [&]() -> Status {
+        KEEL_ASSIGN_OR_RETURN(auto communicator, group->Join(r));
+        EngineOptions options =
+            SmallOptions(TestConfig("keel"), 1, communicator.get(), group.get());
+        const size_t gradient_bytes = kWeightWords * sizeof(float);
+        options.shape.weight_bytes = 16;
+        options.shape.gradient_bytes = gradient_bytes;
+        options.shape.optimizer_bytes = 16;
+        options.shape.gradient_type = GradientType::kFloat32;
+        options.device_memory = RankMemory(memory);
+        if (options.device_memory != nullptr) options.shape.memory = MemoryKind::kDevice;
+        // Host buffers, or device buffers that only copies reach.
+        std::shared_ptr<DeviceMemory> device =
+            options.device_memory != nullptr ? options.device_memory : CreateHostMemory();
+        KEEL_ASSIGN_OR_RETURN(auto engine, Engine::Create(options));
+        const int slots = engine->local_slots();
+        std::vector<std::byte*> w(slots), g(slots), o(slots);
+        for (int i = 0; i < slots; ++i) {
+          KEEL_ASSIGN_OR_RETURN(w[i], device->AllocateDevice(16));
+          KEEL_ASSIGN_OR_RETURN(g[i], device->AllocateDevice(gradient_bytes));
+          KEEL_ASSIGN_OR_RETURN(o[i], device->AllocateDevice(16));
+          KEEL_RETURN_IF_ERROR(engine->RegisterSlot(0, i, {w[i], g[i], o[i]}));
+        }
+        // Everything to expert 0: the transient replica splits it, and both copies hold
+        // gradients whose float sum depends on the order.
+        std::vector<int32_t> ids(kTokens * kTopK, 0);
+        for (int t = 0; t < kTokens; ++t) ids[t * kTopK + 1] = 1 + t % (kExperts - 1);
+        KEEL_ASSIGN_OR_RETURN(LayerRoute route, engine->Route(0, ids));
+        for (int i = engine->slots_per_rank(); i < slots; ++i) {
+          if (route.local_experts[i] == 0) ++transient_copies;
+        }
+        std::vector<float> gradient(kWeightWords);
+        for (int i = 0; i < slots; ++i) {
+          for (int j = 0; j < kWeightWords; ++j) {
+            gradient[j] = 1.0f / static_cast<float>(3 + r * 7 + i * 11 + j);
+          }
+          KEEL_RETURN_IF_ERROR(device->Copy(
+              g[i], reinterpret_cast<const std::byte*>(gradient.data()), gradient_bytes));
+        }
+        KEEL_RETURN_IF_ERROR(engine->ReduceGradients());
+        for (const auto& home : engine->HomeSlots(0)) {
+          if (home.expert != 0) continue;
+          homes[r].resize(kWeightWords);
+          KEEL_RETURN_IF_ERROR(device->Copy(reinterpret_cast<std::byte*>(homes[r].data()),
+                                            g[home.local_slot], gradient_bytes));
+        }
+        KEEL_RETURN_IF_ERROR(engine->StepEnd());
+        engine.reset();
+        for (int i = 0; i < slots; ++i) {
+          for (std::byte* buffer : {w[i], g[i], o[i]}) device->FreeDevice(buffer);
+        }
+        return Status::Ok();
+      }();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const Status& s : status) EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_GE(transient_copies.load(), 1) << "expert 0 should get transient replicas";
+  std::vector<float> home;
+  for (auto& h : homes) {
+    if (!h.empty()) home = h;
+  }
+  return home;
+}
+
 // kFloat32 sums depend on their order; the engine's fixed order gives the same bits every run.
-TEST(EngineTest, FloatGradientReductionIsDeterministic) {
-  auto run_once = [] {
-    std::unique_ptr<LocalGroup> group = MakeGroup(kRanks);
-    std::vector<std::vector<float>> homes(kRanks);
-    std::vector<Status> status(kRanks);
-    std::atomic<int> transient_copies{0};
-    std::vector<std::thread> threads;
-    for (int r = 0; r < kRanks; ++r) {
-      threads.emplace_back([&, r] {
-        status[r] = [&]() -> Status {
-          KEEL_ASSIGN_OR_RETURN(auto communicator, group->Join(r));
-          EngineOptions options =
-              SmallOptions(TestConfig("keel"), 1, communicator.get(), group.get());
-          options.shape.weight_bytes = 16;
-          options.shape.gradient_bytes = kWeightWords * sizeof(float);
-          options.shape.optimizer_bytes = 16;
-          options.shape.gradient_type = GradientType::kFloat32;
-          KEEL_ASSIGN_OR_RETURN(auto engine, Engine::Create(options));
-          const int slots = engine->local_slots();
-          std::vector<std::vector<std::byte>> w(slots, std::vector<std::byte>(16));
-          std::vector<std::vector<float>> g(slots, std::vector<float>(kWeightWords));
-          std::vector<std::vector<std::byte>> o(slots, std::vector<std::byte>(16));
-          for (int i = 0; i < slots; ++i) {
-            KEEL_RETURN_IF_ERROR(
-                engine->RegisterSlot(0, i, {w[i].data(), g[i].data(), o[i].data()}));
-          }
-          // Everything to expert 0: the transient replica splits it, and both copies hold
-          // gradients whose float sum depends on the order.
-          std::vector<int32_t> ids(kTokens * kTopK, 0);
-          for (int t = 0; t < kTokens; ++t) ids[t * kTopK + 1] = 1 + t % (kExperts - 1);
-          KEEL_ASSIGN_OR_RETURN(LayerRoute route, engine->Route(0, ids));
-          for (int i = engine->slots_per_rank(); i < slots; ++i) {
-            if (route.local_experts[i] == 0) ++transient_copies;
-          }
-          for (int i = 0; i < slots; ++i) {
-            for (int j = 0; j < kWeightWords; ++j) {
-              g[i][j] = 1.0f / static_cast<float>(3 + r * 7 + i * 11 + j);
-            }
-          }
-          KEEL_RETURN_IF_ERROR(engine->ReduceGradients());
-          for (const auto& home : engine->HomeSlots(0)) {
-            if (home.expert == 0) homes[r] = g[home.local_slot];
-          }
-          return engine->StepEnd();
-        }();
-      });
-    }
-    for (auto& t : threads) t.join();
-    for (const Status& s : status) EXPECT_TRUE(s.ok()) << s.ToString();
-    EXPECT_GE(transient_copies.load(), 1) << "expert 0 should get transient replicas";
-    std::vector<float> home;
-    for (auto& h : homes) {
-      if (!h.empty()) home = h;
-    }
-    return home;
-  };
-  const std::vector<float> first = run_once();
+TEST_P(EngineMemoryTest, FloatGradientReductionIsDeterministic) {
+  const std::vector<float> first = FloatHomeGradient(GetParam());
   ASSERT_EQ(first.size(), static_cast<size_t>(kWeightWords));
   for (int i = 0; i < 3; ++i) {
-    const std::vector<float> again = run_once();
+    const std::vector<float> again = FloatHomeGradient(GetParam());
     ASSERT_EQ(again.size(), first.size());
     EXPECT_EQ(std::memcmp(again.data(), first.data(), first.size() * sizeof(float)), 0);
   }
+}
+
+// Device buffers are summed by the kernels' CPU reference in the same order: the same bits as
+// host buffers, even for order-dependent float sums. (Whole training runs of both kinds equal the
+// exact reference above; their epochs may switch at other steps, since the planner thread's
+// timing decides when a plan is adopted.)
+TEST(EngineTest, GuardedDeviceMemoryGivesTheBitsOfHostMemory) {
+  const std::vector<float> host = FloatHomeGradient(Memory::kHost);
+  const std::vector<float> device = FloatHomeGradient(Memory::kGuardedDevice);
+  ASSERT_EQ(host.size(), static_cast<size_t>(kWeightWords));
+  ASSERT_EQ(device.size(), host.size());
+  EXPECT_EQ(std::memcmp(host.data(), device.data(), host.size() * sizeof(float)), 0);
+}
+
+// Host buffers registered as device memory, and the reverse, are refused naming the buffer.
+TEST(EngineTest, RegisterSlotChecksWhereBuffersLive) {
+  std::unique_ptr<LocalGroup> group = MakeGroup(1);
+  auto communicator = testing::ValueOrDie(group->Join(0));
+  KeelConfig config = TestConfig("static");
+  config.topology.gpus_per_node = 1;
+  config.slots.persistent_per_rank = kExperts;
+  config.slots.transient_per_rank = 0;
+  EngineOptions options = SmallOptions(config, 1, communicator.get(), group.get());
+  options.shape.memory = MemoryKind::kDevice;
+  options.device_memory = testing::ValueOrDie(CreateGuardedHostMemory());
+  auto engine = testing::ValueOrDie(Engine::Create(options));
+  std::vector<std::byte> host(8);
+  std::byte* device = testing::ValueOrDie(options.device_memory->AllocateDevice(8));
+  const Status status = engine->RegisterSlot(0, 2, {device, host.data(), device});
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("buffers.gradients of layer 0 local_slot 2 is not device memory"),
+            std::string::npos)
+      << status.ToString();
+  EXPECT_TRUE(engine->RegisterSlot(0, 2, {device, device, device}).ok());
+  engine.reset();
+  options.device_memory->FreeDevice(device);
 }
 
 // A trainer that counts and remaps on its GPU calls RouteCounts and the remap kernel; it must

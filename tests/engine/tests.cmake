@@ -10,7 +10,8 @@ target_link_libraries(keel_c_api_compile_check PRIVATE keel_engine)
 add_test(NAME engine.c_api_compile_check COMMAND keel_c_api_compile_check)
 
 # The engine across 4 Open MPI processes with the UCX transport (tests/engine/engine_mpi_main.cc),
-# over shared memory and over TCP on loopback, for the static and the keel policy.
+# over shared memory and over TCP on loopback, for the static and the keel policy, and the keel
+# policy again with every slot buffer in guarded device memory (staged through host memory).
 find_program(KEEL_MPIRUN mpirun)
 if(KEEL_WITH_MPI AND KEEL_WITH_UCX AND KEEL_MPIRUN)
   add_executable(keel_engine_mpi ${CMAKE_CURRENT_LIST_DIR}/engine_mpi_main.cc)
@@ -26,12 +27,20 @@ if(KEEL_WITH_MPI AND KEEL_WITH_UCX AND KEEL_MPIRUN)
       set(_env "UCX_TLS=tcp;UCX_NET_DEVICES=lo")
       set(_x -x UCX_TLS -x UCX_NET_DEVICES)
     endif()
-    foreach(_policy static keel)
-      add_test(NAME engine.mpirun_${_policy}_ucx_${_tls}
+    foreach(_run static:host keel:host keel:guarded)
+      string(REPLACE ":" ";" _run ${_run})
+      list(GET _run 0 _policy)
+      list(GET _run 1 _memory)
+      set(_name engine.mpirun_${_policy}_ucx_${_tls})
+      if(_memory STREQUAL "guarded")
+        set(_name ${_name}_guarded_device)
+      endif()
+      add_test(NAME ${_name}
                COMMAND ${KEEL_MPIRUN} -np 4 --oversubscribe --mca btl self,vader --mca pml ob1
                        --mca oob_tcp_if_include lo --mca btl_tcp_if_include lo ${_x}
-                       -x LSAN_OPTIONS -x ASAN_OPTIONS $<TARGET_FILE:keel_engine_mpi> ${_policy} 24)
-      set_tests_properties(engine.mpirun_${_policy}_ucx_${_tls} PROPERTIES
+                       -x LSAN_OPTIONS -x ASAN_OPTIONS $<TARGET_FILE:keel_engine_mpi> ${_policy} 24
+                       ${_memory})
+      set_tests_properties(${_name} PROPERTIES
           ENVIRONMENT "${_env};${_engine_lsan};OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
           TIMEOUT 180 PROCESSORS 2)
     endforeach()

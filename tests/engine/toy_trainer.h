@@ -13,6 +13,7 @@
 
 #include "common/config.h"
 #include "engine/engine_internal.h"
+#include "keel/device_memory.hpp"
 #include "keel/engine.hpp"
 #include "keel/status.hpp"
 #include "migration/transfer_plan.h"
@@ -79,6 +80,79 @@ struct RankBuffers {
   std::vector<std::vector<double>> optimizer;
 };
 
+// The slot buffers the engine sees: the host vectors of RankBuffers themselves, or (with
+// `device`) device buffers of the same sizes that the trainer reaches only by copies, as a GPU
+// trainer's kernels would. Upload / Download move one slot's regions between the two.
+class SlotMemory {
+ public:
+  SlotMemory(std::shared_ptr<DeviceMemory> device, RankBuffers& host)
+      : device_(std::move(device)), host_(host) {}
+  SlotMemory(const SlotMemory&) = delete;
+  SlotMemory& operator=(const SlotMemory&) = delete;
+  ~SlotMemory() {
+    for (std::byte* data : allocated_) device_->FreeDevice(data);
+  }
+
+  // The buffers of region `index` (RankBuffers' index) to register.
+  Result<SlotBuffers> Buffers(size_t index, bool persistent) {
+    SlotBuffers slot{host_.weights[index].data(), host_.gradients[index].data(),
+                     persistent ? host_.optimizer[index].data() : nullptr};
+    if (device_ == nullptr) return slot;
+    if (device_slots_.size() <= index) device_slots_.resize(index + 1);
+    KEEL_ASSIGN_OR_RETURN(slot.weights, Allocate(kWeightWords * sizeof(float)));
+    KEEL_ASSIGN_OR_RETURN(slot.gradients, Allocate(kWeightWords * sizeof(int64_t)));
+    if (persistent) {
+      KEEL_ASSIGN_OR_RETURN(slot.optimizer, Allocate(kWeightWords * sizeof(double)));
+    }
+    device_slots_[index] = slot;
+    return slot;
+  }
+
+  // Host -> device (no-op for host buffers) for the regions named.
+  Status Upload(size_t index, bool weights, bool gradients, bool optimizer) {
+    return Move(index, weights, gradients, optimizer, /*up=*/true);
+  }
+  // Device -> host.
+  Status Download(size_t index, bool weights, bool gradients, bool optimizer) {
+    return Move(index, weights, gradients, optimizer, /*up=*/false);
+  }
+
+ private:
+  Result<void*> Allocate(size_t bytes) {
+    KEEL_ASSIGN_OR_RETURN(std::byte * data, device_->AllocateDevice(bytes));
+    allocated_.push_back(data);
+    return static_cast<void*>(data);
+  }
+  Status Move(size_t index, bool weights, bool gradients, bool optimizer, bool up) {
+    if (device_ == nullptr) return Status::Ok();
+    const SlotBuffers& slot = device_slots_[index];
+    auto copy = [&](void* device, void* host, size_t bytes) -> Status {
+      if (device == nullptr) return Status::Ok();
+      auto* d = static_cast<std::byte*>(device);
+      auto* h = static_cast<std::byte*>(host);
+      return up ? device_->Copy(d, h, bytes) : device_->Copy(h, d, bytes);
+    };
+    if (weights) {
+      KEEL_RETURN_IF_ERROR(
+          copy(slot.weights, host_.weights[index].data(), kWeightWords * sizeof(float)));
+    }
+    if (gradients) {
+      KEEL_RETURN_IF_ERROR(
+          copy(slot.gradients, host_.gradients[index].data(), kWeightWords * sizeof(int64_t)));
+    }
+    if (optimizer) {
+      KEEL_RETURN_IF_ERROR(
+          copy(slot.optimizer, host_.optimizer[index].data(), kWeightWords * sizeof(double)));
+    }
+    return Status::Ok();
+  }
+
+  std::shared_ptr<DeviceMemory> device_;
+  RankBuffers& host_;
+  std::vector<SlotBuffers> device_slots_;
+  std::vector<std::byte*> allocated_;
+};
+
 struct RankRecord {
   std::vector<int64_t> epoch_after_step;  // [step]
   // [step][layer] (rows this rank sent to each physical slot) and its recv_counts.
@@ -99,10 +173,11 @@ inline Result<Placement> ToPlacement(const LayerPlacement& p) {
 }
 
 // Trains `steps` steps of the toy model on this rank; `fabric` is null unless the migration
-// transport is local.
+// transport is local. With `device`, every slot buffer lives in that device memory; `mine` gets
+// their final contents.
 inline Status RunRank(const KeelConfig& config, int steps, Communicator& communicator,
                       LocalFabric* fabric, RankBuffers& mine, RankRecord& record,
-                      Metrics* metrics = nullptr) {
+                      Metrics* metrics = nullptr, std::shared_ptr<DeviceMemory> device = nullptr) {
   const int rank = communicator.rank();
   // The transport outlives the engine, which is declared after it.
   std::unique_ptr<Transport> transport = fabric != nullptr ? fabric->Connect(rank) : nullptr;
@@ -115,8 +190,12 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
   options.shape.gradient_bytes = kWeightWords * sizeof(int64_t);
   options.shape.optimizer_bytes = kWeightWords * sizeof(double);
   options.shape.gradient_type = GradientType::kFixedInt64;
+  options.shape.memory = device != nullptr ? MemoryKind::kDevice : MemoryKind::kHost;
+  options.device_memory = device;
   options.communicator = &communicator;
   options.transport = transport.get();
+  // Declared before the engine, which it outlives.
+  SlotMemory slots(device, mine);
   KEEL_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, EngineFactory::Create(options, metrics));
   const int local_slots = engine->local_slots();
   const int slots_per_rank = engine->slots_per_rank();
@@ -135,8 +214,8 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
           mine.weights[index][j] = expert < 0 ? 0.0f : static_cast<float>(expert * 100 + j);
         }
       }
-      SlotBuffers slot{mine.weights[index].data(), mine.gradients[index].data(),
-                       i < slots_per_rank ? mine.optimizer[index].data() : nullptr};
+      KEEL_ASSIGN_OR_RETURN(const SlotBuffers slot, slots.Buffers(index, i < slots_per_rank));
+      KEEL_RETURN_IF_ERROR(slots.Upload(index, true, true, true));
       KEEL_RETURN_IF_ERROR(engine->RegisterSlot(l, i, slot));
     }
   }
@@ -185,12 +264,17 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
       record.sent[step].push_back(std::move(sent));
       record.recv[step].push_back(route.recv_counts);
     }
+    for (size_t index = 0; index < regions; ++index) {
+      KEEL_RETURN_IF_ERROR(slots.Upload(index, false, true, false));
+    }
     KEEL_RETURN_IF_ERROR(engine->ReduceGradients());
     for (int l = 0; l < kLayers; ++l) {
       for (const auto& home : engine->HomeSlots(l)) {
         const size_t index = static_cast<size_t>(l) * local_slots + home.local_slot;
+        KEEL_RETURN_IF_ERROR(slots.Download(index, true, true, true));
         Optimize(mine.weights[index].data(), mine.optimizer[index].data(),
                  mine.gradients[index].data());
+        KEEL_RETURN_IF_ERROR(slots.Upload(index, true, false, true));
       }
     }
     KEEL_RETURN_IF_ERROR(engine->StepEnd());
@@ -199,6 +283,9 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
   for (int l = 0; l < kLayers; ++l) {
     KEEL_ASSIGN_OR_RETURN(Placement placement, ToPlacement(engine->placement(l)));
     record.final_placements.push_back(std::move(placement));
+  }
+  for (size_t index = 0; index < regions; ++index) {
+    KEEL_RETURN_IF_ERROR(slots.Download(index, true, true, true));
   }
   record.stats = engine->stats();
   return Status::Ok();

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/add.h"
 #include "kernels/checksum.h"
 #include "kernels/condense.h"
 #include "kernels/device.h"
@@ -641,6 +642,47 @@ TEST(KernelsGpuTest, SlotChecksumsMatchCpu) {
   // More slots than one launch covers in its second grid dimension.
   CheckSlotChecksums(70000, 24, 24, 0, stream);
   CheckSlotChecksums(70000, 21, 23, 1, stream);
+}
+
+// ---- Gradient sums
+
+template <typename T>
+void CheckAddInto(AddType type, const std::vector<T>& acc, const std::vector<T>& source,
+                  const CudaStream& stream) {
+  std::vector<T> want = acc;
+  ASSERT_OK(cpu::AddInto(type, want.data(), source.data(),
+                         static_cast<int64_t>(want.size() * sizeof(T))));
+  DeviceBuffer<T> device_acc(acc);
+  DeviceBuffer<T> device_source(source);
+  ASSERT_OK(gpu::AddInto(type, device_acc.get(), device_source.get(),
+                         static_cast<int64_t>(acc.size() * sizeof(T)), stream.get()));
+  ASSERT_CUDA(stream.Sync());
+  ExpectSameBits(want, device_acc.Download(), "AddInto");
+}
+
+TEST(KernelsGpuTest, AddIntoMatchesCpu) {
+  if (!keel::kernels::GpuAvailable()) GTEST_SKIP() << "no GPU";
+  CudaStream stream;
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (size_t count : {size_t{0}, size_t{1}, size_t{255}, size_t{1} << 20}) {
+    std::vector<float> f_acc(count), f_source(count);
+    std::vector<double> d_acc(count), d_source(count);
+    std::vector<uint64_t> i_acc(count), i_source(count);
+    for (size_t i = 0; i < count; ++i) {
+      f_acc[i] = static_cast<float>(normal(rng));
+      f_source[i] = static_cast<float>(normal(rng) * 1e-3);
+      d_acc[i] = normal(rng);
+      d_source[i] = normal(rng) * 1e-9;
+      i_acc[i] = rng();
+      i_source[i] = rng();
+    }
+    CheckAddInto(AddType::kFloat32, f_acc, f_source, stream);
+    CheckAddInto(AddType::kFloat64, d_acc, d_source, stream);
+    CheckAddInto(AddType::kInt64, i_acc, i_source, stream);
+  }
 }
 
 // ---- Condensation

@@ -2,7 +2,7 @@
 // classification, ordered asynchronous copies in every direction, checksums equal to the CPU's,
 // and the staged transport moving device buffers between two ranks (threads sharing the GPU)
 // with an exchange that checksums them on the device.
-#include "migration/device_memory.h"
+#include "keel/device_memory.hpp"
 
 #include <random>
 #include <thread>

@@ -1,8 +1,8 @@
 // DeviceMemory for tests without a GPU. "Device" buffers are pages this object maps. With
 // `protect`, those pages are inaccessible (PROT_NONE) except inside this object's own operations,
 // so code that reads or writes device memory from the CPU instead of through DeviceMemory crashes
-// the test, as it would on a GPU. Copies are asynchronous: each CompletedCopies() call completes
-// at most one more, in start order, so callers see copies in flight.
+// the test, as it would on a GPU. Copies (and adds) are asynchronous: each CompletedCopies() call
+// completes at most one more, in start order, so callers see copies in flight.
 #pragma once
 
 #include <sys/mman.h>
@@ -11,11 +11,13 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <vector>
 
+#include "keel/device_memory.hpp"
+#include "kernels/add.h"
 #include "kernels/checksum.h"
-#include "migration/device_memory.h"
 
 namespace keel::testing {
 
@@ -63,6 +65,13 @@ class FakeDeviceMemory final : public DeviceMemory {
     return std::vector<std::byte>(device, device + bytes);
   }
 
+  Result<std::byte*> AllocateDevice(size_t bytes) override {
+    std::byte* data = Allocate(bytes);
+    if (data == nullptr) return Internal("fake device memory: mmap failed");
+    return data;
+  }
+  void FreeDevice(std::byte* data) override { Free(data); }
+
   bool IsDeviceMemory(const void* data) override {
     std::lock_guard<std::mutex> lock(mutex_);
     return Contains(data);
@@ -83,7 +92,15 @@ class FakeDeviceMemory final : public DeviceMemory {
                              size_t bytes) override {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!failure_.ok()) return failure_;
-    pending_.push_back({destination, source, bytes});
+    pending_.push_back({destination, source, bytes, std::nullopt});
+    return started_++;
+  }
+
+  Result<uint64_t> StartAdd(GradientType type, std::byte* acc, const std::byte* source,
+                            size_t bytes) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!failure_.ok()) return failure_;
+    pending_.push_back({acc, source, bytes, type});
     return started_++;
   }
 
@@ -132,6 +149,7 @@ class FakeDeviceMemory final : public DeviceMemory {
     std::byte* destination = nullptr;
     const std::byte* source = nullptr;
     size_t bytes = 0;
+    std::optional<GradientType> add;  // set: destination += source instead of a copy
   };
 
   // Opens the blocks that hold `a` and `b` to the CPU for this object's own work, and closes
@@ -174,7 +192,12 @@ class FakeDeviceMemory final : public DeviceMemory {
     }
     if (!failure_.ok()) return;
     Unprotected open(*this, copy.destination, copy.source);
-    if (copy.bytes > 0) std::memcpy(copy.destination, copy.source, copy.bytes);
+    if (copy.add.has_value()) {
+      failure_ = kernels::cpu::AddInto(kernels::AddTypeOf(*copy.add), copy.destination, copy.source,
+                                       static_cast<int64_t>(copy.bytes));
+    } else if (copy.bytes > 0) {
+      std::memcpy(copy.destination, copy.source, copy.bytes);
+    }
   }
 
   const bool protect_;

@@ -24,7 +24,7 @@
 #include <thread>
 #include <vector>
 
-#include "migration/device_memory.h"
+#include "keel/device_memory.hpp"
 #include "migration/migrator.h"
 #include "migration/transport_staged.h"
 #include "migration/transport_ucx.h"

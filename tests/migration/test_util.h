@@ -9,9 +9,9 @@
 #include <thread>
 #include <vector>
 
+#include "keel/device_memory.hpp"
 #include "keel/status.hpp"
 #include "kernels/checksum.h"
-#include "migration/device_memory.h"
 #include "migration/exchange.h"
 #include "migration/expert_store.h"
 #include "migration/transfer_plan.h"

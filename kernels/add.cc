@@ -1,0 +1,47 @@
+// CPU reference of kernels/add.h.
+#include "kernels/add.h"
+
+#include <cstring>
+
+#include "kernels/arguments.h"
+
+namespace keel::kernels::cpu {
+namespace {
+
+// memcpy in and out: the buffers are plain bytes, with no promise of alignment.
+template <typename T>
+void AddElements(std::byte* acc, const std::byte* source, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    T a;
+    T b;
+    std::memcpy(&a, acc + i * sizeof(T), sizeof(T));
+    std::memcpy(&b, source + i * sizeof(T), sizeof(T));
+    a += b;
+    std::memcpy(acc + i * sizeof(T), &a, sizeof(T));
+  }
+}
+
+}  // namespace
+
+Status AddInto(AddType type, void* acc, const void* source, int64_t num_bytes) {
+  KEEL_RETURN_IF_ERROR(CheckNonNegative("num_bytes", num_bytes));
+  const int64_t count = num_bytes / AddTypeBytes(type);
+  KEEL_RETURN_IF_ERROR(CheckPointer("acc", acc, count));
+  KEEL_RETURN_IF_ERROR(CheckPointer("source", source, count));
+  auto* a = static_cast<std::byte*>(acc);
+  const auto* s = static_cast<const std::byte*>(source);
+  switch (type) {
+    case AddType::kFloat32:
+      AddElements<float>(a, s, count);
+      break;
+    case AddType::kFloat64:
+      AddElements<double>(a, s, count);
+      break;
+    case AddType::kInt64:  // unsigned: wraps instead of overflowing
+      AddElements<uint64_t>(a, s, count);
+      break;
+  }
+  return Status::Ok();
+}
+
+}  // namespace keel::kernels::cpu

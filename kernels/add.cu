@@ -1,0 +1,64 @@
+// CUDA version of kernels/add.h: one thread per element, grid-stride.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kernels/add.h"
+#include "kernels/arguments.h"
+#include "kernels/cuda_check.h"
+
+namespace keel::kernels::gpu {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxBlocks = 4096;
+
+template <typename T>
+__global__ void AddKernel(T* acc, const T* source, int64_t count) {
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < count; i += stride) {
+    acc[i] += source[i];
+  }
+}
+
+template <typename T>
+Status Launch(void* acc, const void* source, int64_t count, Stream stream) {
+  if (count == 0) return Status::Ok();
+  const unsigned blocks = GridSize(count, kThreads, kMaxBlocks);
+  AddKernel<T>
+      <<<blocks, kThreads, 0, stream>>>(static_cast<T*>(acc), static_cast<const T*>(source), count);
+  KEEL_CUDA_RETURN_IF_LAUNCH_FAILED(AddKernel);
+  return Status::Ok();
+}
+
+Status CheckAligned(const char* name, const void* pointer, int64_t alignment) {
+  if (reinterpret_cast<uintptr_t>(pointer) % static_cast<uintptr_t>(alignment) == 0) {
+    return Status::Ok();
+  }
+  return InvalidArgument(std::string(name) + " is not aligned to its " + std::to_string(alignment) +
+                         "-byte elements");
+}
+
+}  // namespace
+
+Status AddInto(AddType type, void* acc, const void* source, int64_t num_bytes, Stream stream) {
+  KEEL_RETURN_IF_ERROR(CheckNonNegative("num_bytes", num_bytes));
+  const int64_t element = AddTypeBytes(type);
+  const int64_t count = num_bytes / element;
+  KEEL_RETURN_IF_ERROR(CheckPointer("acc", acc, count));
+  KEEL_RETURN_IF_ERROR(CheckPointer("source", source, count));
+  KEEL_RETURN_IF_ERROR(CheckAligned("acc", acc, element));
+  KEEL_RETURN_IF_ERROR(CheckAligned("source", source, element));
+  switch (type) {
+    case AddType::kFloat32:
+      return Launch<float>(acc, source, count, stream);
+    case AddType::kFloat64:
+      return Launch<double>(acc, source, count, stream);
+    case AddType::kInt64:
+      return Launch<unsigned long long>(acc, source, count, stream);
+  }
+  return InvalidArgument("type is not an AddType");
+}
+
+}  // namespace keel::kernels::gpu
