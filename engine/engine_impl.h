@@ -1,0 +1,156 @@
+// Engine::Impl, the engine behind include/keel/engine.hpp, shared by the files that each do one
+// of its jobs:
+//   engine.cc        creation, slot registration, the public Engine's calls
+//   routing.cc       Route / RouteCounts: counts, the per-step quota plan, transient fills
+//   replica_sync.cc  ReduceGradients (fixed-order sums into homes) and the weight push to replicas
+//   epochs.cc        StepEnd: the background planner and the epoch protocol (plan agreed by every
+//                    rank -> transfers -> verified -> switched at the same step, or discarded)
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include "common/config.h"
+#include "engine/slot_exchange.h"
+#include "keel/device_memory.hpp"
+#include "keel/engine.hpp"
+#include "migration/expert_store.h"
+#include "migration/migrator.h"
+#include "monitor/metrics.h"
+#include "monitor/trace_recorder.h"
+#include "placement/load.h"
+#include "placement/policy.h"
+#include "placement/routing.h"
+
+namespace keel {
+
+// transfer_plan.h's HomeSlot() (the slot of a home) hides the public struct's name here.
+using HomeSlotEntry = struct HomeSlot;
+
+inline double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+class Engine::Impl {
+ public:
+  Impl(const EngineOptions& options, KeelConfig config, Metrics* metrics)
+      : options_(options),
+        config_(std::move(config)),
+        communicator_(*options.communicator),
+        shared_metrics_(metrics) {}
+  ~Impl();
+
+  Status Init();
+  Status ChooseMemory();
+  bool device_memory() const { return options_.shape.memory == MemoryKind::kDevice; }
+  Status RegisterSlot(int layer, int local_slot, const SlotBuffers& buffers);
+  Result<LayerRoute> Route(int layer, std::span<const int32_t> topk_ids);
+  Result<LayerRoute> RouteCounts(int layer, std::span<const int32_t> expert_counts);
+  Status ReduceGradients();
+  Status StepEnd();
+  std::vector<HomeSlotEntry> HomeSlots(int layer) const;
+  bool migrating() const { return migrating_; }
+  int RankOfPhysical(int slot) const {
+    return slot < num_slots() ? slot / slots_per_rank_
+                              : (slot - num_slots()) / std::max(1, transient_per_rank_);
+  }
+  int LocalOfPhysical(int slot) const {
+    return slot < num_slots() ? slot % slots_per_rank_
+                              : slots_per_rank_ + (slot - num_slots()) % transient_per_rank_;
+  }
+
+  const EngineOptions options_;
+  const KeelConfig config_;
+  Communicator& communicator_;
+  Metrics* const shared_metrics_;  // from EngineFactory; null: the engine's own
+  int rank_ = 0;
+  int num_ranks_ = 0;
+  int slots_per_rank_ = 0;
+  int transient_per_rank_ = 0;  // registered transient slots
+  int transients_planned_ = 0;  // transient replicas the quota planner may add per rank
+  std::optional<PolicyContext> context_;
+  std::unique_ptr<Policy> policy_;
+  std::vector<Placement> placements_;  // in force
+  EngineStats stats_;
+
+ private:
+  int num_slots() const { return num_ranks_ * slots_per_rank_; }
+  int local_slots() const { return slots_per_rank_ + transient_per_rank_; }
+  const SlotBuffers& Buffers(int layer, int local_slot) const {
+    return buffers_[static_cast<size_t>(layer) * local_slots() + local_slot];
+  }
+  std::byte* Weights(int layer, int local_slot) const {
+    return static_cast<std::byte*>(Buffers(layer, local_slot).weights);
+  }
+  std::byte* Gradients(int layer, int local_slot) const {
+    return static_cast<std::byte*>(Buffers(layer, local_slot).gradients);
+  }
+  // The physical slot of copy `copy` of a StepRouting (a persistent slot, or num_slots + i for
+  // transients[i]), given `transient_slot` [transients] from TransientSlots.
+  int PhysicalSlot(int copy, const std::vector<int>& transient_slot) const {
+    return copy < num_slots() ? copy : transient_slot[copy - num_slots()];
+  }
+  std::vector<int> TransientSlots(const StepRouting& routing) const;
+  Status CheckRoutable(int layer) const;
+  // Route's collective part: all-reduces the counts (`mine`: [num_experts] this rank's), plans
+  // the quotas and transients, fills transient slots; returns all but `slot` and `send_counts`.
+  Result<LayerRoute> PlanLayer(int layer, std::span<const int32_t> mine);
+  Status FillTransients(int layer, const Placement& placement, const StepRouting& routing,
+                        const std::vector<int>& transient_slot);
+  Status ResolveMigration(bool& commit);
+  Status PushWeights();
+  Status AdvancePlanner();
+  void StartPlanner();
+  Status StartMigration(std::vector<Placement> planned);
+  Status RecordStep();
+  bool aggregating() const { return rank_ == config_.monitor.aggregating_rank; }
+
+  // Every copy and sum of slot buffers goes through it (host memory for MemoryKind::kHost).
+  std::shared_ptr<DeviceMemory> memory_;
+  DeviceBuffer sum_scratch_;          // ReduceGradients' sums, one gradient buffer each
+  DeviceBuffer received_;             // ReduceGradients' received gradients
+  std::vector<SlotBuffers> buffers_;  // [layer * local_slots + local slot]
+  int registered_ = 0;
+  std::vector<bool> is_registered_;
+
+  // This step, per layer.
+  std::vector<bool> routed_;
+  std::vector<std::vector<double>> traffic_;  // [layer][num_ranks * num_experts]
+  std::vector<StepRouting> routing_;
+  // One per layer: each keeps what its placement alone decides, and its buffers, between steps.
+  std::vector<std::unique_ptr<StepPlanner>> planners_;
+  std::vector<int64_t> reduced_;                  // scratch: this layer's traffic by expert
+  std::vector<int32_t> by_expert_;                // the same, as the planner takes it
+  StepRouting plan_scratch_;                      // scratch: the routing being planned
+  std::vector<std::vector<int>> transient_slot_;  // [layer][transients] physical slot
+  std::vector<LoadEstimator> estimators_;
+
+  // Migration.
+  std::unique_ptr<Transport> owned_transport_;
+  std::unique_ptr<Transport> staged_transport_;  // over owned_transport_ or options.transport
+  Transport* transport_ = nullptr;
+  std::unique_ptr<ExpertStore> store_;
+  std::unique_ptr<Migrator> migrator_;
+  bool migrating_ = false;
+  std::vector<Placement> pending_;  // the placement the running epoch builds
+
+  // Planner thread.
+  std::thread planner_;
+  std::atomic<bool> planner_done_{false};
+  bool planning_ = false;
+  std::vector<Placement> planned_;
+  Status planner_status_;
+  double planner_seconds_ = 0;
+
+  // Telemetry.
+  std::unique_ptr<Metrics> owned_metrics_;
+  Metrics* metrics_ = nullptr;
+  std::unique_ptr<TraceRecorder> recorder_;
+};
+
+}  // namespace keel

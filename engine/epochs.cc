@@ -1,0 +1,191 @@
+// Engine::Impl's epochs: StepEnd records the step's traffic, runs the planner thread every
+// policy.replan_interval_steps, turns a plan every rank finished into background transfers, and
+// ResolveMigration lets every rank agree at ReduceGradients whether the epoch commits.
+#include "engine/engine_impl.h"
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "common/log.h"
+#include "migration/transfer_plan.h"
+
+namespace keel {
+
+// Waits for the running epoch and lets every rank agree whether it commits.
+Status Engine::Impl::ResolveMigration(bool& commit) {
+  commit = false;
+  if (!migrating_) return Status::Ok();
+  const auto start = std::chrono::steady_clock::now();
+  Status status = migrator_->Wait();
+  stats_.exposed_migration_seconds += SecondsSince(start);
+  migrating_ = false;
+  const MigrationReport report = migrator_->last_report();
+  // One sum agrees on both: how many ranks failed their transfers, and the bytes moved.
+  std::vector<int64_t> outcome = {
+      status.ok() ? 0 : 1, static_cast<int64_t>(report.bytes_sent + report.bytes_copied_locally)};
+  KEEL_RETURN_IF_ERROR(communicator_.AllReduce(outcome, ReduceOp::kSum));
+  const int64_t moved = outcome[1];
+  stats_.bytes_moved += static_cast<uint64_t>(moved);
+  if (outcome[0] == 0) {
+    commit = true;
+  } else {
+    if (status.ok()) {
+      migrator_->Discard();
+      status = Aborted("epoch " + std::to_string(stats_.epoch + 1) +
+                       " aborted: another rank failed its transfers");
+    }
+    ++stats_.epochs_aborted;
+    stats_.last_abort = status;
+    pending_.clear();
+  }
+  if (metrics_ != nullptr) {
+    metrics_->RecordMigration(commit ? MigrationOutcome::kOk : MigrationOutcome::kAborted,
+                              transport_->name(), static_cast<double>(moved), report.seconds,
+                              SecondsSince(start));
+    metrics_->SetMigrationsInFlight(0);
+  }
+  return Status::Ok();
+}
+
+Status Engine::Impl::RecordStep() {
+  const size_t row = static_cast<size_t>(num_ranks_) * options_.num_experts;
+  for (int l = 0; l < options_.num_layers; ++l) {
+    if (routed_[l]) estimators_[l].Observe(traffic_[l]);
+  }
+  if (recorder_ != nullptr) {
+    std::vector<double> step(row * options_.num_layers, 0.0);
+    for (int l = 0; l < options_.num_layers; ++l) {
+      if (routed_[l]) std::copy(traffic_[l].begin(), traffic_[l].end(), step.begin() + l * row);
+    }
+    KEEL_RETURN_IF_ERROR(recorder_->RecordStep(stats_.steps, step));
+  }
+  if (metrics_ != nullptr) metrics_->EndStep();
+  return Status::Ok();
+}
+
+void Engine::Impl::StartPlanner() {
+  // The planner sees copies: the placements in force do not change while it runs (no epoch is
+  // in flight), but the copies keep it independent of the caller's thread anyway.
+  struct Snapshot {
+    std::vector<Placement> current;
+    std::vector<std::vector<double>> traffic;
+  };
+  auto snapshot = std::make_shared<Snapshot>();
+  snapshot->current = placements_;
+  for (const LoadEstimator& estimator : estimators_) {
+    snapshot->traffic.push_back(estimator.Estimate());
+  }
+  planning_ = true;
+  planner_done_.store(false, std::memory_order_relaxed);
+  planner_ = std::thread([this, snapshot] {
+    const auto start = std::chrono::steady_clock::now();
+    const int num_experts = options_.num_experts;
+    std::vector<Placement> planned;
+    Status status;
+    for (int l = 0; l < options_.num_layers && status.ok(); ++l) {
+      Result<StepLoad> traffic =
+          StepLoad::FromTraffic(num_ranks_, num_experts, snapshot->traffic[l]);
+      if (!traffic.ok()) {
+        status = traffic.status();
+        break;
+      }
+      const std::vector<double> expert_load = traffic->ExpertTotals();
+      LayerView view;
+      view.layer = l;
+      view.current = &snapshot->current[l];
+      view.expert_load = expert_load;
+      view.traffic = &*traffic;
+      Result<Placement> next = policy_->Replan(view);
+      if (!next.ok()) {
+        status = next.status();
+        break;
+      }
+      planned.push_back(std::move(*next));
+    }
+    planned_ = std::move(planned);
+    planner_status_ = status;
+    planner_seconds_ = SecondsSince(start);
+    planner_done_.store(true, std::memory_order_release);
+  });
+}
+
+Status Engine::Impl::StartMigration(std::vector<Placement> planned) {
+  const ExpertLayout layout{options_.shape.weight_bytes, options_.shape.optimizer_bytes};
+  KEEL_ASSIGN_OR_RETURN(TransferPlan plan,
+                        PlanTransfers(placements_, planned, context_->topology, layout));
+  if (store_ == nullptr) {
+    std::vector<std::span<std::byte>> weights;
+    std::vector<std::span<std::byte>> optimizer;
+    for (int l = 0; l < options_.num_layers; ++l) {
+      for (int i = 0; i < slots_per_rank_; ++i) {
+        const SlotBuffers& b = Buffers(l, i);
+        weights.emplace_back(static_cast<std::byte*>(b.weights), layout.weight_bytes);
+        optimizer.emplace_back(static_cast<std::byte*>(b.optimizer), layout.optimizer_bytes);
+      }
+    }
+    KEEL_ASSIGN_OR_RETURN(
+        ExpertStore store,
+        ExpertStore::Wrap(rank_, options_.num_layers, slots_per_rank_, layout, std::move(weights),
+                          std::move(optimizer), transport_->device_memory()));
+    store_ = std::make_unique<ExpertStore>(std::move(store));
+    KEEL_ASSIGN_OR_RETURN(migrator_, Migrator::Create(*transport_, *store_, config_.migration));
+  }
+  KEEL_RETURN_IF_ERROR(migrator_->Start(static_cast<uint64_t>(stats_.epoch + 1),
+                                        std::make_shared<const TransferPlan>(std::move(plan))));
+  pending_ = std::move(planned);
+  migrating_ = true;
+  if (metrics_ != nullptr) {
+    metrics_->RecordPlan(PlanOutcome::kMade);
+    metrics_->SetMigrationsInFlight(1);
+  }
+  return Status::Ok();
+}
+
+// Adopts the planner's result once every rank has it; starts the next run on replan steps.
+Status Engine::Impl::AdvancePlanner() {
+  if (planning_) {
+    std::vector<int64_t> done = {planner_done_.load(std::memory_order_acquire) ? 1 : 0};
+    KEEL_RETURN_IF_ERROR(communicator_.AllReduce(done, ReduceOp::kMin));
+    if (done[0] == 0) return Status::Ok();
+    planner_.join();
+    planning_ = false;
+    if (metrics_ != nullptr) metrics_->RecordPlannerRun(planner_seconds_);
+    // The planner is deterministic: every rank reaches the same verdict. A failed plan keeps
+    // the placement in force; training goes on.
+    if (!planner_status_.ok()) {
+      ++stats_.plans_failed;
+      stats_.last_plan_error = planner_status_;
+      if (metrics_ != nullptr) metrics_->RecordPlan(PlanOutcome::kRejected, "planner error");
+      if (aggregating()) {
+        KEEL_LOG_WARN("planner failed, keeping epoch %lld: %s",
+                      static_cast<long long>(stats_.epoch), planner_status_.ToString().c_str());
+      }
+      return Status::Ok();
+    }
+    if (planned_ == placements_) {
+      ++stats_.plans_unchanged;
+      if (metrics_ != nullptr) metrics_->RecordPlan(PlanOutcome::kSkipped, "no change");
+      return Status::Ok();
+    }
+    return StartMigration(std::move(planned_));
+  }
+  const int interval = config_.policy.replan_interval_steps;
+  if (!migrating_ && config_.policy.name != "static" && stats_.steps % interval == 0) {
+    StartPlanner();
+  }
+  return Status::Ok();
+}
+
+Status Engine::Impl::StepEnd() {
+  const auto start = std::chrono::steady_clock::now();
+  KEEL_RETURN_IF_ERROR(PushWeights());
+  KEEL_RETURN_IF_ERROR(RecordStep());
+  ++stats_.steps;
+  Status planned = AdvancePlanner();
+  std::fill(routed_.begin(), routed_.end(), false);
+  stats_.control_seconds += SecondsSince(start);
+  return planned;
+}
+
+}  // namespace keel

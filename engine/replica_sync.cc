@@ -1,0 +1,162 @@
+// Engine::Impl's replica synchronisation: ReduceGradients adds every copy's gradient into its
+// expert's home in a fixed order (home, other copies by ascending slot, this step's transients) on
+// the device, and PushWeights copies every home's updated weights to its replicas.
+#include "engine/engine_impl.h"
+
+#include <algorithm>
+#include <functional>
+#include <optional>
+
+#include "migration/transfer_plan.h"
+
+namespace keel {
+
+Status Engine::Impl::ReduceGradients() {
+  const auto start = std::chrono::steady_clock::now();
+  bool commit = false;
+  KEEL_RETURN_IF_ERROR(ResolveMigration(commit));
+  const double waited = stats_.exposed_migration_seconds;
+  const std::vector<Placement>& target = commit ? pending_ : placements_;
+  const size_t bytes = options_.shape.gradient_bytes;
+
+  // Sources of expert e in the fixed order: the home slot this step used, its other copies by
+  // ascending slot, then this step's transient replicas in plan order.
+  auto for_each_source = [&](int layer, int expert, const std::function<void(int)>& visit) {
+    const Placement& used = placements_[layer];
+    const int home_slot = keel::HomeSlot(used, expert);
+    visit(home_slot);
+    for (int slot : used.copies(expert)) {
+      if (slot != home_slot) visit(slot);
+    }
+    const StepRouting& routing = routing_[layer];
+    if (!routed_[layer]) return;
+    for (size_t i = 0; i < routing.transients.size(); ++i) {
+      if (routing.transients[i].expert == expert) visit(transient_slot_[layer][i]);
+    }
+  };
+  auto needs_reduction = [&](int layer, int expert) {
+    const Placement& used = placements_[layer];
+    if (used.logcnt()[expert] > 1 ||
+        keel::HomeSlot(target[layer], expert) != keel::HomeSlot(used, expert)) {
+      return true;
+    }
+    const StepRouting& routing = routing_[layer];
+    return routed_[layer] &&
+           std::any_of(routing.transients.begin(), routing.transients.end(),
+                       [&](const TransientReplica& t) { return t.expert == expert; });
+  };
+
+  PeerSends out(num_ranks_);
+  for (int l = 0; l < options_.num_layers; ++l) {
+    for (int e = 0; e < options_.num_experts; ++e) {
+      if (!needs_reduction(l, e)) continue;
+      const int destination = target[l].home(e);
+      for_each_source(l, e, [&](int slot) {
+        if (RankOfPhysical(slot) == rank_ && destination != rank_) {
+          out.Add(destination, Buffers(l, LocalOfPhysical(slot)).gradients, bytes);
+        }
+      });
+    }
+  }
+  KEEL_ASSIGN_OR_RETURN(PeerReader in, out.Exchange(communicator_, *memory_));
+  KEEL_RETURN_IF_ERROR(in.CopyToDevice(*memory_, received_));
+
+  // Sum into zeroed scratch first: a home slot's own gradient buffer may still be another
+  // expert's source until every sum of the layer is done.
+  struct Sum {
+    int layer;
+    int expert;
+    int local_slot;  // the home's
+  };
+  std::vector<Sum> sums;
+  for (int l = 0; l < options_.num_layers; ++l) {
+    for (int e = 0; e < options_.num_experts; ++e) {
+      if (!needs_reduction(l, e) || target[l].home(e) != rank_) continue;
+      sums.push_back({l, e, keel::HomeSlot(target[l], e) % slots_per_rank_});
+    }
+  }
+  KEEL_RETURN_IF_ERROR(sum_scratch_.Reserve(*memory_, sums.size() * bytes));
+  const std::vector<std::byte> zeros(sums.size() * bytes, std::byte{0});
+  KEEL_RETURN_IF_ERROR(memory_->Copy(sum_scratch_.data(), zeros.data(), zeros.size()));
+  std::optional<uint64_t> last;
+  Status added;
+  for (size_t i = 0; i < sums.size() && added.ok(); ++i) {
+    std::byte* sum = sum_scratch_.data() + i * bytes;
+    for_each_source(sums[i].layer, sums[i].expert, [&](int slot) {
+      const int source_rank = RankOfPhysical(slot);
+      const std::byte* data = source_rank == rank_ ? Gradients(sums[i].layer, LocalOfPhysical(slot))
+                                                   : in.NextOnDevice(source_rank, bytes);
+      Result<uint64_t> add = memory_->StartAdd(options_.shape.gradient_type, sum, data, bytes);
+      if (add.ok()) {
+        last = *add;
+      } else if (added.ok()) {
+        added = add.status();
+      }
+    });
+  }
+  KEEL_RETURN_IF_ERROR(added);
+  for (size_t i = 0; i < sums.size(); ++i) {
+    KEEL_ASSIGN_OR_RETURN(last, memory_->StartCopy(Gradients(sums[i].layer, sums[i].local_slot),
+                                                   sum_scratch_.data() + i * bytes, bytes));
+  }
+  KEEL_RETURN_IF_ERROR(WaitForLast(*memory_, last));
+
+  if (commit) {
+    KEEL_RETURN_IF_ERROR(migrator_->Commit(pending_));
+    placements_ = std::move(pending_);
+    pending_.clear();
+    ++stats_.epoch;
+    ++stats_.epochs_committed;
+    if (metrics_ != nullptr) {
+      metrics_->SetEpoch(stats_.epoch);
+      metrics_->RecordPlan(PlanOutcome::kApplied);
+    }
+  }
+  stats_.control_seconds += SecondsSince(start) - (stats_.exposed_migration_seconds - waited);
+  return Status::Ok();
+}
+
+// Every home's weights to every other persistent copy of its expert, in (layer, expert, slot)
+// order on both sides.
+Status Engine::Impl::PushWeights() {
+  const size_t bytes = options_.shape.weight_bytes;
+  bool any = false;
+  for (const Placement& p : placements_) any |= p.max_copies() > 1;
+  if (!any) return Status::Ok();
+  PeerSends out(num_ranks_);
+  std::optional<uint64_t> last;
+  for (int l = 0; l < options_.num_layers; ++l) {
+    const Placement& p = placements_[l];
+    for (int e = 0; e < options_.num_experts; ++e) {
+      if (p.logcnt()[e] < 2 || p.home(e) != rank_) continue;
+      const int home_slot = keel::HomeSlot(p, e);
+      const std::byte* weights = Weights(l, home_slot % slots_per_rank_);
+      for (int slot : p.copies(e)) {
+        if (slot == home_slot) continue;
+        const int rank = p.rank_of_slot(slot);
+        if (rank == rank_) {
+          KEEL_ASSIGN_OR_RETURN(
+              last, memory_->StartCopy(Weights(l, slot % slots_per_rank_), weights, bytes));
+        } else {
+          out.Add(rank, weights, bytes);
+        }
+      }
+    }
+  }
+  KEEL_ASSIGN_OR_RETURN(PeerReader in, out.Exchange(communicator_, *memory_));
+  for (int l = 0; l < options_.num_layers; ++l) {
+    const Placement& p = placements_[l];
+    for (int e = 0; e < options_.num_experts; ++e) {
+      if (p.logcnt()[e] < 2 || p.home(e) == rank_) continue;
+      const int home_slot = keel::HomeSlot(p, e);
+      for (int slot : p.copies(e)) {
+        if (slot == home_slot || p.rank_of_slot(slot) != rank_) continue;
+        KEEL_ASSIGN_OR_RETURN(last, memory_->StartCopy(Weights(l, slot % slots_per_rank_),
+                                                       in.Next(p.home(e), bytes), bytes));
+      }
+    }
+  }
+  return WaitForLast(*memory_, last);
+}
+
+}  // namespace keel

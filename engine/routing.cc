@@ -1,0 +1,260 @@
+// Engine::Impl's routing: Route and RouteCounts count this rank's (token, k) entries per expert,
+// all-reduce every rank's counts, split each expert's entries among its copies with the layer's
+// StepPlanner (the same quota plan on every rank, transient replicas included), fill this step's
+// transient slots with their expert's weights, and answer the physical slot of every entry.
+#include "engine/engine_impl.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "kernels/histogram.h"
+#include "kernels/remap.h"
+#include "migration/transfer_plan.h"
+
+namespace keel {
+namespace {
+
+// The message for the first id in `topk_ids` that is neither an expert nor -1.
+Status InvalidExpertId(std::span<const int32_t> topk_ids, int num_experts) {
+  for (size_t i = 0; i < topk_ids.size(); ++i) {
+    const int32_t id = topk_ids[i];
+    if (id != -1 && (id < 0 || id >= num_experts)) {
+      return InvalidArgument("topk_ids[" + std::to_string(i) + "] = " + std::to_string(id) +
+                             " is not an expert id in [0, " + std::to_string(num_experts) +
+                             ") or -1");
+    }
+  }
+  return Internal("an invalid expert id was counted but not found");
+}
+
+}  // namespace
+
+std::vector<int> Engine::Impl::TransientSlots(const StepRouting& routing) const {
+  std::vector<int> slot(routing.transients.size());
+  std::vector<int> used(num_ranks_, 0);
+  for (size_t i = 0; i < routing.transients.size(); ++i) {
+    const int rank = routing.transients[i].rank;
+    slot[i] = num_slots() + rank * transient_per_rank_ + used[rank]++;
+  }
+  return slot;
+}
+
+Status Engine::Impl::CheckRoutable(int layer) const {
+  if (layer < 0 || layer >= options_.num_layers) {
+    return InvalidArgument("layer = " + std::to_string(layer) + " is not in [0, " +
+                           std::to_string(options_.num_layers) + ")");
+  }
+  if (registered_ != static_cast<int>(buffers_.size())) {
+    return FailedPrecondition("only " + std::to_string(registered_) + " of " +
+                              std::to_string(buffers_.size()) +
+                              " slots are registered; register every slot of every layer first");
+  }
+  if (routed_[layer]) {
+    return FailedPrecondition("layer " + std::to_string(layer) +
+                              " was already routed this step; call StepEnd first");
+  }
+  return Status::Ok();
+}
+
+Result<LayerRoute> Engine::Impl::Route(int layer, std::span<const int32_t> topk_ids) {
+  const auto start = std::chrono::steady_clock::now();
+  const int num_experts = options_.num_experts;
+  KEEL_RETURN_IF_ERROR(CheckRoutable(layer));
+  if (topk_ids.size() % options_.top_k != 0) {
+    return InvalidArgument("topk_ids has " + std::to_string(topk_ids.size()) +
+                           " entries, not a multiple of top_k = " + std::to_string(options_.top_k));
+  }
+  std::vector<int32_t> mine(num_experts);
+  int32_t invalid = 0;
+  KEEL_RETURN_IF_ERROR(kernels::cpu::ExpertHistogram(
+      topk_ids.data(), static_cast<int64_t>(topk_ids.size()), num_experts, mine.data(), &invalid));
+  if (invalid > 0) return InvalidExpertId(topk_ids, num_experts);
+  KEEL_ASSIGN_OR_RETURN(LayerRoute route, PlanLayer(layer, mine));
+  const kernels::QuotaTable quotas = kernels::MakeQuotaTable(
+      route.copy_begin, route.copy_slot, route.copy_quota, route.slot_rank, num_ranks_);
+  route.slot.resize(topk_ids.size());
+  std::vector<int32_t> send_counts(num_ranks_);
+  KEEL_RETURN_IF_ERROR(
+      kernels::cpu::RemapWithQuotas(topk_ids.data(), static_cast<int64_t>(topk_ids.size()), quotas,
+                                    route.slot.data(), send_counts.data(), &invalid));
+  if (invalid > 0) {
+    return Internal("the quota plan of layer " + std::to_string(layer) + " gave rank " +
+                    std::to_string(rank_) + " no copy for " + std::to_string(invalid) +
+                    " of its entries");
+  }
+  route.send_counts.assign(send_counts.begin(), send_counts.end());
+  stats_.route_seconds += SecondsSince(start);
+  return route;
+}
+
+Result<LayerRoute> Engine::Impl::RouteCounts(int layer, std::span<const int32_t> expert_counts) {
+  const auto start = std::chrono::steady_clock::now();
+  KEEL_RETURN_IF_ERROR(CheckRoutable(layer));
+  if (expert_counts.size() != static_cast<size_t>(options_.num_experts)) {
+    return InvalidArgument("expert_counts has " + std::to_string(expert_counts.size()) +
+                           " entries, not num_experts = " + std::to_string(options_.num_experts));
+  }
+  for (size_t e = 0; e < expert_counts.size(); ++e) {
+    if (expert_counts[e] < 0) {
+      return InvalidArgument("expert_counts[" + std::to_string(e) +
+                             "] = " + std::to_string(expert_counts[e]) + " is negative");
+    }
+  }
+  KEEL_ASSIGN_OR_RETURN(LayerRoute route, PlanLayer(layer, expert_counts));
+  // What the remap will send: the entries of e fill its copies' quotas in order, the last copy
+  // takes the rest.
+  route.send_counts.assign(num_ranks_, 0);
+  for (int e = 0; e < options_.num_experts; ++e) {
+    int64_t left = expert_counts[e];
+    for (int c = route.copy_begin[e]; c < route.copy_begin[e + 1] && left > 0; ++c) {
+      const bool last = c + 1 == route.copy_begin[e + 1];
+      const int64_t taken = last ? left : std::min<int64_t>(left, route.copy_quota[c]);
+      route.send_counts[route.slot_rank[route.copy_slot[c]]] += taken;
+      left -= taken;
+    }
+  }
+  stats_.route_seconds += SecondsSince(start);
+  return route;
+}
+
+Result<LayerRoute> Engine::Impl::PlanLayer(int layer, std::span<const int32_t> mine) {
+  const int num_experts = options_.num_experts;
+  // Every rank's column of the traffic by expert arrives with one all-reduce: each entry is one
+  // rank's count, so it stays a 32-bit count.
+  const size_t num_ranks = static_cast<size_t>(num_ranks_);
+  reduced_.assign(num_ranks * num_experts, 0);
+  for (int e = 0; e < num_experts; ++e) reduced_[e * num_ranks + rank_] = mine[e];
+  KEEL_RETURN_IF_ERROR(communicator_.AllReduce(reduced_, ReduceOp::kSum));
+  by_expert_.assign(reduced_.begin(), reduced_.end());
+  // The estimators and the trace keep the traffic by source.
+  std::vector<double> traffic(reduced_.size());
+  for (int e = 0; e < num_experts; ++e) {
+    for (size_t r = 0; r < num_ranks; ++r)
+      traffic[r * num_experts + e] = by_expert_[e * num_ranks + r];
+  }
+
+  const Placement& placement = placements_[layer];
+  QuotaPlanOptions quota_options;
+  quota_options.transient_per_rank = transients_planned_;
+  quota_options.record_shares = true;
+  quota_options.shares_of_rank = rank_;  // the loop below reads nothing else
+  quota_options.sent_tokens = false;     // nor does anything read the all-to-all matrix
+  StepRouting& routing = plan_scratch_;
+  KEEL_RETURN_IF_ERROR(
+      planners_[layer]->Plan(placement, num_ranks_, by_expert_, quota_options, routing));
+  std::vector<int> transient_slot = TransientSlots(routing);
+
+  // This rank's quotas by expert, in the planner's order: its entries fill them front to back.
+  struct Quota {
+    int expert;
+    int32_t slot;
+    int32_t tokens;
+  };
+  std::vector<Quota> mine_quotas;
+  LayerRoute route;
+  route.epoch = stats_.epoch;
+  route.copy_begin.assign(num_experts + 1, 0);
+  route.recv_counts.assign(static_cast<size_t>(num_ranks_) * local_slots(), 0);
+  route.recv_totals.assign(num_ranks_, 0);
+  for (const CopyShare& share : routing.shares) {
+    const int slot = PhysicalSlot(share.copy, transient_slot);
+    const int64_t tokens = std::llround(share.tokens);
+    if (tokens <= 0) continue;
+    if (share.source == rank_) {
+      mine_quotas.push_back({share.expert, slot, static_cast<int32_t>(tokens)});
+      ++route.copy_begin[share.expert + 1];
+    }
+    if (RankOfPhysical(slot) == rank_) {
+      route
+          .recv_counts[static_cast<size_t>(share.source) * local_slots() + LocalOfPhysical(slot)] +=
+          tokens;
+      route.recv_totals[share.source] += tokens;
+    }
+  }
+  for (int e = 0; e < num_experts; ++e) route.copy_begin[e + 1] += route.copy_begin[e];
+  // Stable by expert: each expert's copies keep the planner's order.
+  route.copy_slot.resize(mine_quotas.size());
+  route.copy_quota.resize(mine_quotas.size());
+  std::vector<int32_t> next(route.copy_begin.begin(), route.copy_begin.end() - 1);
+  for (const Quota& quota : mine_quotas) {
+    const int32_t at = next[quota.expert]++;
+    route.copy_slot[at] = quota.slot;
+    route.copy_quota[at] = quota.tokens;
+  }
+  route.slot_rank.resize(num_slots() + num_ranks_ * transient_per_rank_);
+  for (size_t slot = 0; slot < route.slot_rank.size(); ++slot) {
+    route.slot_rank[slot] = RankOfPhysical(static_cast<int>(slot));
+  }
+  route.local_experts.assign(local_slots(), -1);
+  for (int i = 0; i < slots_per_rank_; ++i) {
+    route.local_experts[i] = placement.expert_at(rank_ * slots_per_rank_ + i);
+  }
+  for (size_t i = 0; i < routing.transients.size(); ++i) {
+    if (routing.transients[i].rank == rank_) {
+      route.local_experts[LocalOfPhysical(transient_slot[i])] = routing.transients[i].expert;
+    }
+  }
+
+  KEEL_RETURN_IF_ERROR(FillTransients(layer, placement, routing, transient_slot));
+  traffic_[layer] = std::move(traffic);
+  routed_[layer] = true;
+  if (metrics_ != nullptr) {
+    std::vector<double> expert_tokens(num_experts, 0.0);
+    for (size_t i = 0; i < traffic_[layer].size(); ++i) {
+      expert_tokens[i % num_experts] += traffic_[layer][i];
+    }
+    LayerStepObservation observation;
+    observation.layer = layer;
+    observation.rank_tokens = routing.rank_tokens;
+    observation.expert_tokens = expert_tokens;
+    observation.max_copies_per_expert =
+        std::min(num_ranks_, placement.max_copies() + (transients_planned_ > 0 ? 1 : 0));
+    metrics_->ObserveLayerStep(observation);
+    int extra = 0;
+    for (int count : placement.logcnt()) extra += count - 1;
+    metrics_->SetReplicas(layer, extra, static_cast<int>(routing.transients.size()));
+  }
+  std::swap(routing_[layer], routing);  // the old routing's buffers serve the next plan
+  transient_slot_[layer] = std::move(transient_slot);
+  return route;
+}
+
+// A transient replica's weights come from a copy on its source rank: the home slot when the
+// home is there, else that rank's lowest copy.
+Status Engine::Impl::FillTransients(int layer, const Placement& placement,
+                                    const StepRouting& routing,
+                                    const std::vector<int>& transient_slot) {
+  if (routing.transients.empty()) return Status::Ok();
+  const size_t bytes = options_.shape.weight_bytes;
+  auto source_slot = [&](const TransientReplica& t) {
+    if (placement.home(t.expert) == t.source_rank) return keel::HomeSlot(placement, t.expert);
+    for (int slot : placement.copies(t.expert)) {
+      if (placement.rank_of_slot(slot) == t.source_rank) return slot;
+    }
+    return -1;
+  };
+  PeerSends out(num_ranks_);
+  for (const TransientReplica& t : routing.transients) {
+    if (t.source_rank != rank_) continue;
+    const int slot = source_slot(t);
+    if (slot < 0) {
+      return Internal("transient replica of expert " + std::to_string(t.expert) +
+                      " names source rank " + std::to_string(t.source_rank) +
+                      ", which holds no copy");
+    }
+    out.Add(t.rank, Buffers(layer, slot % slots_per_rank_).weights, bytes);
+  }
+  KEEL_ASSIGN_OR_RETURN(PeerReader in, out.Exchange(communicator_, *memory_));
+  std::optional<uint64_t> last;
+  for (size_t i = 0; i < routing.transients.size(); ++i) {
+    const TransientReplica& t = routing.transients[i];
+    if (t.rank != rank_) continue;
+    KEEL_ASSIGN_OR_RETURN(last,
+                          memory_->StartCopy(Weights(layer, LocalOfPhysical(transient_slot[i])),
+                                             in.Next(t.source_rank, bytes), bytes));
+  }
+  return WaitForLast(*memory_, last);
+}
+
+}  // namespace keel
