@@ -11,6 +11,7 @@
 
 #include "placement/cost_model.h"
 #include "placement/routing.h"
+#include "placement/step_planner.h"
 
 namespace keel {
 namespace {

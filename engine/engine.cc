@@ -237,12 +237,12 @@ Status Engine::Impl::RegisterSlot(int layer, int local_slot, const SlotBuffers& 
   return Status::Ok();
 }
 
-std::vector<HomeSlotEntry> Engine::Impl::HomeSlots(int layer) const {
-  std::vector<HomeSlotEntry> homes;
+std::vector<HomeSlot> Engine::Impl::HomeSlots(int layer) const {
+  std::vector<HomeSlot> homes;
   if (layer < 0 || layer >= options_.num_layers) return homes;
   const Placement& p = placements_[layer];
   for (int e = 0; e < options_.num_experts; ++e) {
-    if (p.home(e) == rank_) homes.push_back({e, keel::HomeSlot(p, e) % slots_per_rank_});
+    if (p.home(e) == rank_) homes.push_back({e, p.home_slot(e) % slots_per_rank_});
   }
   return homes;
 }
@@ -282,7 +282,7 @@ Result<LayerRoute> Engine::RouteCounts(int layer, std::span<const int32_t> exper
 }
 Status Engine::ReduceGradients() { return impl_->ReduceGradients(); }
 Status Engine::StepEnd() { return impl_->StepEnd(); }
-std::vector<HomeSlotEntry> Engine::HomeSlots(int layer) const { return impl_->HomeSlots(layer); }
+std::vector<HomeSlot> Engine::HomeSlots(int layer) const { return impl_->HomeSlots(layer); }
 Engine::SlotLocation Engine::LocateSlot(int slot) const {
   return {impl_->RankOfPhysical(slot), impl_->LocalOfPhysical(slot)};
 }

@@ -26,11 +26,9 @@
 #include "placement/load.h"
 #include "placement/policy.h"
 #include "placement/routing.h"
+#include "placement/step_planner.h"
 
 namespace keel {
-
-// transfer_plan.h's HomeSlot() (the slot of a home) hides the public struct's name here.
-using HomeSlotEntry = struct HomeSlot;
 
 inline double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -53,7 +51,7 @@ class Engine::Impl {
   Result<LayerRoute> RouteCounts(int layer, std::span<const int32_t> expert_counts);
   Status ReduceGradients();
   Status StepEnd();
-  std::vector<HomeSlotEntry> HomeSlots(int layer) const;
+  std::vector<HomeSlot> HomeSlots(int layer) const;
   bool migrating() const { return migrating_; }
   int RankOfPhysical(int slot) const {
     return slot < num_slots() ? slot / slots_per_rank_

@@ -23,7 +23,7 @@ Status Engine::Impl::ReduceGradients() {
   // ascending slot, then this step's transient replicas in plan order.
   auto for_each_source = [&](int layer, int expert, const std::function<void(int)>& visit) {
     const Placement& used = placements_[layer];
-    const int home_slot = keel::HomeSlot(used, expert);
+    const int home_slot = used.home_slot(expert);
     visit(home_slot);
     for (int slot : used.copies(expert)) {
       if (slot != home_slot) visit(slot);
@@ -36,8 +36,7 @@ Status Engine::Impl::ReduceGradients() {
   };
   auto needs_reduction = [&](int layer, int expert) {
     const Placement& used = placements_[layer];
-    if (used.logcnt()[expert] > 1 ||
-        keel::HomeSlot(target[layer], expert) != keel::HomeSlot(used, expert)) {
+    if (used.logcnt()[expert] > 1 || target[layer].home_slot(expert) != used.home_slot(expert)) {
       return true;
     }
     const StepRouting& routing = routing_[layer];
@@ -72,7 +71,7 @@ Status Engine::Impl::ReduceGradients() {
   for (int l = 0; l < options_.num_layers; ++l) {
     for (int e = 0; e < options_.num_experts; ++e) {
       if (!needs_reduction(l, e) || target[l].home(e) != rank_) continue;
-      sums.push_back({l, e, keel::HomeSlot(target[l], e) % slots_per_rank_});
+      sums.push_back({l, e, target[l].home_slot(e) % slots_per_rank_});
     }
   }
   KEEL_RETURN_IF_ERROR(sum_scratch_.Reserve(*memory_, sums.size() * bytes));
@@ -129,7 +128,7 @@ Status Engine::Impl::PushWeights() {
     const Placement& p = placements_[l];
     for (int e = 0; e < options_.num_experts; ++e) {
       if (p.logcnt()[e] < 2 || p.home(e) != rank_) continue;
-      const int home_slot = keel::HomeSlot(p, e);
+      const int home_slot = p.home_slot(e);
       const std::byte* weights = Weights(l, home_slot % slots_per_rank_);
       for (int slot : p.copies(e)) {
         if (slot == home_slot) continue;
@@ -148,7 +147,7 @@ Status Engine::Impl::PushWeights() {
     const Placement& p = placements_[l];
     for (int e = 0; e < options_.num_experts; ++e) {
       if (p.logcnt()[e] < 2 || p.home(e) == rank_) continue;
-      const int home_slot = keel::HomeSlot(p, e);
+      const int home_slot = p.home_slot(e);
       for (int slot : p.copies(e)) {
         if (slot == home_slot || p.rank_of_slot(slot) != rank_) continue;
         KEEL_ASSIGN_OR_RETURN(last, memory_->StartCopy(Weights(l, slot % slots_per_rank_),

@@ -228,7 +228,7 @@ Status Engine::Impl::FillTransients(int layer, const Placement& placement,
   if (routing.transients.empty()) return Status::Ok();
   const size_t bytes = options_.shape.weight_bytes;
   auto source_slot = [&](const TransientReplica& t) {
-    if (placement.home(t.expert) == t.source_rank) return keel::HomeSlot(placement, t.expert);
+    if (placement.home(t.expert) == t.source_rank) return placement.home_slot(t.expert);
     for (int slot : placement.copies(t.expert)) {
       if (placement.rank_of_slot(slot) == t.source_rank) return slot;
     }

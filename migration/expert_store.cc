@@ -19,7 +19,7 @@ ExpertStore::ExpertStore(int rank, int num_layers, int slots_per_rank, const Exp
 bool ExpertStore::IsHomeSlot(const Placement& placement, int slot) const {
   const int expert = placement.expert_at(slot);
   return expert != kEmptySlot && placement.home(expert) == rank_ &&
-         HomeSlot(placement, expert) == slot;
+         placement.home_slot(expert) == slot;
 }
 
 Result<ExpertStore> ExpertStore::Create(int rank, std::span<const Placement> placements,

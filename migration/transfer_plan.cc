@@ -56,8 +56,8 @@ class LayerPlanner {
       : layer_(layer), from_(from), to_(to), topology_(topology), plan_(plan) {}
 
   void PlanExpert(int expert) {
-    const int old_home_slot = HomeSlot(from_, expert);
-    const int new_home_slot = HomeSlot(to_, expert);
+    const int old_home_slot = from_.home_slot(expert);
+    const int new_home_slot = to_.home_slot(expert);
     const bool home_moves = old_home_slot != new_home_slot;
     // Receivers fed so far per holder rank, for spreading one expert's receivers.
     std::vector<int> fed(from_.num_ranks(), 0);
@@ -183,14 +183,6 @@ std::string DescribeTransfer(const Transfer& t) {
   return "layer " + std::to_string(t.layer) + " expert " + std::to_string(t.expert) + " rank " +
          std::to_string(t.src_rank) + " -> rank " + std::to_string(t.dst_rank) + " slot " +
          std::to_string(t.dst_slot);
-}
-
-int HomeSlot(const Placement& placement, int expert) {
-  const int home = placement.home(expert);
-  for (int slot : placement.copies(expert)) {
-    if (placement.rank_of_slot(slot) == home) return slot;
-  }
-  return -1;  // unreachable: Placement::Create checks that the home holds a copy
 }
 
 Result<TransferPlan> PlanTransfers(std::span<const Placement> from, std::span<const Placement> to,

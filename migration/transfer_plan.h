@@ -70,10 +70,6 @@ struct TransferPlan {
   size_t total_bytes() const { return local_bytes + intra_node_bytes + inter_node_bytes; }
 };
 
-// The slot on `expert`'s home rank that keeps its optimizer state: the lowest slot of the expert
-// on that rank (Placement guarantees one exists).
-int HomeSlot(const Placement& placement, int expert);
-
 // Plans the transfers that turn placement `from[l]` into `to[l]` for every layer l.
 //   - a slot whose expert is unchanged receives nothing (unless it becomes the home slot: then
 //     only the optimizer state moves into it);

@@ -1,7 +1,7 @@
 // `keel` (the default policy): migration-aware incremental placement plus per-step quota routing
 // and transient replicas. A replan starts from the placement in force and changes only the few
-// slots that pay for themselves under the cost model; the per-step planner (quota.cc) then splits
-// every expert's tokens exactly among its copies and adds transient replicas for bursts.
+// slots that pay for themselves under the cost model; the per-step planner (step_planner.cc) then
+// splits every expert's tokens exactly among its copies and adds transient replicas for bursts.
 #include <algorithm>
 #include <cmath>
 #include <string>

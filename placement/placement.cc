@@ -149,4 +149,11 @@ PlacementChange DiffPlacements(const Placement& from, const Placement& to) {
   return change;
 }
 
+int Placement::home_slot(int expert) const {
+  for (int slot : copies(expert)) {
+    if (rank_of_slot(slot) == home(expert)) return slot;
+  }
+  return -1;  // unreachable: Create checks that the home holds a copy
+}
+
 }  // namespace keel

@@ -44,6 +44,9 @@ class Placement {
   // [num_experts] int: home rank per expert.
   const std::vector<int>& home() const { return home_; }
   int home(int expert) const { return home_[expert]; }
+  // The slot on `expert`'s home rank that keeps its optimizer state: the lowest slot of the
+  // expert on that rank (Create guarantees one exists).
+  int home_slot(int expert) const;
 
   // Slots holding `expert`, ascending.
   std::span<const int> copies(int expert) const {

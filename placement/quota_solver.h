@@ -1,5 +1,5 @@
 // The exact quota solver behind SplitQuotas, QuotaSplitter and the per-step planner (internal to
-// placement/: its callers are quota.cc and step_planner.cc).
+// placement/: its callers are quota_solver.cc and step_planner.cc).
 #pragma once
 
 #include <span>

@@ -1,5 +1,5 @@
 // Per-step routing that needs no optimization: even splits and FasterMoE-style shadows.
-// The exact quota planner lives in quota.cc.
+// The exact quota planner lives in quota_solver.cc.
 #include "placement/routing.h"
 
 #include <algorithm>

@@ -2,6 +2,8 @@
 // of source ranks to the copies it fills, and greedy transient replicas kept only while the cost
 // model says the layer gets faster. StepPlanner keeps its buffers between steps; PlanStepQuotas
 // runs a fresh one.
+#include "placement/step_planner.h"
+
 #include <algorithm>
 #include <cassert>
 #include <cmath>

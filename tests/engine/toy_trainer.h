@@ -343,7 +343,7 @@ inline Status CheckAgainstReference(int rank, const RankBuffers& buffers, const 
       if (buffers.weights[index] != ref.weights[l * kExperts + e]) {
         return Internal(where + ": weights differ from the reference");
       }
-      if (p.home(e) == rank && HomeSlot(p, e) == slot &&
+      if (p.home(e) == rank && p.home_slot(e) == slot &&
           buffers.optimizer[index] != ref.state[l * kExperts + e]) {
         return Internal(where + ": optimizer state differs from the reference");
       }

@@ -90,7 +90,7 @@ inline std::string CheckStore(const ExpertStore& store, std::span<const Placemen
       }
       auto optimizer = store.Live(l, slot, SlotRegion::kOptimizer);
       const bool home_slot =
-          placements[l].home(e) == store.rank() && HomeSlot(placements[l], e) == slot;
+          placements[l].home(e) == store.rank() && placements[l].home_slot(e) == slot;
       const size_t expected = home_slot ? store.layout().optimizer_bytes : 0;
       if (optimizer.size() != expected) {
         return where + ": optimizer state has " + std::to_string(optimizer.size()) +
@@ -195,7 +195,7 @@ class DeviceSlots {
         const int slot = rank_ * slots_per_rank_ + i;
         const int e = placements[l].expert_at(slot);
         if (e == kEmptySlot) continue;
-        const bool home = placements[l].home(e) == rank_ && HomeSlot(placements[l], e) == slot;
+        const bool home = placements[l].home(e) == rank_ && placements[l].home_slot(e) == slot;
         std::string problem = visit(l, e, static_cast<size_t>(l) * slots_per_rank_ + i, home);
         if (!problem.empty()) return problem;
       }

@@ -204,8 +204,8 @@ TEST_P(TransferPlanPropertyTest, InvariantsHoldOverRandomChanges) {
       }
       if (CarriesOptimizer(t.payload)) {
         ++optimizer_into[{t.layer, t.dst_slot}];
-        ASSERT_EQ(t.src_slot, HomeSlot(a, t.expert)) << "optimizer state comes from the home";
-        ASSERT_EQ(t.dst_slot, HomeSlot(b, t.expert)) << "optimizer state goes to the new home";
+        ASSERT_EQ(t.src_slot, a.home_slot(t.expert)) << "optimizer state comes from the home";
+        ASSERT_EQ(t.dst_slot, b.home_slot(t.expert)) << "optimizer state goes to the new home";
       }
       if (t.payload == Payload::kWeights) {
         // Weights come from the nearest class of holder there is.
@@ -227,8 +227,8 @@ TEST_P(TransferPlanPropertyTest, InvariantsHoldOverRandomChanges) {
         ASSERT_EQ(fed, changed ? 1 : 0) << "layer " << l << " slot " << s;
       }
       for (int e = 0; e < b.num_experts(); ++e) {
-        const int old_home = HomeSlot(a, e);
-        const int new_home = HomeSlot(b, e);
+        const int old_home = a.home_slot(e);
+        const int new_home = b.home_slot(e);
         const int moved = optimizer_into.count({layer, new_home}) ? 1 : 0;
         ASSERT_EQ(moved, old_home != new_home ? 1 : 0) << "layer " << l << " expert " << e;
       }

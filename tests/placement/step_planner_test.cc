@@ -16,6 +16,7 @@
 
 #include "placement/cost_model.h"
 #include "placement/routing.h"
+#include "placement/step_planner.h"
 #include "tests/common/test_util.h"
 
 namespace keel {
