@@ -22,7 +22,7 @@
 #include "migration/migrator.h"
 #include "migration/transport_factory.h"
 #include "migration/transport_local.h"
-#include "tests/migration/directory_communicator.h"
+#include "tests/comm/directory_communicator.h"
 
 namespace keel {
 namespace {

@@ -9,7 +9,7 @@
 #include "keel/device_memory.hpp"
 #include "kernels/add.h"
 #include "kernels/checksum.h"
-#include "migration/cuda_common.h"
+#include "comm/cuda_common.h"
 
 namespace keel {
 namespace {

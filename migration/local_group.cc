@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "migration/communicator.h"
+#include "comm/communicator.h"
 #include "migration/transport_local.h"
 
 namespace keel {

@@ -7,7 +7,7 @@
 #include "common/config.h"
 #include "keel/status.hpp"
 #include "keel/transport.hpp"
-#include "migration/communicator.h"
+#include "comm/communicator.h"
 #include "migration/transport_local.h"
 
 namespace keel {

@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "migration/nccl_common.h"
+#include "comm/nccl_common.h"
 
 namespace keel {
 namespace {

@@ -9,7 +9,7 @@
 
 #include "keel/status.hpp"
 #include "keel/transport.hpp"
-#include "migration/communicator.h"
+#include "comm/communicator.h"
 #include "migration/device_transport.h"
 
 namespace keel {

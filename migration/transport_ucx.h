@@ -10,7 +10,7 @@
 
 #include "keel/status.hpp"
 #include "keel/transport.hpp"
-#include "migration/communicator.h"
+#include "comm/communicator.h"
 
 namespace keel {
 

@@ -23,7 +23,7 @@
 #include "keel/version.hpp"
 #include "kernels/checksum.h"
 #include "kernels/device.h"
-#include "migration/communicator.h"
+#include "comm/communicator.h"
 #include "monitor/metrics.h"
 #include "monitor/trace.h"
 #include "tools/commands.h"

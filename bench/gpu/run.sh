@@ -57,7 +57,7 @@ if { cmake -S "$root" -B "$full" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKEEL_WITH
   >"$out/full_build.log" 2>&1; then
   "$full/tests/keel_engine_tests" --gtest_filter='*/Cuda:CApiEngineTest.DeviceMemory*' \
     --gtest_output="xml:$out/engine_cuda.xml" >"$out/engine_cuda.log" 2>&1 || status=1
-  "$full/tests/keel_migration_tests" --gtest_filter='Cuda*:*DeviceMemory*' \
+  "$full/tests/keel_migration_tests" --gtest_filter='Cuda*:*DeviceMemory*:*Memory*' \
     --gtest_output="xml:$out/device_memory.xml" >"$out/device_memory.log" 2>&1 || status=1
   grep -hE '^\[  (PASSED|FAILED|SKIPPED) ' "$out/engine_cuda.log" "$out/device_memory.log"
 else

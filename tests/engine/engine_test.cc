@@ -15,7 +15,7 @@
 
 #include "kernels/device.h"
 #include "kernels/remap.h"
-#include "migration/communicator.h"
+#include "comm/communicator.h"
 #include "monitor/metrics.h"
 #include "monitor/trace.h"
 #include "tests/common/test_util.h"

@@ -66,7 +66,7 @@ TEST(GuardedHostMemoryTest, CopiesAddsAndChecksumsEqualTheCpuReferences) {
   ExpectCopiesAddsAndChecksums(*memory);
 }
 
-TEST(CudaDeviceMemoryGpuTest, CopiesAddsAndChecksumsEqualTheCpuReferences) {
+TEST(CudaMemoryAgainstCpuTest, CopiesAddsAndChecksumsEqualTheCpuReferences) {
   auto memory = CreateCudaDeviceMemory();
   if (!memory.ok()) GTEST_SKIP() << memory.status().ToString();
   ExpectCopiesAddsAndChecksums(**memory);

@@ -17,7 +17,7 @@
 
 #include <gtest/gtest.h>
 
-#include "migration/communicator.h"
+#include "comm/communicator.h"
 #include "migration/sequence_migration.h"
 #include "migration/transport_factory.h"
 #include "migration/transport_local.h"

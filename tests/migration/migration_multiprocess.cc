@@ -28,7 +28,7 @@
 #include "migration/migrator.h"
 #include "migration/transport_staged.h"
 #include "migration/transport_ucx.h"
-#include "tests/migration/directory_communicator.h"
+#include "tests/comm/directory_communicator.h"
 #include "tests/migration/test_util.h"
 
 #ifdef KEEL_TEST_WITH_MPI

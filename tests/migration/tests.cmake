@@ -1,6 +1,4 @@
 # Multi-process tests of migration, 4 processes on loopback under mpirun.
-# - The MPI communicator (communicator_mpi_main.cc): every collective, and a rank that never
-#   arrives. Needs MPI and mpirun.
 # - Migration over UCX, with UCX_TLS=sm and with UCX_TLS=tcp on lo. Random plans run under
 #   mpirun; fault injection (a killed rank, a stalled rank) runs under the program's own
 #   launcher, since mpirun tears the whole job down when a rank dies. Skipped (not built) without
@@ -10,22 +8,6 @@
 # Keeping MCA plugins loaded lets LeakSanitizer name their frames.
 set(_mig_lsan "LSAN_OPTIONS=suppressions=${CMAKE_CURRENT_LIST_DIR}/lsan.supp:print_suppressions=0:fast_unwind_on_malloc=0;OMPI_MCA_mca_base_component_disable_dlclose=1")
 find_program(KEEL_MPIRUN mpirun)
-
-if(KEEL_WITH_MPI AND KEEL_MPIRUN)
-  add_executable(keel_communicator_mpi ${CMAKE_CURRENT_LIST_DIR}/communicator_mpi_main.cc)
-  target_link_libraries(keel_communicator_mpi PRIVATE keel_migration MPI::MPI_CXX keel_warnings)
-  set_target_properties(keel_communicator_mpi PROPERTIES
-                        RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
-  foreach(_scenario collectives timeout)
-    add_test(NAME migration.communicator_mpi_${_scenario}
-             COMMAND ${KEEL_MPIRUN} -np 4 --oversubscribe --mca btl self,vader --mca pml ob1
-                     --mca oob_tcp_if_include lo --mca btl_tcp_if_include lo -x LSAN_OPTIONS
-                     -x ASAN_OPTIONS $<TARGET_FILE:keel_communicator_mpi> --scenario ${_scenario})
-    set_tests_properties(migration.communicator_mpi_${_scenario} PROPERTIES
-        ENVIRONMENT "${_mig_lsan};OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
-        TIMEOUT 120 PROCESSORS 2)
-  endforeach()
-endif()
 
 if(NOT KEEL_WITH_UCX)
   return()

@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "keel/version.hpp"
-#include "migration/communicator.h"
+#include "comm/communicator.h"
 #include "migration/transport_factory.h"
 #include "migration/transport_local.h"
 

@@ -17,8 +17,8 @@
 #include <thread>
 #include <vector>
 
-#include "migration/communicator.h"
-#include "tests/migration/collective_data.h"
+#include "comm/communicator.h"
+#include "tests/comm/collective_data.h"
 
 namespace keel {
 namespace {

@@ -1,8 +1,8 @@
 // Tests of the communicators: every collective of the local backend (ranks as threads) on 1, 3
 // and 8 ranks for many rounds back to back, argument errors, a rank that never arrives, and the
 // NCCL backend where a GPU is present. communicator_mpi_main.cc runs the MPI backend.
-#include "migration/communicator.h"
-#include "tests/migration/collective_data.h"
+#include "comm/communicator.h"
+#include "tests/comm/collective_data.h"
 
 #include <gtest/gtest.h>
 

@@ -11,7 +11,7 @@
 #include <numeric>
 #include <thread>
 
-#include "migration/communicator.h"
+#include "comm/communicator.h"
 
 namespace keel {
 namespace {

@@ -1,4 +1,4 @@
-// What the CUDA backends of migration/ share (*_cuda.cc, *_nccl.cc): CUDA return codes turned
+// What the CUDA backends of comm/ and migration/ share (*_cuda.cc, *_nccl.cc): CUDA return codes turned
 // into Status with file:line, RAII owners of a stream and an event, and the choice of a rank's
 // device. Includes CUDA's runtime header: only files built with CUDA include it.
 #pragma once

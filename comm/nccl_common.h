@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "keel/status.hpp"
-#include "migration/communicator.h"
-#include "migration/cuda_common.h"
+#include "comm/communicator.h"
+#include "comm/cuda_common.h"
 
 namespace keel::nccl {
 

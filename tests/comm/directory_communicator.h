@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "migration/communicator.h"
+#include "comm/communicator.h"
 
 namespace keel::testing {
 

@@ -4,8 +4,8 @@
 #include <algorithm>
 #include <numeric>
 
-#include "migration/communicator.h"
-#include "migration/nccl_common.h"
+#include "comm/communicator.h"
+#include "comm/nccl_common.h"
 
 namespace keel {
 namespace {

@@ -14,7 +14,7 @@
 #include <numeric>
 #include <type_traits>
 
-#include "migration/communicator.h"
+#include "comm/communicator.h"
 
 namespace keel {
 
@@ -402,14 +402,14 @@ std::unique_ptr<Communicator> LocalCommunicatorGroup::Join(int rank) {
 }
 
 // Backends this build lacks: communicator_mpi.cc and communicator_nccl.cc define them otherwise.
-#if !KEEL_MIGRATION_MPI
+#if !KEEL_COMM_MPI
 Result<std::unique_ptr<Communicator>> CreateMpiCommunicator() {
   return Unimplemented(
       "this build of keel has no MPI (KEEL_WITH_MPI=OFF); use LocalGroup (keel_comm_create_local) "
       "for ranks as threads, or rebuild with MPI");
 }
 #endif
-#if !KEEL_MIGRATION_NCCL
+#if !KEEL_COMM_NCCL
 Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(Communicator& /*bootstrap*/,
                                                              int /*device*/) {
   return Unimplemented(
