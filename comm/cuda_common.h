@@ -1,6 +1,6 @@
-// What the CUDA backends of comm/ and migration/ share (*_cuda.cc, *_nccl.cc): CUDA return codes turned
-// into Status with file:line, RAII owners of a stream and an event, and the choice of a rank's
-// device. Includes CUDA's runtime header: only files built with CUDA include it.
+// What the CUDA backends of comm/ and migration/ share (*_cuda.cc, *_nccl.cc): CUDA return
+// codes turned into Status with file:line, RAII owners of a stream and an event, and the choice of
+// a rank's device. Includes CUDA's runtime header: only files built with CUDA include it.
 #pragma once
 
 #include <cuda_runtime.h>
