@@ -14,9 +14,9 @@
 #include <thread>
 #include <vector>
 
-#include "keel/status.hpp"
 #include "comm/communicator.h"
 #include "comm/cuda_common.h"
+#include "keel/status.hpp"
 
 namespace keel::nccl {
 
