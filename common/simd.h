@@ -1,5 +1,6 @@
-// Four-lane vectors for the planner's hot loops, AVX2 dispatch where the CPU has it, and the
-// check for AVX-512.
+// Four-lane vectors for the planner's hot loops, and AVX2 dispatch where the CPU has it. No
+// architecture's intrinsics: the same source is the one path on every CPU (an x86-64 CPU with
+// AVX2 runs a copy the compiler built for it, which gives the same bits).
 //
 // DoubleQuad holds four doubles as one value: GCC and Clang keep it in one AVX register or two
 // SSE2 registers (every x86-64 CPU has SSE2; other targets use what they have) and apply + * |
@@ -31,22 +32,4 @@ using UintOct = std::uint32_t __attribute__((vector_size(32)));  // one AVX regi
 #define KEEL_AVX2_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define KEEL_AVX2_CLONES
-#endif
-
-// AVX-512 (F, DQ and VL) code paths: a function marked KEEL_AVX512 may use their intrinsics
-// (<immintrin.h>) and must only run when CpuHasAvx512() says so. Only on x86-64 with GCC or Clang.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define KEEL_HAVE_AVX512 1
-#define KEEL_AVX512 __attribute__((target("avx512f,avx512dq,avx512vl")))
-namespace keel {
-// Whether the CPU (and the OS, which must save the wider registers) supports AVX-512 F, DQ and
-// VL. Checked once.
-inline bool CpuHasAvx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-                          __builtin_cpu_supports("avx512vl");
-  return has;
-}
-}  // namespace keel
-#else
-#define KEEL_HAVE_AVX512 0
 #endif

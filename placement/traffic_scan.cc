@@ -1,4 +1,4 @@
-// The planner's pass over the traffic (traffic_scan.h): one portable version, one for AVX-512.
+// The planner's pass over the traffic (traffic_scan.h).
 #include "placement/traffic_scan.h"
 
 #include <algorithm>
@@ -6,10 +6,6 @@
 #include <cstring>
 
 #include "common/simd.h"
-
-#if KEEL_HAVE_AVX512
-#include <immintrin.h>
-#endif
 
 namespace keel {
 namespace {
@@ -82,80 +78,6 @@ KEEL_AVX2_CLONES EntryBits ScanByExpertPortable(const double* by_expert, int num
   entries.fractional = (fractional[0] | fractional[1] | fractional[2] | fractional[3]) != 0;
   return entries;
 }
-
-#if KEEL_HAVE_AVX512
-// What ScanByExpertAvx512 carries from block to block.
-struct QuadScan {
-  __m256i bits;        // OR of the entries' bit patterns
-  __m256i fractional;  // OR of x - round(x)
-};
-
-// ScanByExpertAvx512 on the sources [block, block + 4 * kQuads) of every expert: kQuads vectors
-// of four per expert row, whose sums over the experts stay in registers until `sent` takes them,
-// and whose sum per expert adds to its four lanes (the first block sets them).
-template <int kQuads>
-KEEL_AVX512 void ScanQuads(const double* by_expert, int num_experts, int num_sources, int block,
-                           double* sent, double* lanes, QuadScan& scan) {
-  // x - round(x) to 0 fraction bits, rounding to nearest, without raising the inexact flag.
-  constexpr int kFraction = 0x08;
-  __m256d sums[kQuads];
-#pragma GCC unroll 8
-  for (int k = 0; k < kQuads; ++k) sums[k] = _mm256_setzero_pd();
-  for (int e = 0; e < num_experts; ++e) {
-    const double* row = by_expert + static_cast<size_t>(e) * num_sources + block;
-    __m256d quads[kQuads];
-#pragma GCC unroll 8
-    for (int k = 0; k < kQuads; ++k) {
-      quads[k] = _mm256_loadu_pd(row + 4 * k);
-      scan.bits = _mm256_or_si256(scan.bits, _mm256_castpd_si256(quads[k]));
-      scan.fractional = _mm256_or_si256(scan.fractional,
-                                        _mm256_castpd_si256(_mm256_reduce_pd(quads[k], kFraction)));
-      sums[k] = _mm256_add_pd(sums[k], quads[k]);
-    }
-    // A pairwise sum of the row's vectors.
-#pragma GCC unroll 8
-    for (int width = 1; width < kQuads; width *= 2) {
-#pragma GCC unroll 8
-      for (int k = 0; k + width < kQuads; k += 2 * width) {
-        quads[k] = _mm256_add_pd(quads[k], quads[k + width]);
-      }
-    }
-    double* lane = lanes + 4 * static_cast<size_t>(e);
-    _mm256_storeu_pd(lane, block > 0 ? _mm256_add_pd(_mm256_loadu_pd(lane), quads[0]) : quads[0]);
-  }
-#pragma GCC unroll 8
-  for (int k = 0; k < kQuads; ++k) _mm256_storeu_pd(sent + block + 4 * k, sums[k]);
-}
-
-// ScanByExpert for CPUs with AVX-512 DQ and VL: one instruction (VREDUCEPD: x - round(x)) in
-// place of the three that test a quad for whole numbers, and 32 sources through all experts at
-// once (eight vectors; AVX-512 has twice the registers), so that the rows are read in runs of
-// 256 bytes. Vectors stay 256 bits wide: 512-bit arithmetic lowers the clock of some CPUs for
-// what runs after it. It returns and writes what the portable pass gives, but for the entries
-// EntryBits lets count either way and the rounding of inexact sums.
-KEEL_AVX512 EntryBits ScanByExpertAvx512(const double* by_expert, int num_experts, int num_sources,
-                                         double* sent, double* lanes, double* lane_totals) {
-  QuadScan scan = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-  int block = 0;
-  for (; block + 32 <= num_sources; block += 32) {
-    ScanQuads<8>(by_expert, num_experts, num_sources, block, sent, lanes, scan);
-  }
-  for (; block < num_sources; block += 4) {
-    ScanQuads<1>(by_expert, num_experts, num_sources, block, sent, lanes, scan);
-  }
-  for (int e = 0; e < num_experts; ++e) {
-    const double* lane = lanes + 4 * static_cast<size_t>(e);
-    lane_totals[e] = (lane[0] + lane[1]) + (lane[2] + lane[3]);
-  }
-  alignas(32) std::uint64_t words[4];
-  EntryBits entries;
-  _mm256_store_si256(reinterpret_cast<__m256i*>(words), scan.bits);
-  entries.bits = (words[0] | words[1]) | (words[2] | words[3]);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(words), scan.fractional);
-  entries.fractional = ((words[0] | words[1]) | (words[2] | words[3])) != 0;
-  return entries;
-}
-#endif
 
 // ScanCounts's sums in progress: each expert's sum over the sources so far (eight lanes), and for
 // the single-rank experts what each source sends to its node's, what each rank's receive from
@@ -290,21 +212,6 @@ KEEL_AVX2_CLONES EntryBits ScanEntries(const double* values, size_t n) {
   return entries;
 }
 
-bool ScanPathAvailable(ScanPath path) {
-  switch (path) {
-    case ScanPath::kBest:
-    case ScanPath::kPortable:
-      return true;
-    case ScanPath::kAvx512:
-#if KEEL_HAVE_AVX512
-      return CpuHasAvx512();
-#else
-      return false;
-#endif
-  }
-  return false;
-}
-
 namespace {
 
 // ScanCounts in blocks of 8 * kOcts sources (the last ones eight at a time), then the sums from
@@ -345,36 +252,16 @@ KEEL_AVX2_CLONES std::uint32_t ScanCountsPortable(const std::int32_t* counts, in
   return ScanCountsBody<4>(counts, num_experts, num_sources, experts, scratch, sums);
 }
 
-#if KEEL_HAVE_AVX512
-// Eight vectors of sources at a time: AVX-512 has 32 vector registers (the code stays 256 bits
-// wide, as in ScanByExpertAvx512).
-KEEL_AVX512 std::uint32_t ScanCountsAvx512(const std::int32_t* counts, int num_experts,
-                                           int num_sources, const SingleExpert* experts,
-                                           std::uint32_t* scratch, const CountSums& sums) {
-  return ScanCountsBody<8>(counts, num_experts, num_sources, experts, scratch, sums);
-}
-#endif
-
 }  // namespace
 
 std::uint32_t ScanCounts(const std::int32_t* counts, int num_experts, int num_sources,
-                         const SingleExpert* experts, std::uint32_t* scratch, const CountSums& sums,
-                         ScanPath path) {
-#if KEEL_HAVE_AVX512
-  if (path != ScanPath::kPortable && CpuHasAvx512()) {
-    return ScanCountsAvx512(counts, num_experts, num_sources, experts, scratch, sums);
-  }
-#endif
+                         const SingleExpert* experts, std::uint32_t* scratch,
+                         const CountSums& sums) {
   return ScanCountsPortable(counts, num_experts, num_sources, experts, scratch, sums);
 }
 
 EntryBits ScanByExpert(const double* by_expert, int num_experts, int num_sources, double* sent,
-                       double* lanes, double* lane_totals, ScanPath path) {
-#if KEEL_HAVE_AVX512
-  if (path != ScanPath::kPortable && CpuHasAvx512()) {
-    return ScanByExpertAvx512(by_expert, num_experts, num_sources, sent, lanes, lane_totals);
-  }
-#endif
+                       double* lanes, double* lane_totals) {
   return ScanByExpertPortable(by_expert, num_experts, num_sources, sent, lanes, lane_totals);
 }
 
