@@ -45,20 +45,20 @@ Status Engine::Impl::ReduceGradients() {
                        [&](const TransientReplica& t) { return t.expert == expert; });
   };
 
-  PeerSends out(num_ranks_);
+  exchange_.Begin(num_ranks_);
   for (int l = 0; l < options_.num_layers; ++l) {
     for (int e = 0; e < options_.num_experts; ++e) {
       if (!needs_reduction(l, e)) continue;
       const int destination = target[l].home(e);
       for_each_source(l, e, [&](int slot) {
         if (RankOfPhysical(slot) == rank_ && destination != rank_) {
-          out.Add(destination, Buffers(l, LocalOfPhysical(slot)).gradients, bytes);
+          exchange_.Add(destination, Buffers(l, LocalOfPhysical(slot)).gradients, bytes);
         }
       });
     }
   }
-  KEEL_ASSIGN_OR_RETURN(PeerReader in, out.Exchange(communicator_, *memory_));
-  KEEL_RETURN_IF_ERROR(in.CopyToDevice(*memory_, received_));
+  KEEL_RETURN_IF_ERROR(exchange_.Run(communicator_, *memory_));
+  KEEL_RETURN_IF_ERROR(exchange_.CopyReceivedToDevice(*memory_));
 
   // Sum into zeroed scratch first: a home slot's own gradient buffer may still be another
   // expert's source until every sum of the layer is done.
@@ -84,7 +84,7 @@ Status Engine::Impl::ReduceGradients() {
     for_each_source(sums[i].layer, sums[i].expert, [&](int slot) {
       const int source_rank = RankOfPhysical(slot);
       const std::byte* data = source_rank == rank_ ? Gradients(sums[i].layer, LocalOfPhysical(slot))
-                                                   : in.NextOnDevice(source_rank, bytes);
+                                                   : exchange_.NextOnDevice(source_rank, bytes);
       Result<uint64_t> add = memory_->StartAdd(options_.shape.gradient_type, sum, data, bytes);
       if (add.ok()) {
         last = *add;
@@ -122,7 +122,7 @@ Status Engine::Impl::PushWeights() {
   bool any = false;
   for (const Placement& p : placements_) any |= p.max_copies() > 1;
   if (!any) return Status::Ok();
-  PeerSends out(num_ranks_);
+  exchange_.Begin(num_ranks_);
   std::optional<uint64_t> last;
   for (int l = 0; l < options_.num_layers; ++l) {
     const Placement& p = placements_[l];
@@ -137,12 +137,12 @@ Status Engine::Impl::PushWeights() {
           KEEL_ASSIGN_OR_RETURN(
               last, memory_->StartCopy(Weights(l, slot % slots_per_rank_), weights, bytes));
         } else {
-          out.Add(rank, weights, bytes);
+          exchange_.Add(rank, weights, bytes);
         }
       }
     }
   }
-  KEEL_ASSIGN_OR_RETURN(PeerReader in, out.Exchange(communicator_, *memory_));
+  KEEL_RETURN_IF_ERROR(exchange_.Run(communicator_, *memory_));
   for (int l = 0; l < options_.num_layers; ++l) {
     const Placement& p = placements_[l];
     for (int e = 0; e < options_.num_experts; ++e) {
@@ -151,7 +151,7 @@ Status Engine::Impl::PushWeights() {
       for (int slot : p.copies(e)) {
         if (slot == home_slot || p.rank_of_slot(slot) != rank_) continue;
         KEEL_ASSIGN_OR_RETURN(last, memory_->StartCopy(Weights(l, slot % slots_per_rank_),
-                                                       in.Next(p.home(e), bytes), bytes));
+                                                       exchange_.Next(p.home(e), bytes), bytes));
       }
     }
   }

@@ -234,7 +234,7 @@ Status Engine::Impl::FillTransients(int layer, const Placement& placement,
     }
     return -1;
   };
-  PeerSends out(num_ranks_);
+  exchange_.Begin(num_ranks_);
   for (const TransientReplica& t : routing.transients) {
     if (t.source_rank != rank_) continue;
     const int slot = source_slot(t);
@@ -243,16 +243,16 @@ Status Engine::Impl::FillTransients(int layer, const Placement& placement,
                       " names source rank " + std::to_string(t.source_rank) +
                       ", which holds no copy");
     }
-    out.Add(t.rank, Buffers(layer, slot % slots_per_rank_).weights, bytes);
+    exchange_.Add(t.rank, Buffers(layer, slot % slots_per_rank_).weights, bytes);
   }
-  KEEL_ASSIGN_OR_RETURN(PeerReader in, out.Exchange(communicator_, *memory_));
+  KEEL_RETURN_IF_ERROR(exchange_.Run(communicator_, *memory_));
   std::optional<uint64_t> last;
   for (size_t i = 0; i < routing.transients.size(); ++i) {
     const TransientReplica& t = routing.transients[i];
     if (t.rank != rank_) continue;
     KEEL_ASSIGN_OR_RETURN(last,
                           memory_->StartCopy(Weights(layer, LocalOfPhysical(transient_slot[i])),
-                                             in.Next(t.source_rank, bytes), bytes));
+                                             exchange_.Next(t.source_rank, bytes), bytes));
   }
   return WaitForLast(*memory_, last);
 }

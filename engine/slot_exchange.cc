@@ -15,30 +15,41 @@ Status DeviceBuffer::Reserve(DeviceMemory& memory, size_t bytes) {
   return Status::Ok();
 }
 
-Result<PeerReader> PeerSends::Exchange(Communicator& communicator, DeviceMemory& memory) const {
+void SlotExchange::Begin(int num_ranks) {
+  parts_.resize(num_ranks);
+  for (std::vector<Part>& parts : parts_) parts.clear();
+}
+
+void SlotExchange::Add(int peer, const void* data, size_t size) {
+  parts_[peer].push_back({static_cast<const std::byte*>(data), size});
+}
+
+Status SlotExchange::Run(Communicator& communicator, DeviceMemory& memory) {
   const int size = communicator.size();
-  std::vector<size_t> send_bytes(size, 0);
+  send_bytes_.assign(size, 0);
   for (int r = 0; r < size; ++r) {
-    for (const Part& part : parts_[r]) send_bytes[r] += part.size;
+    for (const Part& part : parts_[r]) send_bytes_[r] += part.size;
   }
-  std::vector<std::byte> send(std::accumulate(send_bytes.begin(), send_bytes.end(), size_t{0}));
+  send_.resize(std::accumulate(send_bytes_.begin(), send_bytes_.end(), size_t{0}));
   std::optional<uint64_t> last;
   size_t at = 0;
   for (int r = 0; r < size; ++r) {
     for (const Part& part : parts_[r]) {
-      KEEL_ASSIGN_OR_RETURN(last, memory.StartCopy(send.data() + at, part.data, part.size));
+      KEEL_ASSIGN_OR_RETURN(last, memory.StartCopy(send_.data() + at, part.data, part.size));
       at += part.size;
     }
   }
   KEEL_RETURN_IF_ERROR(WaitForLast(memory, last));
-  PeerReader reader;
-  KEEL_RETURN_IF_ERROR(communicator.AllToAllV(send, send_bytes, reader.recv_, reader.recv_bytes_));
-  reader.offset_.assign(size, 0);
-  reader.consumed_.assign(size, 0);
-  for (int r = 1; r < size; ++r) {
-    reader.offset_[r] = reader.offset_[r - 1] + reader.recv_bytes_[r - 1];
-  }
-  return reader;
+  KEEL_RETURN_IF_ERROR(communicator.AllToAllV(send_, send_bytes_, recv_, recv_bytes_));
+  offset_.assign(size, 0);
+  consumed_.assign(size, 0);
+  for (int r = 1; r < size; ++r) offset_[r] = offset_[r - 1] + recv_bytes_[r - 1];
+  return Status::Ok();
+}
+
+Status SlotExchange::CopyReceivedToDevice(DeviceMemory& memory) {
+  KEEL_RETURN_IF_ERROR(received_on_device_.Reserve(memory, recv_.size()));
+  return memory.Copy(received_on_device_.data(), recv_.data(), recv_.size());
 }
 
 }  // namespace keel

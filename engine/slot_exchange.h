@@ -39,52 +39,47 @@ inline Status WaitForLast(DeviceMemory& memory, std::optional<uint64_t> last) {
   return last.has_value() ? memory.WaitFor(*last) : Status::Ok();
 }
 
-// What every rank received from every peer in one AllToAllV, consumed front to back per peer.
-class PeerReader {
+// Slot bytes for each peer (registered buffers, which may be device memory) sent in one
+// AllToAllV, and read back per peer front to back, in an order both sides derive from the same
+// plan. The engine keeps one and reuses its buffers exchange after exchange: host buffers
+// allocated per exchange would be faulted in page by page every time.
+class SlotExchange {
  public:
-  // The next `size` bytes from `peer`, in host memory.
+  // Starts an exchange among `num_ranks` ranks: forgets what was queued and received before.
+  void Begin(int num_ranks);
+  // Queues `size` bytes at `data` for `peer`; `data` must stay valid until Run returns.
+  void Add(int peer, const void* data, size_t size);
+  // Gathers the queued bytes through `memory` into the host send buffer and exchanges them.
+  Status Run(Communicator& communicator, DeviceMemory& memory);
+
+  // The next `size` bytes received from `peer`, in host memory.
   const std::byte* Next(int peer, size_t size) { return recv_.data() + Advance(peer, size); }
-  // The same bytes in the device copy of everything received (CopyToDevice).
-  const std::byte* NextOnDevice(int peer, size_t size) { return device_ + Advance(peer, size); }
-  // Copies everything received into `buffer` (device memory, resized to fit) for NextOnDevice.
-  Status CopyToDevice(DeviceMemory& memory, DeviceBuffer& buffer) {
-    KEEL_RETURN_IF_ERROR(buffer.Reserve(memory, recv_.size()));
-    device_ = buffer.data();
-    return memory.Copy(device_, recv_.data(), recv_.size());
+  // Copies everything received into device memory of `memory`, for NextOnDevice.
+  Status CopyReceivedToDevice(DeviceMemory& memory);
+  // The next `size` bytes from `peer` in that device copy.
+  const std::byte* NextOnDevice(int peer, size_t size) {
+    return received_on_device_.data() + Advance(peer, size);
   }
-
-  std::vector<std::byte> recv_;
-  std::vector<size_t> recv_bytes_;
-  std::vector<size_t> offset_;
-  std::vector<size_t> consumed_;
-
- private:
-  size_t Advance(int peer, size_t size) {
-    const size_t at = offset_[peer] + consumed_[peer];
-    consumed_[peer] += size;
-    return at;
-  }
-  std::byte* device_ = nullptr;
-};
-
-// Slot bytes for each peer (registered buffers, which may be device memory), sent in one
-// AllToAllV in an order both sides derive from the same plan.
-class PeerSends {
- public:
-  explicit PeerSends(int num_ranks) : parts_(num_ranks) {}
-  void Add(int peer, const void* data, size_t size) {
-    parts_[peer].push_back({static_cast<const std::byte*>(data), size});
-  }
-
-  // Gathers the parts into one host buffer through `memory` and exchanges it.
-  Result<PeerReader> Exchange(Communicator& communicator, DeviceMemory& memory) const;
 
  private:
   struct Part {
     const std::byte* data;
     size_t size;
   };
+  size_t Advance(int peer, size_t size) {
+    const size_t at = offset_[peer] + consumed_[peer];
+    consumed_[peer] += size;
+    return at;
+  }
+
   std::vector<std::vector<Part>> parts_;  // [peer]
+  std::vector<std::byte> send_;
+  std::vector<size_t> send_bytes_;  // [peer]
+  std::vector<std::byte> recv_;
+  std::vector<size_t> recv_bytes_;  // [peer]
+  std::vector<size_t> offset_;      // [peer] where its bytes start in recv_
+  std::vector<size_t> consumed_;    // [peer] how many of them Next took
+  DeviceBuffer received_on_device_;
 };
 
 }  // namespace keel

@@ -2,7 +2,8 @@
 # Builds and runs the CUDA kernels' tests and benchmark on a lent GPU machine, standalone
 # (bench/gpu/CMakeLists.txt, sm_90): the GPU-against-CPU equivalence tests and the CPU reference
 # tests (tests/kernels/), then kernels_gpu_bench; then, where the machine has the project's
-# dependencies, the whole project's engine tests with CUDA slot buffers. Logs, the gtest XML and
+# dependencies, the whole project's engine tests with CUDA slot buffers and device_bench (the
+# engine's copies, staging and sums against the device-copy ceiling). Logs, the gtest XML and
 # the benchmark JSON go to $OUT when it is set (the device tool brings that folder back), else to
 # bench/gpu/out/.
 #
@@ -53,13 +54,18 @@ grep -v '^  timed ' "$out/bench.log"
 full=${KEEL_GPU_FULL_BUILD:-/tmp/keel-gpu-full-build}
 echo "== whole project ($full)"
 if { cmake -S "$root" -B "$full" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKEEL_WITH_PYTHON=OFF &&
-  cmake --build "$full" -j "$(nproc)" --target keel_engine_tests keel_migration_tests; } \
+  cmake --build "$full" -j "$(nproc)" --target keel_engine_tests keel_migration_tests \
+    device_bench; } \
   >"$out/full_build.log" 2>&1; then
   "$full/tests/keel_engine_tests" --gtest_filter='*/Cuda:CApiEngineTest.DeviceMemory*' \
     --gtest_output="xml:$out/engine_cuda.xml" >"$out/engine_cuda.log" 2>&1 || status=1
   "$full/tests/keel_migration_tests" --gtest_filter='Cuda*:*DeviceMemory*:*Memory*' \
     --gtest_output="xml:$out/device_memory.xml" >"$out/device_memory.log" 2>&1 || status=1
   grep -hE '^\[  (PASSED|FAILED|SKIPPED) ' "$out/engine_cuda.log" "$out/device_memory.log"
+  echo "== engine device path against the device-copy ceiling (device_bench, CUDA memory)"
+  KEEL_BENCH_MEMORY=cuda "$full/bin/device_bench" --benchmark_out="$out/device_bench.json" \
+    --benchmark_out_format=json >"$out/device_bench.log" 2>&1 || status=1
+  grep '^BM_' "$out/device_bench.log"
 else
   echo "whole project not built here (see $out/full_build.log; it needs the Debian packages"
   echo "that scripts/dev installs): engine tests with CUDA memory not run"
