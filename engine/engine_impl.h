@@ -111,6 +111,7 @@ class Engine::Impl {
   // Every copy and sum of slot buffers goes through it (host memory for MemoryKind::kHost).
   std::shared_ptr<DeviceMemory> memory_;
   DeviceBuffer sum_scratch_;          // ReduceGradients' sums, one gradient buffer each
+  std::vector<std::byte> zeros_;      // host zeros that clear sum_scratch_, only ever grown
   SlotExchange exchange_;             // transient fills, weight pushes and gradients between ranks
   std::vector<SlotBuffers> buffers_;  // [layer * local_slots + local slot]
   int registered_ = 0;

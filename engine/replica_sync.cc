@@ -75,8 +75,8 @@ Status Engine::Impl::ReduceGradients() {
     }
   }
   KEEL_RETURN_IF_ERROR(sum_scratch_.Reserve(*memory_, sums.size() * bytes));
-  const std::vector<std::byte> zeros(sums.size() * bytes, std::byte{0});
-  KEEL_RETURN_IF_ERROR(memory_->Copy(sum_scratch_.data(), zeros.data(), zeros.size()));
+  if (zeros_.size() < sums.size() * bytes) zeros_.resize(sums.size() * bytes, std::byte{0});
+  KEEL_RETURN_IF_ERROR(memory_->Copy(sum_scratch_.data(), zeros_.data(), sums.size() * bytes));
   std::optional<uint64_t> last;
   Status added;
   for (size_t i = 0; i < sums.size() && added.ok(); ++i) {

@@ -13,9 +13,9 @@
 #include <functional>
 #include <thread>
 
+#include "comm/communicator.h"
 #include "kernels/device.h"
 #include "kernels/remap.h"
-#include "comm/communicator.h"
 #include "monitor/metrics.h"
 #include "monitor/trace.h"
 #include "tests/common/test_util.h"
@@ -109,6 +109,15 @@ EngineOptions SmallOptions(const KeelConfig& config, int num_layers, Communicato
   options.communicator = communicator;
   options.local_group = group;
   return options;
+}
+
+// One rank holding every expert, no transient slots, static placement.
+KeelConfig OneRankStaticConfig() {
+  KeelConfig config = TestConfig("static");
+  config.topology.gpus_per_node = 1;
+  config.slots.persistent_per_rank = kExperts;
+  config.slots.transient_per_rank = 0;
+  return config;
 }
 
 // A group of `ranks` thread-ranks; the tests cannot go on without it.
@@ -324,11 +333,7 @@ TEST(EngineTest, GuardedDeviceMemoryGivesTheBitsOfHostMemory) {
 TEST(EngineTest, RegisterSlotChecksWhereBuffersLive) {
   std::unique_ptr<LocalGroup> group = MakeGroup(1);
   auto communicator = testing::ValueOrDie(group->Join(0));
-  KeelConfig config = TestConfig("static");
-  config.topology.gpus_per_node = 1;
-  config.slots.persistent_per_rank = kExperts;
-  config.slots.transient_per_rank = 0;
-  EngineOptions options = SmallOptions(config, 1, communicator.get(), group.get());
+  EngineOptions options = SmallOptions(OneRankStaticConfig(), 1, communicator.get(), group.get());
   options.shape.memory = MemoryKind::kDevice;
   options.device_memory = testing::ValueOrDie(CreateGuardedHostMemory());
   auto engine = testing::ValueOrDie(Engine::Create(options));
@@ -416,11 +421,7 @@ TEST(EngineTest, RouteCountsPlusTheRemapKernelEqualsRoute) {
 TEST(EngineTest, RouteCountsRejectsBadCountsNamingThem) {
   std::unique_ptr<LocalGroup> group = MakeGroup(1);
   auto communicator = testing::ValueOrDie(group->Join(0));
-  KeelConfig config = TestConfig("static");
-  config.topology.gpus_per_node = 1;
-  config.slots.persistent_per_rank = kExperts;
-  config.slots.transient_per_rank = 0;
-  EngineOptions options = SmallOptions(config, 1, communicator.get(), group.get());
+  EngineOptions options = SmallOptions(OneRankStaticConfig(), 1, communicator.get(), group.get());
   auto engine = testing::ValueOrDie(Engine::Create(options));
   std::vector<std::byte> buffer(8);
   for (int i = 0; i < engine->local_slots(); ++i) {
