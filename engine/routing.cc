@@ -204,16 +204,9 @@ Result<LayerRoute> Engine::Impl::PlanLayer(int layer, std::span<const int32_t> m
     for (size_t i = 0; i < traffic_[layer].size(); ++i) {
       expert_tokens[i % num_experts] += traffic_[layer][i];
     }
-    LayerStepObservation observation;
-    observation.layer = layer;
-    observation.rank_tokens = routing.rank_tokens;
-    observation.expert_tokens = expert_tokens;
-    observation.max_copies_per_expert =
-        std::min(num_ranks_, placement.max_copies() + (transients_planned_ > 0 ? 1 : 0));
-    metrics_->ObserveLayerStep(observation);
-    int extra = 0;
-    for (int count : placement.logcnt()) extra += count - 1;
-    metrics_->SetReplicas(layer, extra, static_cast<int>(routing.transients.size()));
+    metrics_->ObserveLayerRouting(
+        layer, placement, routing, expert_tokens, {},
+        std::min(num_ranks_, placement.max_copies() + (transients_planned_ > 0 ? 1 : 0)));
   }
   std::swap(routing_[layer], routing);  // the old routing's buffers serve the next plan
   transient_slot_[layer] = std::move(transient_slot);

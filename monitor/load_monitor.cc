@@ -290,14 +290,9 @@ void LoadMonitor::FinishStep() {
     const StepRouting routing = RouteEvenly(placement, *load);
     std::vector<double> estimated_rank_tokens;
     if (estimate.ok()) estimated_rank_tokens = RouteEvenly(placement, *estimate).rank_tokens;
-    LayerStepObservation observation;
-    observation.layer = layer;
-    observation.rank_tokens = routing.rank_tokens;
-    observation.expert_tokens = expert_tokens;
-    observation.estimated_rank_tokens = estimated_rank_tokens;
-    observation.max_copies_per_expert =
-        options_.max_copies_per_expert > 0 ? options_.max_copies_per_expert : ranks;
-    metrics_->ObserveLayerStep(observation);
+    metrics_->ObserveLayerRouting(
+        layer, placement, routing, expert_tokens, estimated_rank_tokens,
+        options_.max_copies_per_expert > 0 ? options_.max_copies_per_expert : ranks);
   }
   if (recorder_ && trace_status_.ok()) trace_status_ = recorder_->RecordStep(step_id, trace_row_);
   std::fill(step_counts_.begin(), step_counts_.end(), 0);

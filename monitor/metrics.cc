@@ -18,6 +18,8 @@
 
 #include "keel/version.hpp"
 #include "placement/load.h"
+#include "placement/placement.h"
+#include "placement/routing.h"
 
 namespace keel {
 namespace {
@@ -385,6 +387,22 @@ void Metrics::SetReplicas(int layer, int persistent, int transient) {
   if (layer < 0 || layer >= layout_.num_layers) return;
   replicas_[layer]->Set(persistent);
   transient_replicas_[layer]->Set(transient);
+}
+
+void Metrics::ObserveLayerRouting(int layer, const Placement& placement, const StepRouting& routing,
+                                  std::span<const double> expert_tokens,
+                                  std::span<const double> estimated_rank_tokens,
+                                  int max_copies_per_expert) {
+  LayerStepObservation observation;
+  observation.layer = layer;
+  observation.rank_tokens = routing.rank_tokens;
+  observation.expert_tokens = expert_tokens;
+  observation.estimated_rank_tokens = estimated_rank_tokens;
+  observation.max_copies_per_expert = max_copies_per_expert;
+  ObserveLayerStep(observation);
+  int persistent = 0;
+  for (int copies : placement.logcnt()) persistent += std::max(0, copies - 1);
+  SetReplicas(layer, persistent, static_cast<int>(routing.transients.size()));
 }
 
 void Metrics::AddDroppedSamples(uint64_t count) {

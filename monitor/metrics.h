@@ -61,6 +61,9 @@ struct LayerStepObservation {
   int max_copies_per_expert = 1;
 };
 
+class Placement;
+struct StepRouting;
+
 enum class PlanOutcome { kMade, kApplied, kSkipped, kRejected };
 enum class MigrationOutcome { kOk, kFailed, kAborted };
 
@@ -110,6 +113,14 @@ class Metrics {
   // Persistent copies beyond each expert's first, and this step's transient replicas.
   void SetReplicas(int layer, int persistent, int transient);
   void AddDroppedSamples(uint64_t count);
+
+  // One layer's step as every observer reports it (the engine, the replay's live export, the
+  // load monitor): ObserveLayerStep with the rank loads of `routing`, `expert_tokens` and the
+  // estimate (empty: none), and SetReplicas from `placement` and the routing's transients.
+  void ObserveLayerRouting(int layer, const Placement& placement, const StepRouting& routing,
+                           std::span<const double> expert_tokens,
+                           std::span<const double> estimated_rank_tokens,
+                           int max_copies_per_expert);
 
  private:
   explicit Metrics(const MetricsLayout& layout);

@@ -99,18 +99,8 @@ class LiveExport {
   }
 
   void OnLayerStep(const ReplayLayerEvent& event) {
-    LayerStepObservation observation;
-    observation.layer = event.layer;
-    observation.rank_tokens = event.routing->rank_tokens;
-    observation.expert_tokens = event.expert_tokens;
-    observation.estimated_rank_tokens = event.estimated_rank_tokens;
-    observation.max_copies_per_expert = event.max_copies_per_expert;
-    metrics_.ObserveLayerStep(observation);
-
-    int persistent = 0;
-    for (int copies : event.placement->logcnt()) persistent += std::max(0, copies - 1);
-    metrics_.SetReplicas(event.layer, persistent,
-                         static_cast<int>(event.routing->transients.size()));
+    metrics_.ObserveLayerRouting(event.layer, *event.placement, *event.routing, event.expert_tokens,
+                                 event.estimated_rank_tokens, event.max_copies_per_expert);
 
     if (event.replanned) {
       replanned_ = true;

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "placement/placement.h"
+#include "placement/routing.h"
 #include "tests/monitor/metrics_test_util.h"
 
 namespace keel {
@@ -115,6 +117,25 @@ TEST(MetricsTest, LayerStepGauges) {
   observation.layer = 0;
   observation.rank_tokens = std::span<const double>(rank_tokens).first(1);
   EXPECT_FALSE(metrics->ObserveLayerStep(observation));
+}
+
+// What the engine, the replay and the load monitor report per layer: the routing's rank loads and
+// the placement's replicas plus the routing's transients.
+TEST(MetricsTest, LayerRoutingGivesLoadsAndReplicas) {
+  auto metrics = MakeMetrics(2, 2, 3, true);
+  // Expert 0 on both ranks (one replica), 1 and 2 on rank 1; home of 0 is rank 0.
+  const Placement placement = Placement::Create(3, 2, {0, -1, 0, 1, -1, 2}).value();
+  StepRouting routing;
+  routing.num_ranks = 2;
+  routing.rank_tokens = {30, 10};
+  routing.transients = {TransientReplica{.expert = 2, .rank = 0, .source_rank = 1}};
+  const std::vector<double> expert_tokens = {20, 15, 5};
+  metrics->ObserveLayerRouting(1, placement, routing, expert_tokens, {}, 2);
+  const auto series = ParseExposition(metrics->Serialize());
+  EXPECT_DOUBLE_EQ(series.at("keel_layer_imbalance_ratio{layer=\"1\",source=\"last_step\"}"), 1.5);
+  EXPECT_DOUBLE_EQ(series.at("keel_routed_tokens_total{layer=\"1\",rank=\"0\"}"), 30);
+  EXPECT_DOUBLE_EQ(series.at("keel_layer_replicas{layer=\"1\"}"), 1);
+  EXPECT_DOUBLE_EQ(series.at("keel_layer_transient_replicas{layer=\"1\"}"), 1);
 }
 
 TEST(MetricsTest, PlansMigrationsAndCounters) {
