@@ -1,7 +1,7 @@
-// Trace replay: one worker thread per policy walks the trace step by step, replans every layer
-// from its load estimator (or the step's own load in oracle mode), routes the step, and prices
-// it with the cost model. Workers share only read-only inputs, so results never depend on
-// scheduling.
+// Trace replay: every policy, and within it every layer, walks the trace step by step in parallel
+// (TBB), replans the layer from its load estimator (or the step's own load in oracle mode),
+// routes the step, and prices it with the cost model. Tasks share only read-only inputs and
+// their results are summed in step order afterwards, so results never depend on scheduling.
 #include "tools/replay.h"
 
 #include "keel/replay.hpp"
@@ -13,14 +13,18 @@
 #include <cstdio>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <numeric>
+#include <optional>
 #include <set>
-#include <thread>
 
 #include "placement/cost_model.h"
 #include "placement/load.h"
 #include "placement/policy.h"
 #include "placement/topology.h"
+
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
 
 namespace keel::tools {
 namespace {
@@ -77,141 +81,223 @@ std::string Where(const std::string& policy, int step, int layer) {
          std::to_string(layer) + ": ";
 }
 
+// One layer of one policy as the replay walks it: a Policy of its own (policies keep no state
+// across layers, so a policy per layer gives the routing of one shared policy, and lets layers
+// replay in parallel), the placement in force, and the load estimators.
+struct LayerState {
+  std::unique_ptr<Policy> policy;
+  std::optional<Placement> placement;
+  std::optional<LoadEstimator> expert_estimator;
+  std::optional<LoadEstimator> traffic_estimator;
+};
+
+// What one (step, layer) adds to its policy's results.
+struct LayerStepOutcome {
+  double seconds = 0;    // the cost model's step time of the layer
+  double imbalance = 0;  // after routing
+  double lb_gap = 0;     // max rank load / lower bound
+  long transients = 0;
+  bool replanned = false;
+  MigrationCost migration;
+  double planner_seconds = 0;
+};
+
+// Fixed for one policy's replay.
+struct PolicyRun {
+  const ReplayInputs* in = nullptr;
+  const std::string* name = nullptr;
+  const CostModel* cost = nullptr;
+  const ReplayOptions* options = nullptr;
+  int policy_index = 0;
+  int r_max = 1;  // the largest number of ranks an expert can span: the lower bound's divisor
+  int interval = 1;
+};
+
+// Replans (on replan steps), routes and prices layer `layer` at `step`, and feeds the estimators;
+// reports the layer step to options.on_layer_step when it is set.
+Result<LayerStepOutcome> StepLayer(const PolicyRun& run, LayerState& state, int step, int layer) {
+  const ReplayInputs& in = *run.in;
+  const std::string& name = *run.name;
+  const bool replan = step % run.interval == 0 && (in.oracle || step >= 1);
+  LayerStepOutcome outcome;
+  ReplayLayerEvent event;
+  Result<StepLoad> loaded = in.Load(step, layer);
+  if (!loaded.ok()) return loaded.status().WithContext(Where(name, step, layer));
+  StepLoad& load = *loaded;
+  const std::span<const double> totals = in.totals(step, layer);
+  Placement& current = *state.placement;
+  double migration_seconds = 0;
+  if (replan) {
+    LayerView view;
+    view.layer = layer;
+    view.current = &current;
+    StepLoad estimated_traffic;
+    if (in.oracle) {
+      view.expert_load = totals;
+      view.traffic = &load;
+    } else {
+      view.expert_load = state.expert_estimator->Estimate();
+      estimated_traffic.num_sources = in.num_ranks;
+      estimated_traffic.num_experts = in.num_experts;
+      estimated_traffic.traffic = state.traffic_estimator->Estimate();
+      view.traffic = &estimated_traffic;
+    }
+    const auto plan_start = Clock::now();
+    Result<Placement> next = state.policy->Replan(view);
+    outcome.planner_seconds = Seconds(plan_start);
+    outcome.replanned = true;
+    if (!next.ok()) return next.status().WithContext(Where(name, step, layer) + "Replan");
+    if (next->num_slots() != current.num_slots() || next->num_experts() != current.num_experts()) {
+      return Internal(
+          Where(name, step, layer) + "Replan returned " + std::to_string(next->num_slots()) +
+          " slots for " + std::to_string(next->num_experts()) + " experts, expected " +
+          std::to_string(current.num_slots()) + " for " + std::to_string(current.num_experts()));
+    }
+    outcome.migration = run.cost->Migration(current, *next);
+    migration_seconds = outcome.migration.seconds;
+    event.placement_changed = !(*next == current);
+    current = std::move(next).value();
+  }
+
+  Result<StepRouting> routing = state.policy->Route(layer, current, load);
+  if (!routing.ok()) return routing.status().WithContext(Where(name, step, layer) + "Route");
+  const LayerCost layer_cost = run.cost->Estimate(current, *routing, migration_seconds);
+  outcome.seconds = layer_cost.total_seconds();
+  outcome.imbalance = routing->imbalance();
+  outcome.transients = static_cast<long>(routing->transients.size());
+  const double lower_bound = LoadLowerBound(totals, in.num_ranks, run.r_max);
+  outcome.lb_gap = lower_bound > 0 ? routing->max_rank_tokens() / lower_bound : 1.0;
+
+  // Causal: what step t routed informs the plan for step t + 1.
+  state.expert_estimator->Observe(totals);
+  state.traffic_estimator->Observe(load.traffic);
+
+  if (run.options->on_layer_step) {
+    event.policy = run.policy_index;
+    event.step = step;
+    event.layer = layer;
+    event.replanned = outcome.replanned;
+    event.planner_seconds = outcome.planner_seconds;
+    event.migration = outcome.migration;
+    event.placement = &current;
+    event.routing = &*routing;
+    event.cost = layer_cost;
+    event.expert_tokens = totals;
+    const std::vector<double> expert_estimate = state.expert_estimator->Estimate();
+    event.expert_estimate = expert_estimate;
+    // Only live export needs it, so the plain replay does not pay for a second Route.
+    StepLoad estimated;
+    estimated.num_sources = in.num_ranks;
+    estimated.num_experts = in.num_experts;
+    estimated.traffic = state.traffic_estimator->Estimate();
+    Result<StepRouting> estimated_routing = state.policy->Route(layer, current, estimated);
+    if (estimated_routing.ok()) event.estimated_rank_tokens = estimated_routing->rank_tokens;
+    event.max_copies_per_expert = run.r_max;
+    run.options->on_layer_step(event);
+  }
+  return outcome;
+}
+
 Result<PolicyReplay> ReplayPolicy(const ReplayInputs& in, const std::string& name,
                                   const std::function<void(int, int)>& progress,
                                   const ReplayOptions& options, int policy_index) {
   const auto start = Clock::now();
   const KeelConfig& config = *in.config;
-  const int num_ranks = in.num_ranks;
-  const int num_experts = in.num_experts;
+  const int num_layers = in.num_layers;
+  const int num_steps = in.num_steps;
 
   PolicyContext context = *in.context;
   context.config.name = name;
-  KEEL_ASSIGN_OR_RETURN(std::unique_ptr<Policy> policy, MakePolicy(name, context));
-  const CostModel& cost = context.cost;
-
-  std::vector<Placement> placements;
-  std::vector<LoadEstimator> expert_estimators;
-  std::vector<LoadEstimator> traffic_estimators;
-  placements.reserve(in.num_layers);
-  for (int layer = 0; layer < in.num_layers; ++layer) {
-    Result<Placement> initial = policy->Initial(layer);
+  std::vector<LayerState> layers(num_layers);
+  for (int layer = 0; layer < num_layers; ++layer) {
+    LayerState& state = layers[layer];
+    KEEL_ASSIGN_OR_RETURN(state.policy, MakePolicy(name, context));
+    Result<Placement> initial = state.policy->Initial(layer);
     if (!initial.ok()) return initial.status().WithContext(Where(name, 0, layer) + "Initial");
-    placements.push_back(std::move(initial).value());
-    expert_estimators.emplace_back(config.estimator, num_experts);
-    traffic_estimators.emplace_back(config.estimator, num_ranks * num_experts);
+    state.placement = std::move(initial).value();
+    state.expert_estimator.emplace(config.estimator, in.num_experts);
+    state.traffic_estimator.emplace(config.estimator, in.num_ranks * in.num_experts);
   }
 
-  // The largest number of ranks an expert can span, and so the lower bound's divisor.
-  const int total_slots = num_ranks * config.slots.persistent_per_rank;
-  const int r_max = std::max(1, std::min(num_ranks, total_slots - num_experts + 1));
-  const int interval = std::max(1, config.policy.replan_interval_steps);
+  PolicyRun run;
+  run.in = &in;
+  run.name = &name;
+  run.cost = &context.cost;
+  run.options = &options;
+  run.policy_index = policy_index;
+  const int total_slots = in.num_ranks * config.slots.persistent_per_rank;
+  run.r_max = std::max(1, std::min(in.num_ranks, total_slots - in.num_experts + 1));
+  run.interval = std::max(1, config.policy.replan_interval_steps);
 
+  // [step * num_layers + layer]
+  std::vector<LayerStepOutcome> outcomes(static_cast<size_t>(num_steps) * num_layers);
+  if (options.on_layer_step || options.on_step_end) {
+    // Live export and pacing see the steps in order, every layer of a step before the next.
+    for (int step = 0; step < num_steps; ++step) {
+      for (int layer = 0; layer < num_layers; ++layer) {
+        KEEL_ASSIGN_OR_RETURN(outcomes[static_cast<size_t>(step) * num_layers + layer],
+                              StepLayer(run, layers[layer], step, layer));
+      }
+      if (options.on_step_end && !options.on_step_end(policy_index, step)) {
+        return Status(StatusCode::kAborted,
+                      "policy " + name + ": replay stopped after step " + std::to_string(step));
+      }
+      if (progress) progress(step + 1, num_steps);
+    }
+  } else {
+    // Layers are independent: each walks every step on its own, in parallel. Progress counts
+    // the steps every layer has finished.
+    std::vector<Status> failed(num_layers);
+    std::atomic<long> layer_steps_done{0};
+    std::mutex progress_mutex;
+    tbb::parallel_for(0, num_layers, [&](int layer) {
+      for (int step = 0; step < num_steps; ++step) {
+        Result<LayerStepOutcome> outcome = StepLayer(run, layers[layer], step, layer);
+        if (!outcome.ok()) {
+          failed[layer] = outcome.status();
+          return;
+        }
+        outcomes[static_cast<size_t>(step) * num_layers + layer] = *outcome;
+        const long done = ++layer_steps_done;
+        if (progress && done % num_layers == 0) {
+          std::lock_guard<std::mutex> lock(progress_mutex);
+          progress(static_cast<int>(done / num_layers), num_steps);
+        }
+      }
+    });
+    for (const Status& status : failed) KEEL_RETURN_IF_ERROR(status);
+  }
+
+  // The results, summed in step-major order as the steps happened.
   PolicyReplay result;
   result.name = name;
   std::vector<double> imbalances;
-  imbalances.reserve(static_cast<size_t>(in.num_steps) * in.num_layers);
+  imbalances.reserve(outcomes.size());
   std::vector<double> planner_seconds;
   double lb_gap_sum = 0;
   long transient_count = 0;
-  result.step_imbalance.reserve(in.num_steps);
-  result.step_seconds.reserve(in.num_steps);
-
-  for (int step = 0; step < in.num_steps; ++step) {
-    const bool replan = step % interval == 0 && (in.oracle || step >= 1);
+  result.step_imbalance.reserve(num_steps);
+  result.step_seconds.reserve(num_steps);
+  for (int step = 0; step < num_steps; ++step) {
     double step_seconds = 0;
     double step_imbalance_sum = 0;
-    for (int layer = 0; layer < in.num_layers; ++layer) {
-      ReplayLayerEvent event;
-      Result<StepLoad> load = in.Load(step, layer);
-      if (!load.ok()) return load.status().WithContext(Where(name, step, layer));
-      const std::span<const double> totals = in.totals(step, layer);
-
-      double migration_seconds = 0;
-      if (replan) {
-        Placement& current = placements[layer];
-        LayerView view;
-        view.layer = layer;
-        view.current = &current;
-        StepLoad estimated_traffic;
-        if (in.oracle) {
-          view.expert_load = totals;
-          view.traffic = &*load;
-        } else {
-          view.expert_load = expert_estimators[layer].Estimate();
-          estimated_traffic.num_sources = num_ranks;
-          estimated_traffic.num_experts = num_experts;
-          estimated_traffic.traffic = traffic_estimators[layer].Estimate();
-          view.traffic = &estimated_traffic;
-        }
-        const auto plan_start = Clock::now();
-        Result<Placement> next = policy->Replan(view);
-        planner_seconds.push_back(Seconds(plan_start));
-        event.replanned = true;
-        event.planner_seconds = planner_seconds.back();
-        if (!next.ok()) return next.status().WithContext(Where(name, step, layer) + "Replan");
-        if (next->num_slots() != current.num_slots() ||
-            next->num_experts() != current.num_experts()) {
-          return Internal(Where(name, step, layer) + "Replan returned " +
-                          std::to_string(next->num_slots()) + " slots for " +
-                          std::to_string(next->num_experts()) + " experts, expected " +
-                          std::to_string(current.num_slots()) + " for " +
-                          std::to_string(current.num_experts()));
-        }
-        const MigrationCost migration = cost.Migration(current, *next);
+    for (int layer = 0; layer < num_layers; ++layer) {
+      const LayerStepOutcome& o = outcomes[static_cast<size_t>(step) * num_layers + layer];
+      if (o.replanned) {
+        planner_seconds.push_back(o.planner_seconds);
         ++result.layer_replans;
-        result.moved_slots_total += migration.changed_slots;
-        result.moved_homes_total += migration.moved_homes;
-        result.moved_bytes_total += migration.bytes;
-        migration_seconds = migration.seconds;
-        event.placement_changed = !(*next == current);
-        event.migration = migration;
-        current = std::move(next).value();
+        result.moved_slots_total += o.migration.changed_slots;
+        result.moved_homes_total += o.migration.moved_homes;
+        result.moved_bytes_total += o.migration.bytes;
       }
-
-      Result<StepRouting> routing = policy->Route(layer, placements[layer], *load);
-      if (!routing.ok()) return routing.status().WithContext(Where(name, step, layer) + "Route");
-      const LayerCost layer_cost = cost.Estimate(placements[layer], *routing, migration_seconds);
-      step_seconds += layer_cost.total_seconds();
-      const double imbalance = routing->imbalance();
-      imbalances.push_back(imbalance);
-      step_imbalance_sum += imbalance;
-      transient_count += static_cast<long>(routing->transients.size());
-
-      const double lower_bound = LoadLowerBound(totals, num_ranks, r_max);
-      lb_gap_sum += lower_bound > 0 ? routing->max_rank_tokens() / lower_bound : 1.0;
-
-      // Causal: what step t routed informs the plan for step t + 1.
-      expert_estimators[layer].Observe(totals);
-      traffic_estimators[layer].Observe(load->traffic);
-
-      if (options.on_layer_step) {
-        event.policy = policy_index;
-        event.step = step;
-        event.layer = layer;
-        event.placement = &placements[layer];
-        event.routing = &*routing;
-        event.cost = layer_cost;
-        event.expert_tokens = totals;
-        event.expert_estimate = expert_estimators[layer].Estimate();
-        // Only live export needs it, so the plain replay does not pay for a second Route.
-        StepLoad estimated;
-        estimated.num_sources = num_ranks;
-        estimated.num_experts = num_experts;
-        estimated.traffic = traffic_estimators[layer].Estimate();
-        Result<StepRouting> estimated_routing = policy->Route(layer, placements[layer], estimated);
-        if (estimated_routing.ok()) event.estimated_rank_tokens = estimated_routing->rank_tokens;
-        event.max_copies_per_expert = r_max;
-        options.on_layer_step(event);
-      }
-    }
-    if (options.on_step_end && !options.on_step_end(policy_index, step)) {
-      return Status(StatusCode::kAborted,
-                    "policy " + name + ": replay stopped after step " + std::to_string(step));
+      step_seconds += o.seconds;
+      imbalances.push_back(o.imbalance);
+      step_imbalance_sum += o.imbalance;
+      transient_count += o.transients;
+      lb_gap_sum += o.lb_gap;
     }
     result.step_seconds.push_back(step_seconds);
-    result.step_imbalance.push_back(step_imbalance_sum / in.num_layers);
-    if (progress) progress(step + 1, in.num_steps);
+    result.step_imbalance.push_back(step_imbalance_sum / num_layers);
   }
 
   const double layer_steps = static_cast<double>(imbalances.size());
@@ -338,11 +424,14 @@ Result<ReplayReport> ReplayTrace(const Trace& trace, const KeelConfig& config,
     }
   }
 
-  // Workers pull policies from a shared counter; each writes only its own result slot.
+  // Policies (and, inside each, layers) in parallel on at most max_threads threads; each task
+  // writes only its own result slot.
   std::vector<std::unique_ptr<Result<PolicyReplay>>> results(names.size());
-  std::atomic<size_t> next{0};
-  auto worker = [&]() {
-    for (size_t i = next++; i < names.size(); i = next++) {
+  const int threads =
+      options.max_threads > 0 ? options.max_threads : tbb::this_task_arena::max_concurrency();
+  tbb::task_arena arena(threads);
+  arena.execute([&] {
+    tbb::parallel_for(size_t{0}, names.size(), [&](size_t i) {
       auto progress = [&options, i](int done, int total) {
         if (options.progress) options.progress(static_cast<int>(i), done, total);
       };
@@ -353,15 +442,8 @@ Result<ReplayReport> ReplayTrace(const Trace& trace, const KeelConfig& config,
         results[i] = std::make_unique<Result<PolicyReplay>>(
             Internal("policy " + names[i] + " threw: " + e.what()));
       }
-    }
-  };
-  size_t threads = options.max_threads > 0 ? static_cast<size_t>(options.max_threads)
-                                           : std::max(1u, std::thread::hardware_concurrency());
-  threads = std::min(threads, names.size());
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (std::thread& thread : pool) thread.join();
+    });
+  });
 
   for (auto& result : results) {
     if (!result->ok()) return result->status();

@@ -46,10 +46,12 @@ struct ReplayOptions {
   // Plan for step t from step t's own load (an upper bound) instead of the estimate from steps
   // before t.
   bool oracle = false;
-  // Called from worker threads after each replayed step: (index into `policies`, steps done,
-  // total steps). May be empty.
+  // Called from worker threads whenever every layer of a policy finished one more step: (index
+  // into `policies`, steps done, total steps); one call at a time per policy. May be empty.
   std::function<void(int policy, int steps_done, int total_steps)> progress;
-  // Policies replayed at the same time; 0 = std::thread::hardware_concurrency().
+  // Threads the replay runs on: policies, and the layers of each, in parallel (TBB); 0 = TBB's
+  // default, one per hardware thread. With on_layer_step or on_step_end a policy's layers run
+  // in step order on one thread.
   int max_threads = 0;
   // Layer whose per-expert load the heatmap series shows; -1 = summed over all layers.
   int heatmap_layer = -1;
@@ -109,8 +111,9 @@ struct ReplayReport {
   double wall_seconds = 0;
 };
 
-// Replays `trace` under every policy in `options`, each policy in its own thread with its own
-// Policy and estimators, so results do not depend on threading. Fails on an invalid trace, a
+// Replays `trace` under every policy in `options`, every layer with a Policy and estimators of its
+// own, policies and layers in parallel; results are summed in step order, so they do not depend
+// on threading. Fails on an invalid trace, a
 // config the trace does not fit (e.g. fewer slots than experts), an unknown policy name, or a
 // policy error (naming the policy, step and layer), or kAborted when on_step_end stopped it.
 Result<ReplayReport> ReplayTrace(const Trace& trace, const KeelConfig& config,

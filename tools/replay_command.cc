@@ -260,7 +260,8 @@ int RunReplay(int argc, char** argv) {
             "write an SVG: imbalance per step per policy, and the per-expert load heatmap");
   flags.Add("heatmap-layer", "N", &heatmap_layer, "layer the heatmap shows; -1 sums all layers");
   flags.Add("threads", "N", &threads,
-            "policies replayed at the same time; 0 = one per hardware thread");
+            "threads the replay runs on (policies, and the layers of each, in parallel); 0 = one "
+            "per hardware thread");
   flags.AddBool("quiet", &quiet, "no progress bar and no notes on stderr");
   flags.Add("serve-metrics", "ADDR", &serve_address,
             "export Prometheus metrics on host:port (a bare port listens on 127.0.0.1; port 0 "
