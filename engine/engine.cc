@@ -140,7 +140,7 @@ Status Engine::Impl::Init() {
                           CreateTransport(config.migration, communicator_, fabric));
     transport_ = owned_transport_.get();
   }
-  if (device_memory() && transport_->device_memory() == nullptr) {
+  if (on_device() && transport_->device_memory() == nullptr) {
     // A transport of host memory only: device buffers travel through host staging buffers.
     KEEL_ASSIGN_OR_RETURN(staged_transport_, CreateStagedTransport(*transport_, memory_));
     transport_ = staged_transport_.get();
@@ -178,7 +178,7 @@ Status Engine::Impl::Init() {
 // Where the slot buffers live: host memory, the device memory the options name, or this rank's
 // GPU.
 Status Engine::Impl::ChooseMemory() {
-  if (!device_memory()) {
+  if (!on_device()) {
     memory_ = CreateHostMemory();
     return Status::Ok();
   }
@@ -215,7 +215,7 @@ Status Engine::Impl::RegisterSlot(int layer, int local_slot, const SlotBuffers& 
   if (migrating_) {
     return FailedPrecondition("slots cannot be registered again while an epoch's transfers run");
   }
-  if (device_memory()) {
+  if (on_device()) {
     const std::pair<const char*, const void*> regions[] = {
         {"weights", buffers.weights},
         {"gradients", buffers.gradients},

@@ -45,7 +45,8 @@ class Engine::Impl {
 
   Status Init();
   Status ChooseMemory();
-  bool device_memory() const { return options_.shape.memory == MemoryKind::kDevice; }
+  // Whether the slot buffers are device memory (shape.memory = kDevice).
+  bool on_device() const { return options_.shape.memory == MemoryKind::kDevice; }
   Status RegisterSlot(int layer, int local_slot, const SlotBuffers& buffers);
   Result<LayerRoute> Route(int layer, std::span<const int32_t> topk_ids);
   Result<LayerRoute> RouteCounts(int layer, std::span<const int32_t> expert_counts);
