@@ -107,9 +107,13 @@ Status Engine::Impl::Init() {
   transients_planned_ = config.policy.name == "keel" && config.policy.keel.transient_replicas
                             ? transient_per_rank_
                             : 0;
-  KEEL_ASSIGN_OR_RETURN(policy_, MakePolicy(config.policy.name, *context_));
+  // A policy per layer (policies keep no state across layers), so that the planner thread
+  // replans the layers in parallel.
   for (int l = 0; l < options_.num_layers; ++l) {
-    KEEL_ASSIGN_OR_RETURN(Placement initial, policy_->Initial(l));
+    KEEL_ASSIGN_OR_RETURN(std::unique_ptr<Policy> policy,
+                          MakePolicy(config.policy.name, *context_));
+    KEEL_ASSIGN_OR_RETURN(Placement initial, policy->Initial(l));
+    policies_.push_back(std::move(policy));
     placements_.push_back(std::move(initial));
   }
 

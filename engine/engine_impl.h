@@ -73,8 +73,8 @@ class Engine::Impl {
   int transient_per_rank_ = 0;  // registered transient slots
   int transients_planned_ = 0;  // transient replicas the quota planner may add per rank
   std::optional<PolicyContext> context_;
-  std::unique_ptr<Policy> policy_;
-  std::vector<Placement> placements_;  // in force
+  std::vector<std::unique_ptr<Policy>> policies_;  // [layer]
+  std::vector<Placement> placements_;              // in force
   EngineStats stats_;
 
  private:

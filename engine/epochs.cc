@@ -3,7 +3,10 @@
 // ResolveMigration lets every rank agree at ReduceGradients whether the epoch commits.
 #include "engine/engine_impl.h"
 
+#include <tbb/parallel_for.h>
+
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -80,15 +83,17 @@ void Engine::Impl::StartPlanner() {
   planner_done_.store(false, std::memory_order_relaxed);
   planner_ = std::thread([this, snapshot] {
     const auto start = std::chrono::steady_clock::now();
-    const int num_experts = options_.num_experts;
-    std::vector<Placement> planned;
-    Status status;
-    for (int l = 0; l < options_.num_layers && status.ok(); ++l) {
+    const int num_layers = options_.num_layers;
+    std::vector<std::optional<Placement>> planned(num_layers);
+    std::vector<Status> failed(num_layers);
+    // Layers replan in parallel (oneTBB), each with its own policy; the result does not depend
+    // on the order, so every rank plans the same.
+    tbb::parallel_for(0, num_layers, [&](int l) {
       Result<StepLoad> traffic =
-          StepLoad::FromTraffic(num_ranks_, num_experts, snapshot->traffic[l]);
+          StepLoad::FromTraffic(num_ranks_, options_.num_experts, snapshot->traffic[l]);
       if (!traffic.ok()) {
-        status = traffic.status();
-        break;
+        failed[l] = traffic.status();
+        return;
       }
       const std::vector<double> expert_load = traffic->ExpertTotals();
       LayerView view;
@@ -96,14 +101,27 @@ void Engine::Impl::StartPlanner() {
       view.current = &snapshot->current[l];
       view.expert_load = expert_load;
       view.traffic = &*traffic;
-      Result<Placement> next = policy_->Replan(view);
-      if (!next.ok()) {
-        status = next.status();
+      Result<Placement> next = policies_[l]->Replan(view);
+      if (next.ok()) {
+        planned[l] = std::move(next).value();
+      } else {
+        failed[l] = next.status();
+      }
+    });
+    // The lowest failed layer names the error, as a loop over the layers would.
+    Status status;
+    for (const Status& layer_status : failed) {
+      if (!layer_status.ok()) {
+        status = layer_status;
         break;
       }
-      planned.push_back(std::move(*next));
     }
-    planned_ = std::move(planned);
+    std::vector<Placement> placements;
+    if (status.ok()) {
+      for (std::optional<Placement>& placement : planned)
+        placements.push_back(std::move(*placement));
+    }
+    planned_ = std::move(placements);
     planner_status_ = status;
     planner_seconds_ = SecondsSince(start);
     planner_done_.store(true, std::memory_order_release);

@@ -6,6 +6,9 @@
 
 #include "keel/replay.hpp"
 
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -22,9 +25,6 @@
 #include "placement/load.h"
 #include "placement/policy.h"
 #include "placement/topology.h"
-
-#include <tbb/parallel_for.h>
-#include <tbb/task_arena.h>
 
 namespace keel::tools {
 namespace {
