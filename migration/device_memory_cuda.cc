@@ -6,10 +6,10 @@
 #include <string>
 #include <vector>
 
+#include "comm/cuda_common.h"
 #include "keel/device_memory.hpp"
 #include "kernels/add.h"
 #include "kernels/checksum.h"
-#include "comm/cuda_common.h"
 
 namespace keel {
 namespace {

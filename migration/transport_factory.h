@@ -4,10 +4,10 @@
 
 #include <memory>
 
+#include "comm/communicator.h"
 #include "common/config.h"
 #include "keel/status.hpp"
 #include "keel/transport.hpp"
-#include "comm/communicator.h"
 #include "migration/transport_local.h"
 
 namespace keel {

@@ -7,9 +7,9 @@
 
 #include <memory>
 
+#include "comm/communicator.h"
 #include "keel/status.hpp"
 #include "keel/transport.hpp"
-#include "comm/communicator.h"
 #include "migration/device_transport.h"
 
 namespace keel {

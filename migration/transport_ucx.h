@@ -8,9 +8,9 @@
 
 #include <memory>
 
+#include "comm/communicator.h"
 #include "keel/status.hpp"
 #include "keel/transport.hpp"
-#include "comm/communicator.h"
 
 namespace keel {
 

@@ -17,13 +17,13 @@
 #include <tuple>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "common/config.h"
 #include "common/file.h"
 #include "keel/local_group.hpp"
 #include "keel/version.hpp"
 #include "kernels/checksum.h"
 #include "kernels/device.h"
-#include "comm/communicator.h"
 #include "monitor/metrics.h"
 #include "monitor/trace.h"
 #include "tools/commands.h"

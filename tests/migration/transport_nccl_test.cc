@@ -8,8 +8,8 @@
 #include <random>
 #include <thread>
 
-#include "keel/version.hpp"
 #include "comm/communicator.h"
+#include "keel/version.hpp"
 #include "migration/transport_factory.h"
 #include "migration/transport_local.h"
 
