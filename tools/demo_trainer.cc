@@ -97,6 +97,8 @@ class RankTrainer {
   // Device memory: the host copies of the slots follow and feed the registered device buffers.
   enum Region { kWeights, kGradients, kOptimizer };
   Status SetUpMemory();
+  // The host copy of a slot's region (kOptimizer: persistent slots only) and its size.
+  std::pair<std::byte*, size_t> HostRegion(int layer, int local_slot, Region region);
   Status Download(int layer, int local_slot, Region region);
   Status Upload(int layer, int local_slot, Region region);
   Status SyncForTiming() {
@@ -221,34 +223,32 @@ Status RankTrainer::SetUpMemory() {
   return Status::Ok();
 }
 
-// The host copy of a slot region and its size.
-std::pair<std::byte*, size_t> HostRegion(float* weights, int64_t* gradients, float* optimizer,
-                                         size_t weight_floats, int region) {
+std::pair<std::byte*, size_t> RankTrainer::HostRegion(int layer, int local_slot, Region region) {
   switch (region) {
-    case 0:
-      return {reinterpret_cast<std::byte*>(weights), weight_floats * sizeof(float)};
-    case 1:
-      return {reinterpret_cast<std::byte*>(gradients), weight_floats * sizeof(int64_t)};
-    default:
-      return {reinterpret_cast<std::byte*>(optimizer), 2 * weight_floats * sizeof(float)};
+    case kWeights:
+      return {reinterpret_cast<std::byte*>(Weights(layer, local_slot)),
+              weight_floats_ * sizeof(float)};
+    case kGradients:
+      return {reinterpret_cast<std::byte*>(Gradients(layer, local_slot)),
+              weight_floats_ * sizeof(int64_t)};
+    case kOptimizer:
+      break;
   }
+  return {reinterpret_cast<std::byte*>(Optimizer(layer, local_slot)),
+          2 * weight_floats_ * sizeof(float)};
 }
 
 Status RankTrainer::Download(int layer, int local_slot, Region region) {
   const std::byte* device = device_buffers_[SlotIndex(layer, local_slot) * 3 + region];
   if (device == nullptr) return Status::Ok();
-  const auto [host, bytes] = HostRegion(
-      Weights(layer, local_slot), Gradients(layer, local_slot),
-      region == kOptimizer ? Optimizer(layer, local_slot) : nullptr, weight_floats_, region);
+  const auto [host, bytes] = HostRegion(layer, local_slot, region);
   return device_->Copy(host, device, bytes);
 }
 
 Status RankTrainer::Upload(int layer, int local_slot, Region region) {
   std::byte* device = device_buffers_[SlotIndex(layer, local_slot) * 3 + region];
   if (device == nullptr) return Status::Ok();
-  const auto [host, bytes] = HostRegion(
-      Weights(layer, local_slot), Gradients(layer, local_slot),
-      region == kOptimizer ? Optimizer(layer, local_slot) : nullptr, weight_floats_, region);
+  const auto [host, bytes] = HostRegion(layer, local_slot, region);
   return device_->Copy(device, host, bytes);
 }
 
