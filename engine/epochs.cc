@@ -118,8 +118,9 @@ void Engine::Impl::StartPlanner() {
     }
     std::vector<Placement> placements;
     if (status.ok()) {
-      for (std::optional<Placement>& placement : planned)
+      for (std::optional<Placement>& placement : planned) {
         placements.push_back(std::move(*placement));
+      }
     }
     planned_ = std::move(placements);
     planner_status_ = status;
