@@ -199,8 +199,6 @@ Status CheckStructSize(std::string_view name, size_t struct_size, size_t v1_size
   return Status::Ok();
 }
 
-size_t GradientElementBytes(GradientType type) { return type == GradientType::kFloat32 ? 4 : 8; }
-
 // The config that options name: YAML text, a file, or the defaults sized to the communicator.
 Result<KeelConfig> ReadConfig(const keel_engine_options_t& options, int comm_size) {
   if (options.config_yaml != nullptr && options.config_path != nullptr) {

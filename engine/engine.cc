@@ -13,10 +13,6 @@
 namespace keel {
 namespace {
 
-size_t GradientElementBytes(GradientType type) {
-  return type == GradientType::kFloat32 ? sizeof(float) : sizeof(double);
-}
-
 // The config the options name: one of config, config_yaml, config_path, or the defaults sized to
 // the communicator.
 Result<KeelConfig> ResolveConfig(const EngineOptions& options, int num_ranks) {

@@ -23,21 +23,21 @@ void AddElements(std::byte* acc, const std::byte* source, int64_t count) {
 
 }  // namespace
 
-Status AddInto(AddType type, void* acc, const void* source, int64_t num_bytes) {
+Status AddInto(GradientType type, void* acc, const void* source, int64_t num_bytes) {
   KEEL_RETURN_IF_ERROR(CheckNonNegative("num_bytes", num_bytes));
-  const int64_t count = num_bytes / AddTypeBytes(type);
+  const int64_t count = num_bytes / static_cast<int64_t>(GradientElementBytes(type));
   KEEL_RETURN_IF_ERROR(CheckPointer("acc", acc, count));
   KEEL_RETURN_IF_ERROR(CheckPointer("source", source, count));
   auto* a = static_cast<std::byte*>(acc);
   const auto* s = static_cast<const std::byte*>(source);
   switch (type) {
-    case AddType::kFloat32:
+    case GradientType::kFloat32:
       AddElements<float>(a, s, count);
       break;
-    case AddType::kFloat64:
+    case GradientType::kFloat64:
       AddElements<double>(a, s, count);
       break;
-    case AddType::kInt64:  // unsigned: wraps instead of overflowing
+    case GradientType::kFixedInt64:  // unsigned: wraps instead of overflowing
       AddElements<uint64_t>(a, s, count);
       break;
   }

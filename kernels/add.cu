@@ -42,23 +42,23 @@ Status CheckAligned(const char* name, const void* pointer, int64_t alignment) {
 
 }  // namespace
 
-Status AddInto(AddType type, void* acc, const void* source, int64_t num_bytes, Stream stream) {
+Status AddInto(GradientType type, void* acc, const void* source, int64_t num_bytes, Stream stream) {
   KEEL_RETURN_IF_ERROR(CheckNonNegative("num_bytes", num_bytes));
-  const int64_t element = AddTypeBytes(type);
+  const int64_t element = static_cast<int64_t>(GradientElementBytes(type));
   const int64_t count = num_bytes / element;
   KEEL_RETURN_IF_ERROR(CheckPointer("acc", acc, count));
   KEEL_RETURN_IF_ERROR(CheckPointer("source", source, count));
   KEEL_RETURN_IF_ERROR(CheckAligned("acc", acc, element));
   KEEL_RETURN_IF_ERROR(CheckAligned("source", source, element));
   switch (type) {
-    case AddType::kFloat32:
+    case GradientType::kFloat32:
       return Launch<float>(acc, source, count, stream);
-    case AddType::kFloat64:
+    case GradientType::kFloat64:
       return Launch<double>(acc, source, count, stream);
-    case AddType::kInt64:
+    case GradientType::kFixedInt64:
       return Launch<unsigned long long>(acc, source, count, stream);
   }
-  return InvalidArgument("type is not an AddType");
+  return InvalidArgument("type is not a GradientType");
 }
 
 }  // namespace keel::kernels::gpu

@@ -49,8 +49,7 @@ class HostMemory final : public DeviceMemory {
   }
   Result<uint64_t> StartAdd(GradientType type, std::byte* acc, const std::byte* source,
                             size_t bytes) override {
-    KEEL_RETURN_IF_ERROR(
-        kernels::cpu::AddInto(kernels::AddTypeOf(type), acc, source, static_cast<int64_t>(bytes)));
+    KEEL_RETURN_IF_ERROR(kernels::cpu::AddInto(type, acc, source, static_cast<int64_t>(bytes)));
     return started_++;
   }
   Result<uint64_t> CompletedCopies() override { return started_.load(); }

@@ -92,8 +92,8 @@ class CudaDeviceMemory final : public DeviceMemory {
     std::lock_guard<std::mutex> lock(mutex_);
     KEEL_RETURN_IF_ERROR(failure_);
     KEEL_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    KEEL_RETURN_IF_ERROR(kernels::gpu::AddInto(kernels::AddTypeOf(type), acc, source,
-                                               static_cast<int64_t>(bytes), stream_->get()));
+    KEEL_RETURN_IF_ERROR(
+        kernels::gpu::AddInto(type, acc, source, static_cast<int64_t>(bytes), stream_->get()));
     return RecordLocked();
   }
 

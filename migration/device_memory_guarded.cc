@@ -83,8 +83,7 @@ class GuardedHostMemory final : public DeviceMemory {
     std::lock_guard<std::mutex> lock(mutex_);
     KEEL_ASSIGN_OR_RETURN(std::byte * to, Translate(acc, bytes, "acc", true));
     KEEL_ASSIGN_OR_RETURN(std::byte * from, Translate(source, bytes, "source", true));
-    KEEL_RETURN_IF_ERROR(
-        kernels::cpu::AddInto(kernels::AddTypeOf(type), to, from, static_cast<int64_t>(bytes)));
+    KEEL_RETURN_IF_ERROR(kernels::cpu::AddInto(type, to, from, static_cast<int64_t>(bytes)));
     return started_++;
   }
 

@@ -21,6 +21,11 @@ namespace keel {
 // 2^64) is order-independent too: training is then bitwise identical under every placement.
 enum class GradientType { kFloat32, kFloat64, kFixedInt64 };
 
+// Bytes of one gradient element of `type`.
+constexpr size_t GradientElementBytes(GradientType type) {
+  return type == GradientType::kFloat32 ? 4 : 8;
+}
+
 class DeviceMemory {
  public:
   virtual ~DeviceMemory() = default;

@@ -15,7 +15,7 @@ namespace {
 TEST(AddIntoTest, AddsFloat32ElementsRoundingEachOnce) {
   std::vector<float> acc = {1.0f, 1e8f, -0.0f, 0.5f};
   const std::vector<float> source = {2.0f, 1.0f, 0.0f, -0.25f};
-  ASSERT_TRUE(cpu::AddInto(AddType::kFloat32, acc.data(), source.data(), 16).ok());
+  ASSERT_TRUE(cpu::AddInto(GradientType::kFloat32, acc.data(), source.data(), 16).ok());
   EXPECT_EQ(acc, (std::vector<float>{3.0f, 1e8f + 1.0f, 0.0f, 0.25f}));
   EXPECT_FALSE(std::signbit(acc[2])) << "-0 + 0 is +0";
 }
@@ -23,12 +23,12 @@ TEST(AddIntoTest, AddsFloat32ElementsRoundingEachOnce) {
 TEST(AddIntoTest, AddsFloat64AndWrapsInt64) {
   std::vector<double> acc = {1.0, 1e-300};
   const std::vector<double> source = {1e-16, 1e-300};
-  ASSERT_TRUE(cpu::AddInto(AddType::kFloat64, acc.data(), source.data(), 16).ok());
+  ASSERT_TRUE(cpu::AddInto(GradientType::kFloat64, acc.data(), source.data(), 16).ok());
   EXPECT_EQ(acc, (std::vector<double>{1.0 + 1e-16, 2e-300}));
 
   std::vector<int64_t> fixed = {std::numeric_limits<int64_t>::max(), -5};
   const std::vector<int64_t> more = {1, 7};
-  ASSERT_TRUE(cpu::AddInto(AddType::kInt64, fixed.data(), more.data(), 16).ok());
+  ASSERT_TRUE(cpu::AddInto(GradientType::kFixedInt64, fixed.data(), more.data(), 16).ok());
   EXPECT_EQ(fixed, (std::vector<int64_t>{std::numeric_limits<int64_t>::min(), 2}));
 }
 
@@ -40,7 +40,7 @@ TEST(AddIntoTest, UnalignedBuffersAndTrailingBytes) {
   const float b[2] = {0.25f, 4.0f};
   std::memcpy(acc.data() + 1, a, sizeof(a));
   std::memcpy(source.data() + 3, b, sizeof(b));
-  ASSERT_TRUE(cpu::AddInto(AddType::kFloat32, acc.data() + 1, source.data() + 3, 11).ok());
+  ASSERT_TRUE(cpu::AddInto(GradientType::kFloat32, acc.data() + 1, source.data() + 3, 11).ok());
   float sum[2];
   std::memcpy(sum, acc.data() + 1, sizeof(sum));
   EXPECT_EQ(sum[0], 1.75f);
@@ -50,11 +50,11 @@ TEST(AddIntoTest, UnalignedBuffersAndTrailingBytes) {
 
 TEST(AddIntoTest, RejectsNullAndNegativeSizesNamingThem) {
   std::vector<double> acc(2);
-  Status status = cpu::AddInto(AddType::kFloat64, acc.data(), nullptr, 16);
+  Status status = cpu::AddInto(GradientType::kFloat64, acc.data(), nullptr, 16);
   EXPECT_NE(status.message().find("source is null"), std::string::npos) << status.ToString();
-  status = cpu::AddInto(AddType::kFloat64, acc.data(), acc.data(), -8);
+  status = cpu::AddInto(GradientType::kFloat64, acc.data(), acc.data(), -8);
   EXPECT_NE(status.message().find("num_bytes"), std::string::npos) << status.ToString();
-  EXPECT_TRUE(cpu::AddInto(AddType::kFloat64, nullptr, nullptr, 0).ok());
+  EXPECT_TRUE(cpu::AddInto(GradientType::kFloat64, nullptr, nullptr, 0).ok());
 }
 
 }  // namespace

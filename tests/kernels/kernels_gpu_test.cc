@@ -647,7 +647,7 @@ TEST(KernelsGpuTest, SlotChecksumsMatchCpu) {
 // ---- Gradient sums
 
 template <typename T>
-void CheckAddInto(AddType type, const std::vector<T>& acc, const std::vector<T>& source,
+void CheckAddInto(GradientType type, const std::vector<T>& acc, const std::vector<T>& source,
                   const CudaStream& stream) {
   std::vector<T> want = acc;
   ASSERT_OK(cpu::AddInto(type, want.data(), source.data(),
@@ -679,9 +679,9 @@ TEST(KernelsGpuTest, AddIntoMatchesCpu) {
       i_acc[i] = rng();
       i_source[i] = rng();
     }
-    CheckAddInto(AddType::kFloat32, f_acc, f_source, stream);
-    CheckAddInto(AddType::kFloat64, d_acc, d_source, stream);
-    CheckAddInto(AddType::kInt64, i_acc, i_source, stream);
+    CheckAddInto(GradientType::kFloat32, f_acc, f_source, stream);
+    CheckAddInto(GradientType::kFloat64, d_acc, d_source, stream);
+    CheckAddInto(GradientType::kFixedInt64, i_acc, i_source, stream);
   }
 }
 

@@ -40,7 +40,7 @@ void ExpectCopiesAddsAndChecksums(DeviceMemory& memory) {
   ASSERT_TRUE(memory.Add(GradientType::kFloat64, x, y, bytes).ok());
 
   std::vector<double> want = a;
-  ASSERT_TRUE(kernels::cpu::AddInto(kernels::AddType::kFloat64, want.data(), b.data(),
+  ASSERT_TRUE(kernels::cpu::AddInto(GradientType::kFloat64, want.data(), b.data(),
                                     static_cast<int64_t>(bytes))
                   .ok());
   std::vector<double> got(kCount);

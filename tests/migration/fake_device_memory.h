@@ -193,7 +193,7 @@ class FakeDeviceMemory final : public DeviceMemory {
     if (!failure_.ok()) return;
     Unprotected open(*this, copy.destination, copy.source);
     if (copy.add.has_value()) {
-      failure_ = kernels::cpu::AddInto(kernels::AddTypeOf(*copy.add), copy.destination, copy.source,
+      failure_ = kernels::cpu::AddInto(*copy.add, copy.destination, copy.source,
                                        static_cast<int64_t>(copy.bytes));
     } else if (copy.bytes > 0) {
       std::memcpy(copy.destination, copy.source, copy.bytes);
