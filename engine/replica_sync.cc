@@ -58,7 +58,7 @@ Status Engine::Impl::ReduceGradients() {
     }
   }
   KEEL_RETURN_IF_ERROR(exchange_.Run(communicator_, *memory_));
-  KEEL_RETURN_IF_ERROR(exchange_.CopyReceivedToDevice(*memory_));
+  KEEL_RETURN_IF_ERROR(exchange_.ShareReceived(*memory_, on_device()));
 
   // Sum into zeroed scratch first: a home slot's own gradient buffer may still be another
   // expert's source until every sum of the layer is done.
@@ -84,7 +84,7 @@ Status Engine::Impl::ReduceGradients() {
     for_each_source(sums[i].layer, sums[i].expert, [&](int slot) {
       const int source_rank = RankOfPhysical(slot);
       const std::byte* data = source_rank == rank_ ? Gradients(sums[i].layer, LocalOfPhysical(slot))
-                                                   : exchange_.NextOnDevice(source_rank, bytes);
+                                                   : exchange_.NextForDevice(source_rank, bytes);
       Result<uint64_t> add = memory_->StartAdd(options_.shape.gradient_type, sum, data, bytes);
       if (add.ok()) {
         last = *add;

@@ -47,8 +47,13 @@ Status SlotExchange::Run(Communicator& communicator, DeviceMemory& memory) {
   return Status::Ok();
 }
 
-Status SlotExchange::CopyReceivedToDevice(DeviceMemory& memory) {
+Status SlotExchange::ShareReceived(DeviceMemory& memory, bool on_device) {
+  if (!on_device) {
+    shared_ = recv_.data();
+    return Status::Ok();
+  }
   KEEL_RETURN_IF_ERROR(received_on_device_.Reserve(memory, recv_.size()));
+  shared_ = received_on_device_.data();
   return memory.Copy(received_on_device_.data(), recv_.data(), recv_.size());
 }
 

@@ -54,12 +54,11 @@ class SlotExchange {
 
   // The next `size` bytes received from `peer`, in host memory.
   const std::byte* Next(int peer, size_t size) { return recv_.data() + Advance(peer, size); }
-  // Copies everything received into device memory of `memory`, for NextOnDevice.
-  Status CopyReceivedToDevice(DeviceMemory& memory);
-  // The next `size` bytes from `peer` in that device copy.
-  const std::byte* NextOnDevice(int peer, size_t size) {
-    return received_on_device_.data() + Advance(peer, size);
-  }
+  // Makes everything received readable by `memory`'s operations (NextForDevice): a copy in its
+  // device memory when `on_device`, else the received host bytes themselves.
+  Status ShareReceived(DeviceMemory& memory, bool on_device);
+  // The next `size` bytes from `peer`, where ShareReceived put them.
+  const std::byte* NextForDevice(int peer, size_t size) { return shared_ + Advance(peer, size); }
 
  private:
   struct Part {
@@ -80,6 +79,7 @@ class SlotExchange {
   std::vector<size_t> offset_;      // [peer] where its bytes start in recv_
   std::vector<size_t> consumed_;    // [peer] how many of them Next took
   DeviceBuffer received_on_device_;
+  const std::byte* shared_ = nullptr;  // recv_ or received_on_device_ (ShareReceived)
 };
 
 }  // namespace keel
