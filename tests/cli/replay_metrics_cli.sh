@@ -127,6 +127,7 @@ monitor:
   aggregating_rank: 0
 YAML
 start=$(date +%s)
+launched=$(date +%s.%N)
 "$keel" replay --trace synthetic --config "$work/config.yaml" --serve-metrics 127.0.0.1:0 \
   --pace 0.01 --loop --serve-seconds 3 --quiet >"$work/out" 2>"$work/err" &
 pid=$!
@@ -134,14 +135,18 @@ address="$(wait_for_address)" || fail "no 'serving metrics on' line (loop)"
 grep -q "policy eplb" "$work/err" || fail "serve-metrics did not use the config's policy"
 sleep 1
 scrape "$address" >"$work/metrics" || fail "scrape failed (loop)"
+scraped=$(date +%s.%N)
 promtool check metrics <"$work/metrics" >"$work/promtool" 2>&1 ||
   fail "promtool check metrics (loop): $(cat "$work/promtool")"
 experts=$(grep -c '^keel_expert_tokens_total{' "$work/metrics" || true)
 [[ "$experts" == 128 ]] || fail "expected 4 x 32 per-expert series, got $experts"
 steps=$(grep '^keel_steps_total ' "$work/metrics" | cut -d' ' -f2)
-# Paced at 10 ms per step, one second in is far short of the 200-step trace.
-python3 -c "import sys; s=float(sys.argv[1]); sys.exit(0 if 5 <= s < 190 else 1)" "$steps" ||
-  fail "pacing: $steps steps after 1 s at 0.01 s/step"
+# Paced at 10 ms per step, the replay cannot have run more steps than the time since launch
+# allows (one second in on an idle machine: about 100 of the 200-step trace; unpaced it loops
+# through thousands).
+seconds=$(python3 -c "import sys; print(float(sys.argv[1]) - float(sys.argv[2]))" "$scraped" "$launched")
+python3 -c "import sys; s, t = map(float, sys.argv[1:]); sys.exit(0 if 5 <= s <= t / 0.01 + 1 else 1)" \
+  "$steps" "$seconds" || fail "pacing: $steps steps in $seconds s at 0.01 s/step"
 wait "$pid" || fail "looping replay exited with $?"
 pid=""
 elapsed=$(($(date +%s) - start))
