@@ -22,6 +22,8 @@
 #include <variant>
 #include <vector>
 
+#include "common/policy_names.h"
+
 namespace keel {
 
 namespace {
@@ -36,8 +38,6 @@ constexpr std::string_view kPerExpertModes[] = {"off", "aggregated"};
 constexpr std::string_view kTransportNames[] = {"local", "ucx", "nccl"};
 constexpr std::string_view kNcclHostTransportNames[] = {"ucx", "local"};
 
-constexpr std::string_view kPolicyNames[] = {"static",   "eplb",      "flexmoe",
-                                             "smartmoe", "fastermoe", "keel"};
 
 // Where a key's value lives inside a KeelConfig; the alternative is the key's type.
 using FieldRef = std::variant<int*, double*, bool*, std::string*, EstimatorKind*>;
@@ -52,6 +52,8 @@ struct ConfigKey {
   double max = kInf;
   bool max_exclusive = false;
   std::span<const std::string_view> choices = {};
+  // Allowed besides `choices`: names a program adds at run time (registered policies).
+  std::vector<std::string> (*added_choices)() = nullptr;
   std::string_view unit = {};
   std::string_view doc = {};
 };
@@ -115,10 +117,14 @@ constexpr ConfigKey kConfigKeys[] = {
     {KEEL_CONFIG_FIELD(estimator.window_steps), .min = 1, .unit = "steps",
      .doc = "Steps averaged by the window estimator."},
     // policy
-    {KEEL_CONFIG_FIELD(policy.name), .choices = kPolicyNames,
+    {KEEL_CONFIG_FIELD(policy.name), .choices = kBuiltinPolicyNames,
+     .added_choices = AddedPolicyNames,
      .doc = "Placement policy: static (contiguous, never changes), eplb (DeepSeek EPLB), "
-            "flexmoe, smartmoe, fastermoe, or keel (migration-aware incremental placement with "
-            "transient replicas)."},
+            "flexmoe, smartmoe, fastermoe, velb (Megatron's per-step virtual experts), lplb "
+            "(EPLB plus a per-step LP over the replicas), swiftmoe (parameters move, optimizer "
+            "state stays), trtllm (EPLB a few layers at a time), keel (migration-aware "
+            "incremental placement with transient replicas), or a policy the program registered "
+            "(keel::RegisterPolicy)."},
     {KEEL_CONFIG_FIELD(policy.replan_interval_steps), .min = 1, .unit = "steps",
      .doc = "Steps between two placement plans."},
     {KEEL_CONFIG_FIELD(policy.eplb.num_groups), .min = 0,
@@ -135,6 +141,9 @@ constexpr ConfigKey kConfigKeys[] = {
             "rank."},
     {KEEL_CONFIG_FIELD(policy.fastermoe.max_shadowed_experts), .min = 0,
      .doc = "Hottest experts FasterMoE considers each step for shadowing (a copy on every rank)."},
+    {KEEL_CONFIG_FIELD(policy.trtllm.layer_updates_per_iter), .min = 1, .unit = "layers",
+     .doc = "Layers that adopt their new EPLB placement at each replan, in turn; the others keep "
+            "theirs until their turn comes."},
     {KEEL_CONFIG_FIELD(policy.keel.transient_replicas),
      .doc = "Fill the transient slots each step with replicas of experts that burst beyond their "
             "placement."},
@@ -214,6 +223,7 @@ constexpr ConfigSection kConfigSections[] = {
     {"policy.flexmoe", "FlexMoE: expand, shrink and migrate experts when the balance drops."},
     {"policy.smartmoe", "SmartMoE: swaps experts between ranks, chosen from a candidate pool."},
     {"policy.fastermoe", "FasterMoE: shadows the hottest experts on every rank, step by step."},
+    {"policy.trtllm", "TensorRT-LLM's online EPLB: EPLB placements adopted a few layers at a time."},
     {"policy.keel",
      "Keel: incremental placement that pays for its moves, plus transient replicas for bursts."},
     {"monitor", "Telemetry: load monitor, Prometheus exporter and trace recorder."},
@@ -391,7 +401,14 @@ std::string ChoiceProblem(const ConfigKey& key, std::string_view value) {
   for (std::string_view choice : key.choices) {
     if (choice == value) return "";
   }
-  return "is not allowed (must be one of " + ChoicesText(key, "") + ")";
+  std::string allowed = ChoicesText(key, "");
+  if (key.added_choices != nullptr) {
+    for (const std::string& choice : key.added_choices()) {
+      if (choice == value) return "";
+      allowed += ", " + choice;
+    }
+  }
+  return "is not allowed (must be one of " + allowed + ")";
 }
 
 // ---------------------------------------------------------------------------------------------

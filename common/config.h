@@ -65,6 +65,10 @@ struct FasterMoeConfig {
   int max_shadowed_experts = 4;  // hottest experts considered for broadcast each step
 };
 
+struct TrtllmConfig {
+  int layer_updates_per_iter = 1;  // layers that adopt their new EPLB placement per replan
+};
+
 struct KeelPolicyConfig {
   bool transient_replicas = true;
   int max_moves_per_replan = 4;          // persistent slots changed per layer per replan, at most
@@ -73,12 +77,15 @@ struct KeelPolicyConfig {
 };
 
 struct PolicyConfig {
-  std::string name = "keel";  // static | eplb | flexmoe | smartmoe | fastermoe | keel
+  // static | eplb | flexmoe | smartmoe | fastermoe | velb | lplb | swiftmoe | trtllm | keel, or a
+  // registered policy's name (keel/policy.hpp)
+  std::string name = "keel";
   int replan_interval_steps = 1;
   EplbConfig eplb;
   FlexMoeConfig flexmoe;
   SmartMoeConfig smartmoe;
   FasterMoeConfig fastermoe;
+  TrtllmConfig trtllm;
   KeelPolicyConfig keel;
 };
 

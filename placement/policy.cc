@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <string>
 
+#include "common/policy_names.h"
+
 namespace keel {
 
 Result<PolicyContext> PolicyContext::FromConfig(const KeelConfig& config, int num_layers,
@@ -67,17 +69,10 @@ Result<StepRouting> Policy::Route(int /*layer*/, const Placement& placement, con
   return RouteEvenly(placement, load);
 }
 
-const std::vector<std::string>& PolicyNames() {
-  static const std::vector<std::string> kNames = {"static",   "eplb",      "flexmoe",
-                                                  "smartmoe", "fastermoe", "keel"};
-  return kNames;
-}
-
 Status CheckPolicyName(std::string_view name) {
-  const auto& names = PolicyNames();
-  if (std::find(names.begin(), names.end(), name) != names.end()) return Status::Ok();
+  if (IsPolicyName(name)) return Status::Ok();
   std::string known;
-  for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
+  for (const auto& n : PolicyNames()) known += (known.empty() ? "" : ", ") + n;
   return InvalidArgument("unknown policy '" + std::string(name) + "' (known: " + known + ")");
 }
 
@@ -88,10 +83,14 @@ Result<std::unique_ptr<Policy>> MakePolicy(std::string_view name, const PolicyCo
   if (name == "flexmoe") policy = MakeFlexMoePolicy(context);
   if (name == "smartmoe") policy = MakeSmartMoePolicy(context);
   if (name == "fastermoe") policy = MakeFasterMoePolicy(context);
+  if (name == "velb") policy = MakeVelbPolicy(context);
+  if (name == "lplb") policy = MakeLplbPolicy(context);
+  if (name == "swiftmoe") policy = MakeSwiftMoePolicy(context);
+  if (name == "trtllm") policy = MakeTrtllmPolicy(context);
   if (name == "keel") policy = MakeKeelPolicy(context);
   if (policy) return policy;
   KEEL_RETURN_IF_ERROR(CheckPolicyName(name));
-  return Internal("policy '" + std::string(name) + "' has no factory");
+  return MakeRegisteredPolicy(name, context);
 }
 
 }  // namespace keel

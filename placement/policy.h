@@ -77,7 +77,8 @@ class Policy {
   PolicyContext context_;
 };
 
-// PolicyNames() (keel/plan.hpp): the names MakePolicy accepts, in the order reports list them.
+// PolicyNames() (keel/plan.hpp): the names MakePolicy accepts, in the order reports list them:
+// the built-in policies (common/policy_names.h), then the registered ones (keel/policy.hpp).
 
 // OK when `name` is in PolicyNames(); otherwise an InvalidArgument that lists the known ones.
 Status CheckPolicyName(std::string_view name);
@@ -85,12 +86,21 @@ Status CheckPolicyName(std::string_view name);
 // Builds the policy called `name` (see PolicyNames); an unknown name fails as CheckPolicyName.
 Result<std::unique_ptr<Policy>> MakePolicy(std::string_view name, const PolicyContext& context);
 
+// Builds a policy added with keel::RegisterPolicy (registered_policy.cc); NotFound for a name
+// that was not registered.
+Result<std::unique_ptr<Policy>> MakeRegisteredPolicy(std::string_view name,
+                                                     const PolicyContext& context);
+
 // Policy factories, one per file.
 std::unique_ptr<Policy> MakeStaticPolicy(const PolicyContext& context);
 std::unique_ptr<Policy> MakeEplbPolicy(const PolicyContext& context);
 std::unique_ptr<Policy> MakeFlexMoePolicy(const PolicyContext& context);
 std::unique_ptr<Policy> MakeSmartMoePolicy(const PolicyContext& context);
 std::unique_ptr<Policy> MakeFasterMoePolicy(const PolicyContext& context);
+std::unique_ptr<Policy> MakeVelbPolicy(const PolicyContext& context);
+std::unique_ptr<Policy> MakeLplbPolicy(const PolicyContext& context);
+std::unique_ptr<Policy> MakeSwiftMoePolicy(const PolicyContext& context);
+std::unique_ptr<Policy> MakeTrtllmPolicy(const PolicyContext& context);
 std::unique_ptr<Policy> MakeKeelPolicy(const PolicyContext& context);
 
 }  // namespace keel

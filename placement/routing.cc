@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <numeric>
+#include <string>
+#include <utility>
 
 namespace keel {
 
@@ -86,6 +88,76 @@ StepRouting RouteWithShadows(const Placement& placement, const StepLoad& load,
       }
       routing.transients.push_back({e, g, placement.home(e)});
       routing.transient_tokens.push_back(tokens);
+    }
+  }
+  return routing;
+}
+
+Result<StepRouting> RouteInProportion(const Placement& placement, const StepLoad& load,
+                                      std::span<const double> slot_quota,
+                                      std::vector<TransientReplica> transients,
+                                      std::span<const double> transient_quota) {
+  if (static_cast<int>(slot_quota.size()) != placement.num_slots()) {
+    return InvalidArgument("slot_quota has " + std::to_string(slot_quota.size()) +
+                           " entries, expected num_slots " +
+                           std::to_string(placement.num_slots()));
+  }
+  if (transient_quota.size() != transients.size()) {
+    return InvalidArgument("transient_quota has " + std::to_string(transient_quota.size()) +
+                           " entries for " + std::to_string(transients.size()) + " transients");
+  }
+  if (load.num_experts != placement.num_experts()) {
+    return InvalidArgument("load has " + std::to_string(load.num_experts) + " experts, expected " +
+                           std::to_string(placement.num_experts()));
+  }
+  StepRouting routing = EmptyRouting(placement);
+  // Each expert's copies as (rank, quota, where its tokens are added).
+  struct Copy {
+    int rank;
+    double quota;
+    double* tokens;
+    bool persistent;
+  };
+  std::vector<std::vector<Copy>> copies(load.num_experts);
+  for (int e = 0; e < load.num_experts; ++e) {
+    for (int slot : placement.copies(e)) {
+      if (!(slot_quota[slot] >= 0)) {
+        return InvalidArgument("slot_quota[" + std::to_string(slot) + "] is negative");
+      }
+      copies[e].push_back(
+          {placement.rank_of_slot(slot), slot_quota[slot], &routing.slot_tokens[slot], true});
+    }
+  }
+  routing.transients = std::move(transients);
+  routing.transient_tokens.assign(routing.transients.size(), 0.0);
+  for (size_t i = 0; i < routing.transients.size(); ++i) {
+    const TransientReplica& t = routing.transients[i];
+    if (t.expert < 0 || t.expert >= load.num_experts || t.rank < 0 ||
+        t.rank >= routing.num_ranks || !(transient_quota[i] >= 0)) {
+      return InvalidArgument("transient " + std::to_string(i) + " (expert " +
+                             std::to_string(t.expert) + ", rank " + std::to_string(t.rank) +
+                             ") is out of range or has a negative quota");
+    }
+    copies[t.expert].push_back({t.rank, transient_quota[i], &routing.transient_tokens[i], false});
+  }
+  for (int e = 0; e < load.num_experts; ++e) {
+    double total = 0;
+    for (const Copy& copy : copies[e]) total += copy.quota;
+    if (total == 0) {
+      // No quota anywhere: the persistent copies share evenly.
+      for (Copy& copy : copies[e]) copy.quota = copy.persistent ? 1.0 : 0.0;
+      total = static_cast<double>(placement.copies(e).size());
+    }
+    for (int s = 0; s < load.num_sources; ++s) {
+      const double tokens = load.at(s, e);
+      if (tokens == 0) continue;
+      const int source = s % routing.num_ranks;
+      for (const Copy& copy : copies[e]) {
+        const double share = tokens * (copy.quota / total);
+        *copy.tokens += share;
+        routing.rank_tokens[copy.rank] += share;
+        routing.sent_tokens[static_cast<size_t>(source) * routing.num_ranks + copy.rank] += share;
+      }
     }
   }
   return routing;

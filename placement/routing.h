@@ -68,6 +68,16 @@ StepRouting RouteEvenly(const Placement& placement, const StepLoad& load);
 StepRouting RouteWithShadows(const Placement& placement, const StepLoad& load,
                              const std::vector<int>& shadowed);
 
+// Each source splits its tokens of an expert among the expert's copies in proportion to the
+// copies' quotas: `slot_quota` [num_slots] for the persistent slots, `transient_quota`
+// [transients.size()] for this step's transient replicas. An expert whose copies have no quota
+// splits evenly among its persistent copies. Quotas need not sum to the load: only their
+// proportions count. InvalidArgument for sizes that disagree or a negative quota.
+Result<StepRouting> RouteInProportion(const Placement& placement, const StepLoad& load,
+                                      std::span<const double> slot_quota,
+                                      std::vector<TransientReplica> transients = {},
+                                      std::span<const double> transient_quota = {});
+
 // Keel's per-step planner. Quotas: the integer split of each expert's tokens among its copies
 // that minimizes the max rank load (exact), with locality first when sources are assigned to
 // copies: same rank, then same node, then the rest. Transient replicas (at most

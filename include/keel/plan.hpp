@@ -12,9 +12,10 @@
 
 namespace keel {
 
-// The placement policies of this library, by name: static, eplb, flexmoe, smartmoe, fastermoe,
-// keel (docs/policies.md).
-const std::vector<std::string>& PolicyNames();
+// The placement policies by name: the built-in ones (static, eplb, flexmoe, smartmoe, fastermoe,
+// velb, lplb, swiftmoe, trtllm, keel; docs/policies.md), then those added with
+// keel::RegisterPolicy (keel/policy.hpp) in the order they were added.
+std::vector<std::string> PolicyNames();
 
 struct PlanRequest {
   std::string policy = "eplb";  // one of PolicyNames()

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs the build tree into a fresh prefix, then configures, builds and runs the consumer of
-# tests/install/consumer against that prefix alone (find_package(Keel)).
+# tests/install/consumer and the custom policy of examples/custom_policy against that prefix alone
+# (find_package(Keel)). The custom policy must appear in its replay report and balance better
+# than the static placement.
 # Usage: install_consumer.sh BUILD_DIR
 set -euo pipefail
 build=$1
@@ -21,3 +23,20 @@ cmake -S "$here/consumer" -B "$work/build" -DCMAKE_PREFIX_PATH="$work/prefix" \
       >"$work/configure.log" 2>&1 || { cat "$work/configure.log"; exit 1; }
 cmake --build "$work/build" -j 2
 "$work/build/consumer"
+
+# A policy of one's own, registered by name outside Keel's sources.
+cmake -S "$here/../../examples/custom_policy" -B "$work/custom" -DCMAKE_PREFIX_PATH="$work/prefix" \
+      >"$work/custom-configure.log" 2>&1 || { cat "$work/custom-configure.log"; exit 1; }
+cmake --build "$work/custom" -j 2
+"$work/custom/custom_policy" >"$work/report.json"
+python3 - "$work/report.json" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+policies = report["policies"]
+assert report["policy_order"] == ["static", "eplb", "hot_copies", "keel"], report["policy_order"]
+mine, static = policies["hot_copies"], policies["static"]
+assert mine["layer_replans"] > 0, mine
+assert mine["imbalance"]["mean"] < 0.8 * static["imbalance"]["mean"], (mine["imbalance"], static["imbalance"])
+assert mine["moved_homes_total"] == 0, "hot_copies keeps every home"
+print("custom policy: imbalance mean %.3f (static %.3f)" % (mine["imbalance"]["mean"], static["imbalance"]["mean"]))
+PY

@@ -45,7 +45,7 @@ TEST(PolicyContextTest, ErrorsNameTheBadSlotValue) {
 namespace keel {
 namespace {
 
-// common/ cannot see placement/, so the config's allowed policy names are a second list: every
+// common/ cannot see placement/, so the config checks names against common/policy_names.h: every
 // name MakePolicy knows must parse, and an unknown name's error must list them all.
 TEST(PolicyContextTest, CheckPolicyNameListsTheKnownNames) {
   for (const std::string& name : PolicyNames()) EXPECT_TRUE(CheckPolicyName(name).ok()) << name;
@@ -53,7 +53,8 @@ TEST(PolicyContextTest, CheckPolicyNameListsTheKnownNames) {
   ASSERT_FALSE(unknown.ok());
   EXPECT_EQ(
       unknown.message(),
-      "unknown policy 'roundrobin' (known: static, eplb, flexmoe, smartmoe, fastermoe, keel)");
+      "unknown policy 'roundrobin' (known: static, eplb, flexmoe, smartmoe, fastermoe, velb, lplb, "
+      "swiftmoe, trtllm, keel)");
   auto made = MakePolicy("roundrobin", PolicyContext::FromConfig(KeelConfig{}, 1, 8).value());
   ASSERT_FALSE(made.ok());
   EXPECT_EQ(made.status().message(), unknown.message());

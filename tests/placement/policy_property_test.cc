@@ -292,8 +292,14 @@ TEST_P(PolicyPropertyTest, InvariantsHoldOverRandomLoads) {
           placement_b[layer] = *next_b;
         }
         const Placement& p = placement_a[layer];
-        if (name == "static" || name == "fastermoe") {
+        if (name == "static" || name == "fastermoe" || name == "velb") {
           EXPECT_EQ(p, initial[layer]) << name << " changed its placement";
+        }
+        if (name == "swiftmoe") {
+          EXPECT_EQ(p.home(), initial[layer].home()) << "swiftmoe moved an optimizer home";
+        }
+        if (name == "lplb") {
+          EXPECT_LE(p.max_copies(), 2) << "lplb gave an expert more than one redundant copy";
         }
         if (name == "smartmoe") {
           EXPECT_EQ(p.max_copies(), 1) << "smartmoe created a replica";
