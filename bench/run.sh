@@ -11,7 +11,7 @@ traces=${KEEL_SHARED_TRACES:-$root/../shared/traces}
 mkdir -p "$out"
 keel=$build/bin/keel
 
-for bench in eplb_bench keel_policy_bench quota_bench monitor_bench migration_bench; do
+for bench in eplb_bench keel_policy_bench balancers_bench quota_bench monitor_bench migration_bench; do
   echo "== $bench"
   "$build/bin/$bench" --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
     --benchmark_out="$out/$bench.json" --benchmark_out_format=json

@@ -35,6 +35,7 @@ constexpr std::string_view kEstimatorKindNames[] = {"last", "window", "ema"};
 static_assert(std::size(kEstimatorKindNames) == static_cast<size_t>(EstimatorKind::kEma) + 1);
 
 constexpr std::string_view kPerExpertModes[] = {"off", "aggregated"};
+constexpr std::string_view kLplbSolverNames[] = {"quota", "glpk"};
 constexpr std::string_view kTransportNames[] = {"local", "ucx", "nccl"};
 constexpr std::string_view kNcclHostTransportNames[] = {"ucx", "local"};
 
@@ -141,6 +142,10 @@ constexpr ConfigKey kConfigKeys[] = {
             "rank."},
     {KEEL_CONFIG_FIELD(policy.fastermoe.max_shadowed_experts), .min = 0,
      .doc = "Hottest experts FasterMoE considers each step for shadowing (a copy on every rank)."},
+    {KEEL_CONFIG_FIELD(policy.lplb.solver), .choices = kLplbSolverNames,
+     .doc = "Who solves LPLB's per-step linear program: quota (Keel's exact quota solver, whole "
+            "tokens: the LP optimum rounded up, and fast) or glpk (GLPK's simplex, the LP "
+            "library's exact optimum in fractions of tokens)."},
     {KEEL_CONFIG_FIELD(policy.trtllm.layer_updates_per_iter), .min = 1, .unit = "layers",
      .doc = "Layers that adopt their new EPLB placement at each replan, in turn; the others keep "
             "theirs until their turn comes."},
@@ -223,6 +228,7 @@ constexpr ConfigSection kConfigSections[] = {
     {"policy.flexmoe", "FlexMoE: expand, shrink and migrate experts when the balance drops."},
     {"policy.smartmoe", "SmartMoE: swaps experts between ranks, chosen from a candidate pool."},
     {"policy.fastermoe", "FasterMoE: shadows the hottest experts on every rank, step by step."},
+    {"policy.lplb", "DeepSeek LPLB: EPLB packing, paired redundant experts, a per-step LP."},
     {"policy.trtllm", "TensorRT-LLM's online EPLB: EPLB placements adopted a few layers at a time."},
     {"policy.keel",
      "Keel: incremental placement that pays for its moves, plus transient replicas for bursts."},

@@ -65,6 +65,10 @@ struct FasterMoeConfig {
   int max_shadowed_experts = 4;  // hottest experts considered for broadcast each step
 };
 
+struct LplbConfig {
+  std::string solver = "quota";  // quota | glpk: who solves the per-step linear program
+};
+
 struct TrtllmConfig {
   int layer_updates_per_iter = 1;  // layers that adopt their new EPLB placement per replan
 };
@@ -85,6 +89,7 @@ struct PolicyConfig {
   FlexMoeConfig flexmoe;
   SmartMoeConfig smartmoe;
   FasterMoeConfig fastermoe;
+  LplbConfig lplb;
   TrtllmConfig trtllm;
   KeelPolicyConfig keel;
 };

@@ -140,7 +140,8 @@ int RunPlan(int argc, char** argv) {
                    "  \"timing\": {\"median_seconds\": s}}; an empty slot is -1 in phy2log.\n"
                    "Errors print {\"error\": \"...\"} and exit 2 (bad input) or 1.");
   flags.Add("policy", "NAME", &policy_name,
-            "policy: static, eplb, flexmoe, smartmoe, fastermoe or keel; eplb calls DeepSeek's "
+            "policy: static, eplb, flexmoe, smartmoe, fastermoe, velb, lplb, swiftmoe, trtllm or "
+            "keel; eplb calls DeepSeek's "
             "algorithm directly, the others plan on a num_nodes x (num_gpus/num_nodes) topology "
             "with num_replicas/num_gpus slots per GPU");
   flags.Add("input", "FILE", &input_path, "input JSON ('-' reads stdin)",

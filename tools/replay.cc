@@ -493,6 +493,8 @@ nlohmann::json ReplayReportToJson(const ReplayReport& report, bool include_serie
          {{"candidate_pool_size", c.policy.smartmoe.candidate_pool_size},
           {"stickiness", c.policy.smartmoe.stickiness}}},
         {"fastermoe", {{"max_shadowed_experts", c.policy.fastermoe.max_shadowed_experts}}},
+        {"lplb", {{"solver", c.policy.lplb.solver}}},
+        {"trtllm", {{"layer_updates_per_iter", c.policy.trtllm.layer_updates_per_iter}}},
         {"keel",
          {{"transient_replicas", c.policy.keel.transient_replicas},
           {"max_moves_per_replan", c.policy.keel.max_moves_per_replan},

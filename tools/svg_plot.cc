@@ -55,9 +55,13 @@ std::string PolicyColor(std::string_view name, size_t index) {
   if (name == "flexmoe") return "#f28e2b";
   if (name == "smartmoe") return "#59a14f";
   if (name == "fastermoe") return "#b07aa1";
+  if (name == "velb") return "#76b7b2";
+  if (name == "lplb") return "#edc948";
+  if (name == "swiftmoe") return "#9c755f";
+  if (name == "trtllm") return "#ff9da7";
   if (name == "keel") return "#e15759";
-  static constexpr std::array<const char*, 4> kOthers = {"#76b7b2", "#edc948", "#9c755f",
-                                                         "#ff9da7"};
+  static constexpr std::array<const char*, 4> kOthers = {"#17becf", "#bcbd22", "#7f7f7f",
+                                                         "#1f77b4"};
   return kOthers[index % kOthers.size()];
 }
 

@@ -63,7 +63,8 @@ expect 0 defaults "$keel" config --defaults
 cp "$work/defaults.out" "$work/defaults.yaml"
 expect 0 defaults_check "$keel" config --check "$work/defaults.yaml"
 [[ $(cat "$work/defaults_check.out") == ok ]] || fail "defaults do not pass --check"
-for section in topology slots cost_model estimator policy eplb flexmoe smartmoe fastermoe keel; do
+for section in topology slots cost_model estimator policy eplb flexmoe smartmoe fastermoe lplb \
+               trtllm keel; do
   grep -qE "^ *$section:$" "$work/defaults.yaml" || fail "defaults lack the section $section"
 done
 

@@ -53,7 +53,7 @@ for layer, hottest in ((0, 10), (1, 5)):
 PY
 
 # Every policy accepts the same input and answers with consistent EPLB shapes.
-for policy in static eplb flexmoe smartmoe fastermoe keel; do
+for policy in static eplb flexmoe smartmoe fastermoe velb lplb swiftmoe trtllm keel; do
   "$keel" plan --policy "$policy" --input "$work/in.json" >"$work/$policy.json" \
     || fail "policy $policy failed: $(cat "$work/$policy.json")"
   python3 - "$work/$policy.json" "$policy" <<'PY' || fail "policy $policy: bad output shape"

@@ -23,7 +23,8 @@ if ls "$work"/*.tmp.* >/dev/null 2>&1; then fail "temporary files left behind"; 
 python3 - "$work/report.json" <<'PY' || fail "report is incomplete"
 import json, sys
 r = json.load(open(sys.argv[1]))
-names = ["static", "eplb", "flexmoe", "smartmoe", "fastermoe", "keel"]
+names = ["static", "eplb", "flexmoe", "smartmoe", "fastermoe", "velb", "lplb", "swiftmoe",
+         "trtllm", "keel"]
 assert r["mode"] == "causal" and r["policy_order"] == names, r["policy_order"]
 assert r["config"]["num_ranks"] == 8, r["config"]
 for name in names:

@@ -123,7 +123,7 @@ TEST(ConfigTest, BadEnumValueListsAllowedValues) {
                "must be one of last, window, ema"});
   ExpectError("\npolicy:\n  name: deepspeed\n",
               {"configs/x.yaml:3: policy.name: deepspeed",
-               "static, eplb, flexmoe, smartmoe, fastermoe, keel"});
+               "static, eplb, flexmoe, smartmoe, fastermoe, velb, lplb, swiftmoe, trtllm, keel"});
 }
 
 TEST(ConfigTest, UnknownKeysNameTheFullPathAndTheValidKeys) {
@@ -137,7 +137,8 @@ TEST(ConfigTest, UnknownKeysNameTheFullPathAndTheValidKeys) {
                "valid keys in 'policy.flexmoe': balance_ratio_trigger, max_actions_per_replan"});
   ExpectError("policy:\n  keel:\n    transient_replicas: true\n  deepep: {}\n",
               {"configs/x.yaml:4: unknown key 'policy.deepep'",
-               "name, replan_interval_steps, eplb, flexmoe, smartmoe, fastermoe, keel"});
+               "name, replan_interval_steps, eplb, flexmoe, smartmoe, fastermoe, lplb, trtllm, "
+               "keel"});
   ExpectError("topologies:\n  num_nodes: 2\n",
               {"configs/x.yaml:1: unknown key 'topologies'", "did you mean 'topology'",
                "valid top-level keys: topology, slots, cost_model, estimator, policy"});

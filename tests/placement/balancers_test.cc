@@ -218,12 +218,21 @@ TEST(LplbTest, RedundantSlotsCopyTheHottestExpertOfTheNextRankInTheNode) {
     }
     EXPECT_EQ(next->expert_at(r * 3 + 2), hottest) << "rank " << r;
   }
-  // The step's LP puts the hot expert's tokens where they balance best.
+  // The step's LP puts the hot expert's tokens where they balance best: in whole tokens by
+  // default (the optimum rounded up), exactly with GLPK.
   auto step = StepLoad::FromExpertCounts(4, load);
+  auto lp = SolveLpBalance(*next, load);
+  ASSERT_TRUE(lp.ok());
   auto routing = lplb->Route(0, *next, *step);
   ASSERT_TRUE(routing.ok()) << routing.status().ToString();
-  auto lp = SolveLpBalance(*next, load);
-  EXPECT_NEAR(routing->max_rank_tokens(), lp->max_rank_tokens, 1e-6);
+  EXPECT_EQ(routing->max_rank_tokens(), std::ceil(lp->max_rank_tokens - 1e-7));
+
+  KeelConfig glpk_config = SmallConfig(1, 4, 3, 0);
+  glpk_config.policy.lplb.solver = "glpk";
+  auto glpk = Make("lplb", PolicyContext::FromConfig(glpk_config, 1, 8).value());
+  auto exact = glpk->Route(0, *next, *step);
+  ASSERT_TRUE(exact.ok()) << exact.status().ToString();
+  EXPECT_NEAR(exact->max_rank_tokens(), lp->max_rank_tokens, 1e-6);
 }
 
 }  // namespace

@@ -136,7 +136,8 @@ def load_config(path: str) -> Config:
 
 
 def policy_names() -> List[str]:
-    """The placement policies: static, eplb, flexmoe, smartmoe, fastermoe, keel."""
+    """The placement policies: static, eplb, flexmoe, smartmoe, fastermoe, velb, lplb, swiftmoe,
+    trtllm, keel, then any registered in C++ with keel::RegisterPolicy."""
     return list(_keel.policy_names())
 
 
