@@ -103,7 +103,8 @@ Status RegisterPolicy(PolicyRegistration registration) {
   if (!AddPolicyName(name)) {
     return InvalidArgument("PolicyRegistration.name '" + name + "' is already a policy's name");
   }
-  Registry().emplace(name, std::move(registration));
+  std::string key = name;
+  Registry().emplace(std::move(key), std::move(registration));
   return Status::Ok();
 }
 

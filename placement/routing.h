@@ -80,7 +80,8 @@ Result<StepRouting> RouteInProportion(const Placement& placement, const StepLoad
 
 // Keel's per-step planner. Quotas: the integer split of each expert's tokens among its copies
 // that minimizes the max rank load (exact), with locality first when sources are assigned to
-// copies: same rank, then same node, then the rest. Transient replicas (at most
+// copies: same rank, then same node (levelled, so that the traffic between nodes spreads evenly
+// over sources and copies), then the rest. Transient replicas (at most
 // transient_per_rank per rank, never on a rank that already holds the expert): added greedily for
 // the hottest experts while the cost model predicts that the layer gets faster.
 struct QuotaPlanOptions {

@@ -1,6 +1,7 @@
 // Keel's per-step planner: the exact quota split (quota_solver.h), the locality-first assignment
-// of source ranks to the copies it fills, and greedy transient replicas kept only while the cost
-// model says the layer gets faster. StepPlanner keeps its buffers between steps; PlanStepQuotas
+// of source ranks to the copies it fills (within a node levelled, so that the traffic between
+// nodes spreads evenly), and greedy transient replicas kept only while the cost model says the
+// layer gets faster. StepPlanner keeps its buffers between steps; PlanStepQuotas
 // runs a fresh one.
 #include "placement/step_planner.h"
 
@@ -396,6 +397,70 @@ Status ValidateTopologyAndOptions(const Placement& placement, const Topology& to
   return Status::Ok();
 }
 
+// What each of `count` sources (remaining[sources[k]] tokens each) gives so that min(open, all
+// they have) tokens come from them and what they keep is as even as possible: the richest give
+// first, down to a common level L with sum of max(0, remaining - L) = open. What a source keeps
+// goes to other nodes next, over the slowest links, and the cost model prices the busiest of
+// them, so the level keeps that peak as low as it can be. With whole numbers L is whole and the
+// few tokens left over come one each from the sources at the level, in source order. Writes
+// gives[k]; `order` is scratch.
+void LevelGives(const double* remaining, const int* sources, int count, double open, bool whole,
+                std::vector<int>& order, double* gives) {
+  if (count == 1) {
+    gives[0] = std::min(remaining[sources[0]], open);
+    return;
+  }
+  double total = 0;
+  for (int k = 0; k < count; ++k) total += remaining[sources[k]];
+  if (total <= open) {
+    for (int k = 0; k < count; ++k) gives[k] = remaining[sources[k]];
+    return;
+  }
+  // Richest first (ties: listed order); an insertion sort, as a node has a handful of sources.
+  order.resize(count);
+  for (int k = 0; k < count; ++k) {
+    int at = k;
+    while (at > 0 && remaining[sources[order[at - 1]]] < remaining[sources[k]]) {
+      order[at] = order[at - 1];
+      --at;
+    }
+    order[at] = k;
+  }
+  // With the richest j giving, the level is (their sum - open) / j, once no other source has
+  // more than that. Whole numbers compare without the division, so exactly.
+  double richest = 0;
+  int j = 1;
+  for (;; ++j) {
+    richest += remaining[sources[order[j - 1]]];
+    if (j == count) break;
+    const double next = remaining[sources[order[j]]];
+    if (whole ? next * j <= richest - open : next <= (richest - open) / j) break;
+  }
+  if (!whole) {
+    const double level = (richest - open) / j;
+    // Sums in another order can put the level a rounding error below zero: everything goes.
+    for (int k = 0; k < count; ++k) {
+      gives[k] = level > 0 ? std::max(0.0, remaining[sources[k]] - level) : remaining[sources[k]];
+    }
+    return;
+  }
+  // Whole tokens: the least whole level that gives no more than `open`, the ceiling of the exact
+  // one, and the tokens that this leaves over from the sources at the level.
+  const long long excess = std::llround(richest - open);
+  const double level = static_cast<double>(excess > 0 ? (excess + j - 1) / j : 0);
+  double extra = open;
+  for (int k = 0; k < count; ++k) {
+    gives[k] = std::max(0.0, remaining[sources[k]] - level);
+    extra -= gives[k];
+  }
+  for (int k = 0; k < count && extra > 0; ++k) {
+    if (level > 0 && remaining[sources[k]] >= level) {
+      gives[k] += 1;
+      extra -= 1;
+    }
+  }
+}
+
 }  // namespace
 
 bool NextTransient(const Placement& placement, const Topology& topology, QuotaSolver& solver,
@@ -579,9 +644,14 @@ class StepPlanner::Impl {
   // tokens of an expert on one rank enter its row of received tokens (its link sums on the fast
   // path) only with `single_row` (Assign has them from Scan).
   void AddExpert(int expert, const QuotaSplit& split, double sign, bool single_row, Draft& draft);
-  // Tokens of `expert` with copies on several ranks: local copies first, then copies on the same
-  // node, then the rest, each pass in copy order and ascending source order.
+  // Tokens of `expert` with copies on several ranks: local copies first (copy order), then each
+  // node's copies from that node's sources, levelled (LevelGives) so that what the sources keep
+  // and what the copies still need, both of which cross nodes next, are as even as they can be,
+  // then the rest in copy order and ascending source order.
   void AssignSpread(int expert, const QuotaSplit& split, double sign, Draft& draft);
+  // The copies [begin, begin + count) of the solver with room[i] > 0, as indices i, by node
+  // (ties: copy order): the same-node pass of the two Assign functions goes node by node.
+  void ByNode(int begin, int count, const double* room, std::vector<int>& by_node) const;
   // AssignSpread on the fast path: the same shares, found per copy instead of per source, and
   // the link sums. Every copy gets its whole quota (the quotas add up to the expert's total), so
   // the slot and rank sums take the quotas at once.
@@ -684,7 +754,13 @@ class StepPlanner::Impl {
   std::vector<double> remaining_;  // [num_sources] tokens of the current expert still unsent
   std::vector<double> room_;       // [copies of the current expert] quota still open
   std::vector<int> kept_;          // scratch of AddSingles
-  std::vector<int> node_cursor_;   // [num_nodes] scratch of AssignSpreadWholeRows
+  // Scratch of the same-node pass of AssignSpread and AssignSpreadWholeRows (LevelGives).
+  std::vector<int> node_sources_;
+  std::vector<int> node_copies_;
+  std::vector<int> copy_nodes_;
+  std::vector<double> gives_;
+  std::vector<double> takes_;
+  std::vector<int> level_order_;
   QuotaSolver solver_;
   QuotaSplit split_;
   QuotaSplit trial_split_;
@@ -721,7 +797,6 @@ void StepPlanner::Impl::Bind(const Placement& placement, int num_sources) {
   source_quads_ = num_sources == num_ranks_ && num_sources % 4 == 0;
   node_of_.resize(num_ranks_);
   for (int r = 0; r < num_ranks_; ++r) node_of_[r] = topology_.node_of(r);
-  node_cursor_.resize(topology_.num_nodes());
 
   std::vector<int> single_rank(num_experts_);  // the one rank holding the expert, else -1
   rank_single_begin_.assign(num_ranks_ + 1, 0);
@@ -899,6 +974,19 @@ void StepPlanner::Impl::AddSingleLinks(int expert, int rank, double sign, double
                     links);
 }
 
+void StepPlanner::Impl::ByNode(int begin, int count, const double* room,
+                               std::vector<int>& by_node) const {
+  by_node.clear();
+  for (int i = 0; i < count; ++i) {
+    if (!(room[i] > 0)) continue;
+    const int node = node_of_[solver_.copy_rank(begin + i)];
+    // Insertion keeps copy order among copies of one node; an expert has a handful of copies.
+    auto at = by_node.end();
+    while (at != by_node.begin() && node_of_[solver_.copy_rank(begin + *(at - 1))] > node) --at;
+    by_node.insert(at, i);
+  }
+}
+
 void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double sign,
                                      Draft& draft) {
   const int num_slots = num_slots_;
@@ -1018,18 +1106,51 @@ void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double
     open(i);
     for (int s = rank; s < num_sources; s += num_ranks) take(s);
   }
-  // Same node.
+  // Same node, node by node: what the node's sources can give its copies flows so that both the
+  // sources' leftovers (sent to other nodes next) and the copies' open quotas (received from
+  // other nodes next) end level (LevelGives); the copies then take their share from the sources
+  // in order.
   const int per_node = topology_.gpus_per_node();
-  for (int i = 0; i < count; ++i) {
-    if (copy_room[i] <= 0 && i != open_copy) continue;
-    open(i);
-    const int first = topology_.node_of(rank) * per_node;
-    if (quads && per_node % 4 == 0) {
-      for (int s = first; s < first + per_node; s += 4) take_quad(s);
-      continue;
+  close();  // copy_room[] is read below
+  ByNode(begin, count, copy_room, copy_nodes_);
+  for (size_t run = 0; run < copy_nodes_.size();) {
+    const int node = topology_.node_of(solver.copy_rank(begin + copy_nodes_[run]));
+    node_copies_.clear();
+    for (; run < copy_nodes_.size() &&
+           topology_.node_of(solver.copy_rank(begin + copy_nodes_[run])) == node;
+         ++run) {
+      node_copies_.push_back(copy_nodes_[run]);
     }
-    for (int r = first; r < first + per_node; ++r) {
-      for (int s = r; s < num_sources; s += num_ranks) take(s);
+    node_sources_.clear();
+    for (int r = node * per_node; r < (node + 1) * per_node; ++r) {
+      for (int s = r; s < num_sources; s += num_ranks) node_sources_.push_back(s);
+    }
+    const int copies = static_cast<int>(node_copies_.size());
+    const int listed = static_cast<int>(node_sources_.size());
+    double supply = 0;
+    double demand = 0;
+    for (int s : node_sources_) supply += remaining[s];
+    for (int i : node_copies_) demand += copy_room[i];
+    const double flow = std::min(supply, demand);
+    gives_.resize(listed);
+    takes_.resize(copies);
+    LevelGives(remaining, node_sources_.data(), listed, flow, whole_, level_order_, gives_.data());
+    LevelGives(copy_room, node_copies_.data(), copies, flow, whole_, level_order_, takes_.data());
+    int k = 0;
+    for (int c = 0; c < copies; ++c) {
+      open(node_copies_[c]);
+      double want = std::min(takes_[c], room);
+      while (want > 0 && k < listed) {
+        const double tokens = std::min(want, gives_[k]);
+        if (tokens > 0) {
+          want -= tokens;
+          gives_[k] -= tokens;
+          room -= tokens;
+          remaining[node_sources_[k]] -= tokens;
+          send(node_sources_[k], tokens);
+        }
+        if (gives_[k] <= 0) ++k;
+      }
     }
   }
   // The rest, in source order; rounding dust goes to the copy last used. Each source comes up
@@ -1156,26 +1277,55 @@ void StepPlanner::Impl::AssignSpreadWholeRows(int expert, const QuotaSplit& spli
     }
     room[i] = open;
   }
-  // Same node, in source order. A node's sources before its cursor have nothing left (copies
-  // before on that node took it), so each copy starts there, where the last one stopped.
+  // Same node, node by node: what the node's sources can give its copies flows so that both the
+  // sources' leftovers (sent to other nodes next) and the copies' open quotas (received from
+  // other nodes next) end level (LevelGives); the copies then take their share from the sources
+  // in order.
   const int per_node = topology_.gpus_per_node();
-  int* cursor = node_cursor_.data();
-  std::fill(cursor, cursor + node_cursor_.size(), -1);
-  for (int i = 0; i < count; ++i) {
-    if (room[i] <= 0) continue;
-    select(i);
-    const int first = node * per_node;
-    const int last = std::min(first + per_node, num_ranks);
-    near = 0;
-    int s = cursor[node] < 0 ? first : cursor[node];
-    for (; s < last; ++s) {
-      const double tokens = std::min(remaining[s], open);
-      if (tokens > 0) give_near(s, tokens);
-      if (open <= 0) break;  // s may have tokens left
+  ByNode(begin, count, room, copy_nodes_);
+  for (size_t run = 0; run < copy_nodes_.size();) {
+    const int node = node_of[solver.copy_rank(begin + copy_nodes_[run])];
+    node_copies_.clear();
+    for (; run < copy_nodes_.size() && node_of[solver.copy_rank(begin + copy_nodes_[run])] == node;
+         ++run) {
+      node_copies_.push_back(copy_nodes_[run]);
     }
-    cursor[node] = s;
-    from_node[rank] += sign * near;
-    room[i] = open;
+    const int first = node * per_node;
+    const int listed = std::min(first + per_node, num_ranks) - first;
+    node_sources_.resize(listed);
+    double supply = 0;
+    for (int k = 0; k < listed; ++k) {
+      node_sources_[k] = first + k;
+      supply += remaining[first + k];
+    }
+    double demand = 0;
+    for (int i : node_copies_) demand += room[i];
+    const double flow = std::min(supply, demand);
+    const int copies = static_cast<int>(node_copies_.size());
+    gives_.resize(listed);
+    takes_.resize(copies);
+    LevelGives(remaining, node_sources_.data(), listed, flow, /*whole=*/true, level_order_,
+               gives_.data());
+    LevelGives(room, node_copies_.data(), copies, flow, /*whole=*/true, level_order_,
+               takes_.data());
+    int k = 0;
+    for (int c = 0; c < copies; ++c) {
+      const int i = node_copies_[c];
+      select(i);
+      near = 0;
+      double want = takes_[c];
+      while (want > 0 && k < listed) {
+        const double tokens = std::min(want, gives_[k]);
+        if (tokens > 0) {
+          want -= tokens;
+          gives_[k] -= tokens;
+          give_near(first + k, tokens);
+        }
+        if (gives_[k] <= 0) ++k;
+      }
+      from_node[rank] += sign * near;
+      room[i] = open;
+    }
   }
   // The rest: sources in order fill copies in order, as AssignSpread's last pass does. The
   // quotas left add up to what the sources have left, so nothing is left over. A copy with

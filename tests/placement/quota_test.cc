@@ -566,6 +566,43 @@ TEST(PlanStepQuotasTest, PrefersSameNodeCopyWhenLocalQuotaIsFull) {
   EXPECT_DOUBLE_EQ(r->sent_tokens[2], 10.0);
 }
 
+TEST(PlanStepQuotasTest, ANodesSourcesAndCopiesLevelWhatCrossesNodes) {
+  // Two nodes of four ranks; expert 0 alone. Worked by hand from the levelled same-node pass.
+  const Topology topo = MakeTopology(2, 4);
+  const CostModel cost(topo, CostModelConfig{});
+  auto sent = [](const StepRouting& r, int from, int to) { return r.sent_tokens[from * 8 + to]; };
+
+  // Copies on ranks 3 and 7, quotas 9 and 9; sources 0 and 1 (node 0) send 12 and 6. Rank 3's 9
+  // come from them down to a common level (8 and 1, keeping 4 and 5), not 9 from source 0 alone
+  // (which would leave source 0 with 3 and source 1 with 6 for the other node).
+  Placement p = MakePlacement(1, 8, {kEmptySlot, kEmptySlot, kEmptySlot, 0, kEmptySlot,
+                                     kEmptySlot, kEmptySlot, 0});
+  auto load = StepLoad::FromTraffic(8, 1, {12, 6, 0, 0, 0, 0, 0, 0});
+  ASSERT_TRUE(load.ok());
+  auto r = PlanStepQuotas(p, *load, topo, cost, {});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ExpectConsistent(p, *load, *r);
+  EXPECT_EQ(sent(*r, 0, 3), 8.0);
+  EXPECT_EQ(sent(*r, 1, 3), 1.0);
+  EXPECT_EQ(sent(*r, 0, 7), 4.0);
+  EXPECT_EQ(sent(*r, 1, 7), 5.0);
+
+  // Copies on ranks 0, 6 and 7, quotas 10 each; source 1 (node 0) sends 21, source 4 (node 1) 9.
+  // Node 1's 9 tokens go to its two copies so that what they still need is level (5 and 4,
+  // leaving 5 and 6 to come from node 0), not 9 to rank 6 and 10 from node 0 to rank 7.
+  p = MakePlacement(1, 8, {0, kEmptySlot, kEmptySlot, kEmptySlot, kEmptySlot, kEmptySlot, 0, 0});
+  load = StepLoad::FromTraffic(8, 1, {0, 21, 0, 0, 9, 0, 0, 0});
+  ASSERT_TRUE(load.ok());
+  r = PlanStepQuotas(p, *load, topo, cost, {});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ExpectConsistent(p, *load, *r);
+  EXPECT_EQ(sent(*r, 1, 0), 10.0);
+  EXPECT_EQ(sent(*r, 4, 6), 5.0);
+  EXPECT_EQ(sent(*r, 4, 7), 4.0);
+  EXPECT_EQ(sent(*r, 1, 6), 5.0);
+  EXPECT_EQ(sent(*r, 1, 7), 6.0);
+}
+
 TEST(PlanStepQuotasTest, ManySourcesMapRoundRobin) {
   Placement p = MakePlacement(2, 2, {0, 1});
   auto load = StepLoad::FromTraffic(4, 2, {1, 2, 3, 4, 5, 6, 7, 8});
