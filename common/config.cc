@@ -39,7 +39,6 @@ constexpr std::string_view kLplbSolverNames[] = {"quota", "glpk"};
 constexpr std::string_view kTransportNames[] = {"local", "ucx", "nccl"};
 constexpr std::string_view kNcclHostTransportNames[] = {"ucx", "local"};
 
-
 // Where a key's value lives inside a KeelConfig; the alternative is the key's type.
 using FieldRef = std::variant<int*, double*, bool*, std::string*, EstimatorKind*>;
 
@@ -147,8 +146,8 @@ constexpr ConfigKey kConfigKeys[] = {
             "tokens: the LP optimum rounded up, and fast) or glpk (GLPK's simplex, the LP "
             "library's exact optimum in fractions of tokens)."},
     {KEEL_CONFIG_FIELD(policy.trtllm.layer_updates_per_iter), .min = 1, .unit = "layers",
-     .doc = "Layers that adopt their new EPLB placement at each replan, in turn; the others keep "
-            "theirs until their turn comes."},
+     .doc = "Layers that adopt a new placement at each replan, in turn; the others keep theirs "
+            "until their turn comes."},
     {KEEL_CONFIG_FIELD(policy.keel.transient_replicas),
      .doc = "Fill the transient slots each step with replicas of experts that burst beyond their "
             "placement."},
@@ -229,7 +228,7 @@ constexpr ConfigSection kConfigSections[] = {
     {"policy.smartmoe", "SmartMoE: swaps experts between ranks, chosen from a candidate pool."},
     {"policy.fastermoe", "FasterMoE: shadows the hottest experts on every rank, step by step."},
     {"policy.lplb", "DeepSeek LPLB: EPLB packing, paired redundant experts, a per-step LP."},
-    {"policy.trtllm", "TensorRT-LLM's online EPLB: EPLB placements adopted a few layers at a time."},
+    {"policy.trtllm", "TensorRT-LLM's online balancer: new placements, a few layers at a time."},
     {"policy.keel",
      "Keel: incremental placement that pays for its moves, plus transient replicas for bursts."},
     {"monitor", "Telemetry: load monitor, Prometheus exporter and trace recorder."},

@@ -11,8 +11,8 @@ namespace keel {
 
 // The built-in policies, in the order reports list them (docs/policies.md).
 inline constexpr std::string_view kBuiltinPolicyNames[] = {
-    "static", "eplb", "flexmoe", "smartmoe", "fastermoe",
-    "velb",   "lplb", "swiftmoe", "trtllm",  "keel"};
+    "static", "eplb", "flexmoe",  "smartmoe", "fastermoe",
+    "velb",   "lplb", "swiftmoe", "trtllm",   "keel"};
 
 // Adds a registered policy's name; false (nothing added) when the name is already known.
 // Thread-safe.

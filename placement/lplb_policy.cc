@@ -99,7 +99,8 @@ Result<std::vector<int>> LplbPolicy::Plan(std::span<const double> load) const {
   } else {
     KEEL_ASSIGN_OR_RETURN(Placement blocks, Placement::Contiguous(num_experts, num_ranks, natives));
     for (int slot = 0; slot < blocks.num_slots(); ++slot) {
-      if (blocks.expert_at(slot) != kEmptySlot) own[blocks.rank_of_slot(slot)].push_back(blocks.expert_at(slot));
+      if (blocks.expert_at(slot) != kEmptySlot)
+        own[blocks.rank_of_slot(slot)].push_back(blocks.expert_at(slot));
     }
   }
 

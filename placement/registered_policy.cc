@@ -114,7 +114,8 @@ Result<std::unique_ptr<Policy>> MakeRegisteredPolicy(std::string_view name,
   {
     std::lock_guard<std::mutex> lock(RegistryMutex());
     auto it = Registry().find(name);
-    if (it == Registry().end()) return NotFound("no policy registered as '" + std::string(name) + "'");
+    if (it == Registry().end())
+      return NotFound("no policy registered as '" + std::string(name) + "'");
     registration = it->second;
   }
   PolicyShape shape;

@@ -99,8 +99,7 @@ Result<StepRouting> RouteInProportion(const Placement& placement, const StepLoad
                                       std::span<const double> transient_quota) {
   if (static_cast<int>(slot_quota.size()) != placement.num_slots()) {
     return InvalidArgument("slot_quota has " + std::to_string(slot_quota.size()) +
-                           " entries, expected num_slots " +
-                           std::to_string(placement.num_slots()));
+                           " entries, expected num_slots " + std::to_string(placement.num_slots()));
   }
   if (transient_quota.size() != transients.size()) {
     return InvalidArgument("transient_quota has " + std::to_string(transient_quota.size()) +
@@ -132,8 +131,8 @@ Result<StepRouting> RouteInProportion(const Placement& placement, const StepLoad
   routing.transient_tokens.assign(routing.transients.size(), 0.0);
   for (size_t i = 0; i < routing.transients.size(); ++i) {
     const TransientReplica& t = routing.transients[i];
-    if (t.expert < 0 || t.expert >= load.num_experts || t.rank < 0 ||
-        t.rank >= routing.num_ranks || !(transient_quota[i] >= 0)) {
+    if (t.expert < 0 || t.expert >= load.num_experts || t.rank < 0 || t.rank >= routing.num_ranks ||
+        !(transient_quota[i] >= 0)) {
       return InvalidArgument("transient " + std::to_string(i) + " (expert " +
                              std::to_string(t.expert) + ", rank " + std::to_string(t.rank) +
                              ") is out of range or has a negative quota");

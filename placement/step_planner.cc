@@ -692,6 +692,14 @@ class StepPlanner::Impl {
   bool Recorded(int source_rank, int rank) const {
     return shares_of_rank_ < 0 || source_rank == shares_of_rank_ || rank == shares_of_rank_;
   }
+  // After a candidate transient `first` (the last of transients_) that leaves the max rank load
+  // where it was: adds the next candidate too, and keeps both when together they lower the max
+  // rank load and the predicted time below `best_seconds` (then updated, with best_, split_ and
+  // the slots taken). Returns whether it kept them; solver_ then holds both either way, as after
+  // any candidate that ends the search.
+  bool TakePair(const Placement& placement, std::span<const long long> tokens,
+                const QuotaPlanOptions& options, const TransientReplica& first,
+                double& best_seconds);
   // The cost model's layer time for `draft` with `transients`; from its link sums on the fast
   // path.
   double Seconds(const Draft& draft, std::span<const TransientReplica> transients) const;
@@ -764,6 +772,7 @@ class StepPlanner::Impl {
   QuotaSolver solver_;
   QuotaSplit split_;
   QuotaSplit trial_split_;
+  QuotaSplit pair_split_;  // TakePair's
   std::vector<TransientReplica> transients_;
   int excluded_expert_ = -1;  // see CopyEnd
   std::vector<int> transients_on_rank_;
@@ -1559,6 +1568,36 @@ double StepPlanner::Impl::FloorSeconds() const {
       .total_seconds();
 }
 
+bool StepPlanner::Impl::TakePair(const Placement& placement, std::span<const long long> tokens,
+                                 const QuotaPlanOptions& options, const TransientReplica& first,
+                                 double& best_seconds) {
+  ++transients_on_rank_[first.rank];
+  TransientReplica second;
+  if (!NextTransient(placement, topology_, solver_, tokens, transients_on_rank_,
+                     options.transient_per_rank, holds_, second)) {
+    --transients_on_rank_[first.rank];
+    return false;
+  }
+  transients_.push_back(second);
+  solver_.AddCopy(placement, transients_, pair_split_);
+  if (pair_split_.max_rank_tokens >= split_.max_rank_tokens) {
+    --transients_on_rank_[first.rank];
+    return false;
+  }
+  // Both copies change the routing: a routing of their own, priced as a whole.
+  Assign(transients_.size(), pair_split_, trial_);
+  const double seconds = Seconds(trial_, transients_);
+  if (!(seconds < best_seconds)) {
+    --transients_on_rank_[first.rank];
+    return false;
+  }
+  std::swap(best_, trial_);
+  std::swap(split_, pair_split_);
+  ++transients_on_rank_[second.rank];
+  best_seconds = seconds;
+  return true;
+}
+
 void StepPlanner::Impl::PatchBest(int expert) {
   const bool record_shares = record_shares_;
   // Only the rows of ranks that hold a patched expert change (on the fast path the rows hold
@@ -1752,7 +1791,8 @@ Status StepPlanner::Impl::Route(const Placement& placement, const QuotaPlanOptio
   Assign(0, split_, best_);
 
   // Greedy transients: each must lower the max rank load and the cost model's predicted layer
-  // time; the first candidate that does not ends the search. The baseline is priced once a
+  // time (or, where one alone leaves the max where it is, together with the next: TakePair); the
+  // first candidate that does not ends the search. The baseline is priced once a
   // candidate gets that far, else at the end. Each candidate re-solves from the previous flow.
   size_t accepted = 0;
   double best_seconds = -1;
@@ -1763,10 +1803,17 @@ Status StepPlanner::Impl::Route(const Placement& placement, const QuotaPlanOptio
                          options.transient_per_rank, holds_, next)) {
       transients_.push_back(next);
       solver_.AddCopy(placement, transients_, trial_split_);
-      if (trial_split_.max_rank_tokens >= split_.max_rank_tokens) break;
-      if (best_seconds < 0) {
+      if (best_seconds < 0 && trial_split_.max_rank_tokens <= split_.max_rank_tokens) {
         if (sync_seconds_ < 0) sync_seconds_ = cost_.ReplicaSyncSeconds(placement);
         best_seconds = Seconds(best_, {transients_.data(), accepted});
+      }
+      if (trial_split_.max_rank_tokens > split_.max_rank_tokens) break;
+      if (trial_split_.max_rank_tokens == split_.max_rank_tokens) {
+        // A plateau (two ranks tie at the top, say): one copy cannot lower the max, but it and
+        // the next one together may.
+        if (!TakePair(placement, tokens, options, next, best_seconds)) break;
+        accepted = transients_.size();
+        continue;
       }
       // On the fast path the candidate patches best_ in place (undone if it does not pay),
       // otherwise it gets a routing of its own.

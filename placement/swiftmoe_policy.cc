@@ -54,8 +54,7 @@ Result<Placement> SwiftMoePolicy::Replan(const LayerView& view) {
     int best = -1;
     for (int e = 0; e < num_experts; ++e) {
       if (copies[e] >= num_ranks) continue;
-      if (best < 0 ||
-          view.expert_load[e] / copies[e] > view.expert_load[best] / copies[best]) {
+      if (best < 0 || view.expert_load[e] / copies[e] > view.expert_load[best] / copies[best]) {
         best = e;
       }
     }

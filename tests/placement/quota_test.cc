@@ -575,8 +575,8 @@ TEST(PlanStepQuotasTest, ANodesSourcesAndCopiesLevelWhatCrossesNodes) {
   // Copies on ranks 3 and 7, quotas 9 and 9; sources 0 and 1 (node 0) send 12 and 6. Rank 3's 9
   // come from them down to a common level (8 and 1, keeping 4 and 5), not 9 from source 0 alone
   // (which would leave source 0 with 3 and source 1 with 6 for the other node).
-  Placement p = MakePlacement(1, 8, {kEmptySlot, kEmptySlot, kEmptySlot, 0, kEmptySlot,
-                                     kEmptySlot, kEmptySlot, 0});
+  Placement p = MakePlacement(
+      1, 8, {kEmptySlot, kEmptySlot, kEmptySlot, 0, kEmptySlot, kEmptySlot, kEmptySlot, 0});
   auto load = StepLoad::FromTraffic(8, 1, {12, 6, 0, 0, 0, 0, 0, 0});
   ASSERT_TRUE(load.ok());
   auto r = PlanStepQuotas(p, *load, topo, cost, {});
@@ -667,6 +667,27 @@ TEST(PlanStepQuotasTest, AddsTransientsForHotExpertWhenTheyPay) {
   EXPECT_LT(r->max_rank_tokens(), none->max_rank_tokens());
   EXPECT_LT(cost.Estimate(c.placement, *r).total_seconds(),
             cost.Estimate(c.placement, *none).total_seconds());
+}
+
+TEST(PlanStepQuotasTest, TwoRanksTiedAtTheTopGetATransientEach) {
+  // Experts 0 and 1 (ranks 0 and 1) get 100 tokens each, experts 2 and 3 none. A transient of
+  // expert 0 alone leaves rank 1 at 100; with one of expert 1 beside it the busiest rank falls to
+  // 50. Before the pair was tried, the search stopped at the first copy and added none.
+  Placement p = MakePlacement(4, 4, {0, 1, 2, 3});
+  auto load = StepLoad::FromExpertCounts(4, std::vector<double>{100, 100, 0, 0});
+  ASSERT_TRUE(load.ok());
+  const Topology topo = MakeTopology(1, 4);
+  const CostModel cost(topo, SmallExperts());
+  auto r = PlanStepQuotas(p, *load, topo, cost, {.transient_per_rank = 1});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ExpectConsistent(p, *load, *r);
+  ASSERT_EQ(r->transients.size(), 2u);
+  EXPECT_EQ(r->transients[0].expert, 0);
+  EXPECT_EQ(r->transients[1].expert, 1);
+  EXPECT_EQ(r->max_rank_tokens(), 50.0);
+  auto none = PlanStepQuotas(p, *load, topo, cost, {});
+  ASSERT_TRUE(none.ok());
+  EXPECT_LT(cost.Estimate(p, *r).total_seconds(), cost.Estimate(p, *none).total_seconds());
 }
 
 TEST(PlanStepQuotasTest, NoTransientsWhenWeightsAreExpensive) {
