@@ -37,12 +37,7 @@ class LplbPolicy final : public Policy {
   }
 
   Result<Placement> Replan(const LayerView& view) override {
-    if (view.current == nullptr) return InvalidArgument("LayerView.current is null");
-    if (static_cast<int>(view.expert_load.size()) != context().num_experts) {
-      return InvalidArgument("expert_load has " + std::to_string(view.expert_load.size()) +
-                             " entries, expected num_experts " +
-                             std::to_string(context().num_experts));
-    }
+    KEEL_RETURN_IF_ERROR(CheckLayerView(view));
     KEEL_ASSIGN_OR_RETURN(std::vector<int> phy2log, Plan(view.expert_load));
     return Placement::CreateKeepingHomes(*view.current, std::move(phy2log));
   }

@@ -38,14 +38,20 @@ Result<PolicyContext> PolicyContext::FromConfig(const KeelConfig& config, int nu
       config.policy};
 }
 
-Result<StepLoad> ExpectedStepLoad(const LayerView& view) {
+Status CheckLayerView(const LayerView& view) {
   if (view.current == nullptr) return InvalidArgument("LayerView.current is null");
   const int num_experts = view.current->num_experts();
-  const int num_ranks = view.current->num_ranks();
   if (static_cast<int>(view.expert_load.size()) != num_experts) {
     return InvalidArgument("expert_load has " + std::to_string(view.expert_load.size()) +
                            " entries, expected num_experts " + std::to_string(num_experts));
   }
+  return Status::Ok();
+}
+
+Result<StepLoad> ExpectedStepLoad(const LayerView& view) {
+  KEEL_RETURN_IF_ERROR(CheckLayerView(view));
+  const int num_experts = view.current->num_experts();
+  const int num_ranks = view.current->num_ranks();
   if (view.traffic == nullptr || view.traffic->num_sources != num_ranks) {
     return StepLoad::FromExpertCounts(num_ranks, view.expert_load);
   }

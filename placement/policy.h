@@ -46,6 +46,10 @@ struct LayerView {
   bool fresh_start = false;
 };
 
+// OK when the view has its placement and one expected load per expert of it; otherwise an
+// InvalidArgument that says which is wrong.
+Status CheckLayerView(const LayerView& view);
+
 // The step a replan plans for: the estimated traffic matrix when it covers the placement's ranks,
 // otherwise the estimated per-expert totals sent evenly from every rank. Fails when the view is
 // missing its placement or its sizes disagree with it.

@@ -652,6 +652,11 @@ class StepPlanner::Impl {
   // The copies [begin, begin + count) of the solver with room[i] > 0, as indices i, by node
   // (ties: copy order): the same-node pass of the two Assign functions goes node by node.
   void ByNode(int begin, int count, const double* room, std::vector<int>& by_node) const;
+  // The same-node pass's flow for the node of copy copy_nodes_[run] (ByNode's order): that node's
+  // copies with room (node_copies_; `run` moves past them), its sources (node_sources_), and what
+  // each source gives (gives_) and each copy takes (takes_), both levelled (LevelGives) to the
+  // smaller of what the sources have left and what the copies still need.
+  void LevelNode(int begin, const double* room, const double* remaining, size_t& run);
   // AssignSpread on the fast path: the same shares, found per copy instead of per source, and
   // the link sums. Every copy gets its whole quota (the quotas add up to the expert's total), so
   // the slot and rank sums take the quotas at once.
@@ -996,6 +1001,32 @@ void StepPlanner::Impl::ByNode(int begin, int count, const double* room,
   }
 }
 
+void StepPlanner::Impl::LevelNode(int begin, const double* room, const double* remaining,
+                                  size_t& run) {
+  const int node = node_of_[solver_.copy_rank(begin + copy_nodes_[run])];
+  node_copies_.clear();
+  for (; run < copy_nodes_.size() && node_of_[solver_.copy_rank(begin + copy_nodes_[run])] == node;
+       ++run) {
+    node_copies_.push_back(copy_nodes_[run]);
+  }
+  const int per_node = topology_.gpus_per_node();
+  node_sources_.clear();
+  for (int r = node * per_node; r < (node + 1) * per_node; ++r) {
+    for (int s = r; s < num_sources_; s += num_ranks_) node_sources_.push_back(s);
+  }
+  double supply = 0;
+  double demand = 0;
+  for (int s : node_sources_) supply += remaining[s];
+  for (int i : node_copies_) demand += room[i];
+  const double flow = std::min(supply, demand);
+  gives_.resize(node_sources_.size());
+  takes_.resize(node_copies_.size());
+  LevelGives(remaining, node_sources_.data(), static_cast<int>(node_sources_.size()), flow, whole_,
+             level_order_, gives_.data());
+  LevelGives(room, node_copies_.data(), static_cast<int>(node_copies_.size()), flow, whole_,
+             level_order_, takes_.data());
+}
+
 void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double sign,
                                      Draft& draft) {
   const int num_slots = num_slots_;
@@ -1119,32 +1150,12 @@ void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double
   // sources' leftovers (sent to other nodes next) and the copies' open quotas (received from
   // other nodes next) end level (LevelGives); the copies then take their share from the sources
   // in order.
-  const int per_node = topology_.gpus_per_node();
   close();  // copy_room[] is read below
   ByNode(begin, count, copy_room, copy_nodes_);
   for (size_t run = 0; run < copy_nodes_.size();) {
-    const int node = topology_.node_of(solver.copy_rank(begin + copy_nodes_[run]));
-    node_copies_.clear();
-    for (; run < copy_nodes_.size() &&
-           topology_.node_of(solver.copy_rank(begin + copy_nodes_[run])) == node;
-         ++run) {
-      node_copies_.push_back(copy_nodes_[run]);
-    }
-    node_sources_.clear();
-    for (int r = node * per_node; r < (node + 1) * per_node; ++r) {
-      for (int s = r; s < num_sources; s += num_ranks) node_sources_.push_back(s);
-    }
+    LevelNode(begin, copy_room, remaining, run);
     const int copies = static_cast<int>(node_copies_.size());
     const int listed = static_cast<int>(node_sources_.size());
-    double supply = 0;
-    double demand = 0;
-    for (int s : node_sources_) supply += remaining[s];
-    for (int i : node_copies_) demand += copy_room[i];
-    const double flow = std::min(supply, demand);
-    gives_.resize(listed);
-    takes_.resize(copies);
-    LevelGives(remaining, node_sources_.data(), listed, flow, whole_, level_order_, gives_.data());
-    LevelGives(copy_room, node_copies_.data(), copies, flow, whole_, level_order_, takes_.data());
     int k = 0;
     for (int c = 0; c < copies; ++c) {
       open(node_copies_[c]);
@@ -1286,37 +1297,12 @@ void StepPlanner::Impl::AssignSpreadWholeRows(int expert, const QuotaSplit& spli
     }
     room[i] = open;
   }
-  // Same node, node by node: what the node's sources can give its copies flows so that both the
-  // sources' leftovers (sent to other nodes next) and the copies' open quotas (received from
-  // other nodes next) end level (LevelGives); the copies then take their share from the sources
-  // in order.
-  const int per_node = topology_.gpus_per_node();
+  // Same node, node by node and levelled (LevelNode), as AssignSpread's second pass.
   ByNode(begin, count, room, copy_nodes_);
   for (size_t run = 0; run < copy_nodes_.size();) {
-    const int node = node_of[solver.copy_rank(begin + copy_nodes_[run])];
-    node_copies_.clear();
-    for (; run < copy_nodes_.size() && node_of[solver.copy_rank(begin + copy_nodes_[run])] == node;
-         ++run) {
-      node_copies_.push_back(copy_nodes_[run]);
-    }
-    const int first = node * per_node;
-    const int listed = std::min(first + per_node, num_ranks) - first;
-    node_sources_.resize(listed);
-    double supply = 0;
-    for (int k = 0; k < listed; ++k) {
-      node_sources_[k] = first + k;
-      supply += remaining[first + k];
-    }
-    double demand = 0;
-    for (int i : node_copies_) demand += room[i];
-    const double flow = std::min(supply, demand);
+    LevelNode(begin, room, remaining, run);
     const int copies = static_cast<int>(node_copies_.size());
-    gives_.resize(listed);
-    takes_.resize(copies);
-    LevelGives(remaining, node_sources_.data(), listed, flow, /*whole=*/true, level_order_,
-               gives_.data());
-    LevelGives(room, node_copies_.data(), copies, flow, /*whole=*/true, level_order_,
-               takes_.data());
+    const int listed = static_cast<int>(node_sources_.size());
     int k = 0;
     for (int c = 0; c < copies; ++c) {
       const int i = node_copies_[c];
@@ -1328,7 +1314,7 @@ void StepPlanner::Impl::AssignSpreadWholeRows(int expert, const QuotaSplit& spli
         if (tokens > 0) {
           want -= tokens;
           gives_[k] -= tokens;
-          give_near(first + k, tokens);
+          give_near(node_sources_[k], tokens);
         }
         if (gives_[k] <= 0) ++k;
       }

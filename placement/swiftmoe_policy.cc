@@ -27,15 +27,11 @@ class SwiftMoePolicy final : public Policy {
 };
 
 Result<Placement> SwiftMoePolicy::Replan(const LayerView& view) {
-  if (view.current == nullptr) return InvalidArgument("LayerView.current is null");
+  KEEL_RETURN_IF_ERROR(CheckLayerView(view));
   const Placement& current = *view.current;
   const int num_experts = current.num_experts();
   const int num_ranks = current.num_ranks();
   const int per_rank = current.slots_per_rank();
-  if (static_cast<int>(view.expert_load.size()) != num_experts) {
-    return InvalidArgument("expert_load has " + std::to_string(view.expert_load.size()) +
-                           " entries, expected num_experts " + std::to_string(num_experts));
-  }
 
   // Every expert keeps its home slot; the rest are spare.
   std::vector<int> phy2log(current.num_slots(), kEmptySlot);
@@ -47,6 +43,10 @@ Result<Placement> SwiftMoePolicy::Replan(const LayerView& view) {
     --spare[current.rank_of_slot(slot)];
   }
   const int num_spare = std::accumulate(spare.begin(), spare.end(), 0);
+  auto holds = [&](int rank, int e) {
+    const auto first = phy2log.begin() + rank * per_rank;
+    return std::find(first, first + per_rank, e) != first + per_rank;
+  };
 
   // Copies per expert: each spare slot to the expert with the most tokens per copy.
   std::vector<int> copies(num_experts, 1);
@@ -73,9 +73,7 @@ Result<Placement> SwiftMoePolicy::Replan(const LayerView& view) {
     const int e = current.expert_at(slot);
     if (e == kEmptySlot || phy2log[slot] != kEmptySlot || wanted[e] == 0) continue;
     const int rank = current.rank_of_slot(slot);
-    bool on_rank = false;
-    for (int s = rank * per_rank; s < (rank + 1) * per_rank; ++s) on_rank |= phy2log[s] == e;
-    if (on_rank) continue;
+    if (holds(rank, e)) continue;
     phy2log[slot] = e;
     --wanted[e];
     --spare[rank];
@@ -93,9 +91,7 @@ Result<Placement> SwiftMoePolicy::Replan(const LayerView& view) {
       int target = -1;
       for (int r = 0; r < num_ranks; ++r) {
         if (spare[r] == 0) continue;
-        bool holds = false;
-        for (int s = r * per_rank; s < (r + 1) * per_rank; ++s) holds |= phy2log[s] == e;
-        if (holds) continue;
+        if (holds(r, e)) continue;
         if (target < 0 || rank_load[r] < rank_load[target]) target = r;
       }
       if (target < 0) break;

@@ -89,12 +89,7 @@ std::vector<int> TrtllmPolicy::Plan(std::span<const double> load) const {
 }
 
 Result<Placement> TrtllmPolicy::Replan(const LayerView& view) {
-  if (view.current == nullptr) return InvalidArgument("LayerView.current is null");
-  if (static_cast<int>(view.expert_load.size()) != context().num_experts) {
-    return InvalidArgument("expert_load has " + std::to_string(view.expert_load.size()) +
-                           " entries, expected num_experts " +
-                           std::to_string(context().num_experts));
-  }
+  KEEL_RETURN_IF_ERROR(CheckLayerView(view));
   if (!MyTurn(view.layer) && !view.fresh_start) return *view.current;
   return Placement::CreateKeepingHomes(*view.current, Plan(view.expert_load));
 }
