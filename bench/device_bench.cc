@@ -1,7 +1,9 @@
 // The engine's device path against the device's own copy speed. Every slot copy and gradient sum
 // of the engine goes through DeviceMemory; this measures, per expert of `bytes` bytes:
 //   BM_DeviceCopy       device -> device: the ceiling every other row is compared with;
-//   BM_DeviceToHost / BM_HostToDevice: the staging copies;
+//   BM_DeviceToHost / BM_HostToDevice: copies to and from pageable host memory;
+//   BM_DeviceToPageLockedHost / BM_PageLockedHostToDevice: the same with page-locked memory, what
+//                       the staging copies use;
 //   BM_SlotExchange     what a transient fill or a replica push costs a rank pair besides the wire:
 //                       the engine's SlotExchange gathers the slot into the host send buffer, the
 //                       collective moves it (one rank here, so a memcpy), and the receiver copies
@@ -102,6 +104,26 @@ void BM_HostToDevice(benchmark::State& state) {
   Finish(state, bytes);
 }
 
+// The same two copies with page-locked host memory (DeviceMemory::AllocateHost), which the
+// engine's slot exchange and the staged transport use.
+void BM_DeviceToPageLockedHost(benchmark::State& state) {
+  const size_t bytes = static_cast<size_t>(state.range(0));
+  Buffer from(bytes);
+  std::byte* host = Memory().AllocateHost(bytes).value();
+  for (auto _ : state) Buffer::Check(Memory().Copy(host, from.data(), bytes));
+  Memory().FreeHost(host);
+  Finish(state, bytes);
+}
+
+void BM_PageLockedHostToDevice(benchmark::State& state) {
+  const size_t bytes = static_cast<size_t>(state.range(0));
+  Buffer to(bytes);
+  std::byte* host = Memory().AllocateHost(bytes).value();
+  for (auto _ : state) Buffer::Check(Memory().Copy(to.data(), host, bytes));
+  Memory().FreeHost(host);
+  Finish(state, bytes);
+}
+
 void BM_SlotExchange(benchmark::State& state) {
   const size_t bytes = static_cast<size_t>(state.range(0));
   Buffer source(bytes), destination(bytes);
@@ -134,6 +156,8 @@ void BM_GradientSum(benchmark::State& state) {
 BENCHMARK(BM_DeviceCopy) KEEL_DEVICE_SIZES;
 BENCHMARK(BM_DeviceToHost) KEEL_DEVICE_SIZES;
 BENCHMARK(BM_HostToDevice) KEEL_DEVICE_SIZES;
+BENCHMARK(BM_DeviceToPageLockedHost) KEEL_DEVICE_SIZES;
+BENCHMARK(BM_PageLockedHostToDevice) KEEL_DEVICE_SIZES;
 BENCHMARK(BM_SlotExchange) KEEL_DEVICE_SIZES;
 BENCHMARK(BM_GradientSum) KEEL_DEVICE_SIZES;
 

@@ -4,6 +4,8 @@
 //   pair  64 MiB transfers between 2 processes, raw and chunked+verified, vs memcpy in-process
 //   plan  a chunked, pipelined 16-expert plan across 4 processes: aggregate GB/s, time to ready
 // --ucx --no-progress-thread: the same with migration.ucx_progress_thread off.
+// --ucx --device: the pair in GPU memory (needs a GPU; both processes on it): the transport stages
+// through page-locked host buffers, and the ceiling is a device-to-device copy in the same run.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,6 +19,7 @@
 
 #include <benchmark/benchmark.h>
 
+#include "keel/device_memory.hpp"
 #include "kernels/checksum.h"
 #include "migration/exchange.h"
 #include "migration/migrator.h"
@@ -30,6 +33,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr size_t kExpertBytes = 64 << 20;
 bool progress_thread = true;  // migration.ucx_progress_thread of the --ucx runs
+bool on_device = false;       // --ucx --device: the pair's buffers in the transport's device memory
 
 double Seconds(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -146,19 +150,38 @@ int UcxPair(const std::string& dir, int rank) {
     return 1;
   }
   Transport& t = **transport;
-  std::vector<std::byte> buffer(kExpertBytes, std::byte(rank + 1));
-  std::vector<std::byte> scratch(kExpertBytes, std::byte{0});
+  std::vector<std::byte> host_buffer(kExpertBytes, std::byte(rank + 1));
+  std::vector<std::byte> host_scratch(kExpertBytes, std::byte{0});
+  std::byte* buffer = host_buffer.data();
+  std::byte* scratch = host_scratch.data();
+  DeviceMemory* device = t.device_memory();
+  if (on_device) {
+    if (device == nullptr) {
+      std::fprintf(stderr, "--device: the transport has no device memory (no GPU here)\n");
+      return 1;
+    }
+    buffer = *device->AllocateDevice(kExpertBytes);
+    scratch = *device->AllocateDevice(kExpertBytes);
+    if (!device->Copy(buffer, host_buffer.data(), kExpertBytes).ok()) return 1;
+  }
+  // The copy the transfers are compared with: memcpy, or a device-to-device copy.
+  auto copy = [&] {
+    if (on_device) return device->Copy(scratch, buffer, kExpertBytes).ok();
+    std::memcpy(scratch, buffer, kExpertBytes);
+    benchmark::DoNotOptimize(scratch);
+    return true;
+  };
   uint64_t ack = 0;
   const int reps = 10;
   std::vector<double> raw;
   for (int i = 0; i < reps + 2; ++i) {
     const auto start = Clock::now();
     if (rank == 0) {
-      if (!WaitAll(t, {*t.PostSend(1, 100 + i, buffer.data(), buffer.size())})) return 1;
+      if (!WaitAll(t, {*t.PostSend(1, 100 + i, buffer, kExpertBytes)})) return 1;
       if (!WaitAll(t, {*t.PostRecv(1, 1000 + i, reinterpret_cast<std::byte*>(&ack), 8)})) return 1;
       if (i >= 2) raw.push_back(Seconds(start));
     } else {
-      if (!WaitAll(t, {*t.PostRecv(0, 100 + i, buffer.data(), buffer.size())})) return 1;
+      if (!WaitAll(t, {*t.PostRecv(0, 100 + i, buffer, kExpertBytes)})) return 1;
       if (!WaitAll(t, {*t.PostSend(0, 1000 + i, reinterpret_cast<std::byte*>(&ack), 8)})) return 1;
     }
   }
@@ -172,8 +195,8 @@ int UcxPair(const std::string& dir, int rank) {
     item.label = "bench";
     item.num_regions = 1;
     item.region_bytes[0] = kExpertBytes;
-    if (rank == 0) item.source[0] = buffer.data();
-    if (rank == 1) item.destination[0] = scratch.data();
+    if (rank == 0) item.source[0] = buffer;
+    if (rank == 1) item.destination[0] = scratch;
     ExchangeRun run;
     run.epoch = static_cast<uint64_t>(i + 1);
     run.what = "bench";
@@ -186,23 +209,28 @@ int UcxPair(const std::string& dir, int rank) {
     if (i >= 2) verified.push_back(Seconds(start));
   }
   if (rank == 0) {
-    std::vector<double> copy;
+    std::vector<double> copies;
     for (int i = 0; i < reps; ++i) {
       const auto start = Clock::now();
-      std::memcpy(scratch.data(), buffer.data(), kExpertBytes);
-      benchmark::DoNotOptimize(scratch.data());
-      copy.push_back(Seconds(start));
+      if (!copy()) return 1;
+      copies.push_back(Seconds(start));
     }
     const double gb = kExpertBytes / 1e9;
-    const double memcpy_gbs = gb / Median(copy);
+    const double memcpy_gbs = gb / Median(copies);
     const double raw_gbs = gb / Median(raw);
     const double verified_gbs = gb / Median(verified);
     std::printf(
-        "{\"bench\": \"ucx_pair_64MiB\", \"memcpy_gb_per_s\": %.2f, \"ucx_raw_gb_per_s\": %.2f, "
-        "\"ucx_raw_vs_memcpy\": %.2f, \"ucx_chunked_verified_gb_per_s\": %.2f, "
-        "\"chunked_verified_vs_memcpy\": %.2f, \"progress_thread\": %s}\n",
-        memcpy_gbs, raw_gbs, raw_gbs / memcpy_gbs, verified_gbs, verified_gbs / memcpy_gbs,
+        "{\"bench\": \"ucx_pair_64MiB\", \"memory\": \"%s\", \"memcpy_gb_per_s\": %.2f, "
+        "\"ucx_raw_gb_per_s\": %.2f, \"ucx_raw_vs_memcpy\": %.2f, "
+        "\"ucx_chunked_verified_gb_per_s\": %.2f, \"chunked_verified_vs_memcpy\": %.2f, "
+        "\"progress_thread\": %s}\n",
+        on_device ? "device (memcpy: device to device)" : "host", memcpy_gbs, raw_gbs,
+        raw_gbs / memcpy_gbs, verified_gbs, verified_gbs / memcpy_gbs,
         progress_thread ? "true" : "false");
+  }
+  if (on_device) {
+    device->FreeDevice(buffer);
+    device->FreeDevice(scratch);
   }
   return comm.Barrier().ok() ? 0 : 1;
 }
@@ -276,7 +304,9 @@ int RunProcesses(int n, int (*body)(const std::string&, int)) {
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "--ucx") == 0) {
     keel::progress_thread = !(argc > 2 && std::strcmp(argv[2], "--no-progress-thread") == 0);
+    keel::on_device = argc > 2 && std::strcmp(argv[2], "--device") == 0;
     const int pair = keel::RunProcesses(2, keel::UcxPair);
+    if (keel::on_device) return pair;
     const int plan = keel::RunProcesses(4, keel::UcxPlan);
     return pair | plan;
   }

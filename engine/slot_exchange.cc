@@ -6,13 +6,24 @@
 namespace keel {
 
 Status DeviceBuffer::Reserve(DeviceMemory& memory, size_t bytes) {
-  if (data_ != nullptr && bytes <= size_) return Status::Ok();
-  if (data_ != nullptr) memory_->FreeDevice(data_);
-  data_ = nullptr;
+  if (data_ != nullptr && bytes <= size_ && memory_ == &memory) return Status::Ok();
+  Free();
   memory_ = &memory;
-  KEEL_ASSIGN_OR_RETURN(data_, memory.AllocateDevice(bytes));
+  KEEL_ASSIGN_OR_RETURN(
+      data_, kind_ == Kind::kDevice ? memory.AllocateDevice(bytes) : memory.AllocateHost(bytes));
   size_ = bytes;
   return Status::Ok();
+}
+
+void DeviceBuffer::Free() {
+  if (data_ == nullptr) return;
+  if (kind_ == Kind::kDevice) {
+    memory_->FreeDevice(data_);
+  } else {
+    memory_->FreeHost(data_);
+  }
+  data_ = nullptr;
+  size_ = 0;
 }
 
 void SlotExchange::Begin(int num_ranks) {
@@ -30,7 +41,8 @@ Status SlotExchange::Run(Communicator& communicator, DeviceMemory& memory) {
   for (int r = 0; r < size; ++r) {
     for (const Part& part : parts_[r]) send_bytes_[r] += part.size;
   }
-  send_.resize(std::accumulate(send_bytes_.begin(), send_bytes_.end(), size_t{0}));
+  const size_t total = std::accumulate(send_bytes_.begin(), send_bytes_.end(), size_t{0});
+  KEEL_RETURN_IF_ERROR(send_.Reserve(memory, total));
   std::optional<uint64_t> last;
   size_t at = 0;
   for (int r = 0; r < size; ++r) {
@@ -40,7 +52,8 @@ Status SlotExchange::Run(Communicator& communicator, DeviceMemory& memory) {
     }
   }
   KEEL_RETURN_IF_ERROR(WaitForLast(memory, last));
-  KEEL_RETURN_IF_ERROR(communicator.AllToAllV(send_, send_bytes_, recv_, recv_bytes_));
+  KEEL_RETURN_IF_ERROR(communicator.AllToAllV(std::span<const std::byte>(send_.data(), total),
+                                              send_bytes_, recv_, recv_bytes_));
   offset_.assign(size, 0);
   consumed_.assign(size, 0);
   for (int r = 1; r < size; ++r) offset_[r] = offset_[r - 1] + recv_bytes_[r - 1];

@@ -7,7 +7,9 @@
 //   3. RankEntries: rank of an entry = its chunk's offset + the entries of its key before it in
 //                   the chunk (a warp match per 32 entries, a running counter per key).
 // The rank of an entry is then its 0-based occurrence among the entries of its key, exactly the
-// CPU reference's running count, whatever the scheduling.
+// CPU reference's running count, whatever the scheduling. The outputs the passes add into are
+// cleared by CountKeys' first block rather than by memsets: each operation on the stream costs
+// 3-4 us of latency at these sizes (docs/benchmarks.md, "On an H200").
 #include <cuda_runtime.h>
 #include <cub/block/block_scan.cuh>
 
@@ -70,10 +72,24 @@ __device__ bool IsGroupLeader(unsigned peers) {
   return static_cast<int>(threadIdx.x) == __ffs(static_cast<int>(peers)) - 1;
 }
 
+// Clears what the later passes add into (counts[0, size) and *invalid). The first block of
+// CountKeys runs it: a memset before the passes would cost a launch's latency each.
+struct ZeroOutputs {
+  int32_t* counts;
+  int size;
+  int32_t* invalid;
+
+  __device__ void operator()() const {
+    for (int i = threadIdx.x; i < size; i += blockDim.x) counts[i] = 0;
+    if (threadIdx.x == 0) *invalid = 0;
+  }
+};
+
 template <typename KeyOf>
 __global__ void CountKeys(KeyOf key_of, int64_t num_entries, int num_keys, bool use_shared,
-                          int32_t* chunk_counts, int64_t num_chunks) {
+                          int32_t* chunk_counts, int64_t num_chunks, ZeroOutputs zero_outputs) {
   extern __shared__ int32_t shared[];
+  if (blockIdx.x == 0) zero_outputs();
   const KeyCounters counters = ChunkCounters(shared, chunk_counts, num_chunks, use_shared);
   for (int key = threadIdx.x; key < num_keys; key += kWarp) counters[key] = 0;
   int keys[kTilesPerChunk];
@@ -150,15 +166,15 @@ __global__ void RankEntries(KeyOf key_of, int64_t num_entries, int num_keys, boo
   if (threadIdx.x == 0 && invalid_entries > 0) atomicAdd(invalid, invalid_entries);
 }
 
-// Passes 1 and 2 of the ranking; chunk_counts is the caller's workspace.
+// Passes 1 and 2 of the ranking; chunk_counts is the caller's workspace. num_entries > 0.
 template <typename KeyOf, typename OnTotal>
 Status CountAndScan(const KeyOf& key_of, int64_t num_entries, int num_keys, int32_t* chunk_counts,
-                    const OnTotal& on_total, Stream stream) {
+                    const ZeroOutputs& zero_outputs, const OnTotal& on_total, Stream stream) {
   const int64_t num_chunks = NumChunks(num_entries);
   const bool use_shared = num_keys <= kMaxSharedKeys;
   const size_t shared_bytes = use_shared ? sizeof(int32_t) * num_keys : 0;
   CountKeys<<<static_cast<unsigned>(num_chunks), kWarp, shared_bytes, stream>>>(
-      key_of, num_entries, num_keys, use_shared, chunk_counts, num_chunks);
+      key_of, num_entries, num_keys, use_shared, chunk_counts, num_chunks, zero_outputs);
   KEEL_CUDA_RETURN_IF_LAUNCH_FAILED(CountKeys);
   if (num_keys == 0) return Status::Ok();
   ScanChunks<<<static_cast<unsigned>(num_keys), kScanThreads, 0, stream>>>(chunk_counts, num_chunks,
@@ -248,16 +264,19 @@ Status Remap(const Id* ids, int64_t num_entries, const QuotaTable& quotas, int32
   KEEL_RETURN_IF_ERROR(CheckRemapArguments(ids, num_entries, quotas, slot, send_counts, invalid));
   KEEL_RETURN_IF_ERROR(
       CheckPointer("workspace", workspace, RemapWorkspaceBytes(num_entries, quotas.num_experts)));
-  if (quotas.num_ranks > 0) {
-    KEEL_CUDA_RETURN_IF_ERROR(
-        cudaMemsetAsync(send_counts, 0, sizeof(int32_t) * quotas.num_ranks, stream));
+  if (num_entries == 0) {
+    if (quotas.num_ranks > 0) {
+      KEEL_CUDA_RETURN_IF_ERROR(
+          cudaMemsetAsync(send_counts, 0, sizeof(int32_t) * quotas.num_ranks, stream));
+    }
+    KEEL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(invalid, 0, sizeof(int32_t), stream));
+    return Status::Ok();
   }
-  KEEL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(invalid, 0, sizeof(int32_t), stream));
-  if (num_entries == 0) return Status::Ok();
 
   const ExpertKey<Id> key_of{ids, quotas.copy_begin, quotas.num_experts};
   auto* chunk_counts = static_cast<int32_t*>(workspace);
   KEEL_RETURN_IF_ERROR(CountAndScan(key_of, num_entries, quotas.num_experts, chunk_counts,
+                                    ZeroOutputs{send_counts, quotas.num_ranks, invalid},
                                     CountSends{quotas, send_counts}, stream));
   return RankAndAssign(key_of, num_entries, quotas.num_experts, chunk_counts,
                        AssignCopy{quotas, slot}, invalid, stream);
@@ -332,8 +351,8 @@ Status PermutationIndex(const int32_t* slot, int64_t num_entries, const int32_t*
       slot, num_entries, bucket_of_slot, num_slots, num_buckets, position, bucket_begin, invalid));
   KEEL_RETURN_IF_ERROR(
       CheckPointer("workspace", workspace, PermutationWorkspaceBytes(num_entries, num_buckets)));
-  KEEL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(invalid, 0, sizeof(int32_t), stream));
   if (num_entries == 0) {
+    KEEL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(invalid, 0, sizeof(int32_t), stream));
     KEEL_CUDA_RETURN_IF_ERROR(
         cudaMemsetAsync(bucket_begin, 0, sizeof(int32_t) * (int64_t{num_buckets} + 1), stream));
     return Status::Ok();
@@ -342,6 +361,7 @@ Status PermutationIndex(const int32_t* slot, int64_t num_entries, const int32_t*
   const BucketKey key_of{slot, bucket_of_slot, num_slots, num_buckets};
   auto* chunk_counts = static_cast<int32_t*>(workspace);
   KEEL_RETURN_IF_ERROR(CountAndScan(key_of, num_entries, num_buckets, chunk_counts,
+                                    ZeroOutputs{nullptr, 0, invalid},
                                     StoreBucketTotal{bucket_begin}, stream));
   ScanBucketTotals<<<1, kScanThreads, 0, stream>>>(bucket_begin, num_buckets);
   KEEL_CUDA_RETURN_IF_LAUNCH_FAILED(ScanBucketTotals);

@@ -21,6 +21,14 @@ T ValueOrDie(Result<T> result) {
   return std::move(result).value();
 }
 
+// The same for a Status.
+inline void CheckOk(const Status& status) {
+  if (!status.ok()) {
+    std::fprintf(stderr, "unexpected error: %s\n", status.ToString().c_str());
+    std::abort();
+  }
+}
+
 // A topology of `num_nodes` x `gpus_per_node` ranks with the given link bandwidths (GB/s per GPU,
 // one direction; the config's defaults unless named).
 inline Topology MakeTopology(int num_nodes, int gpus_per_node, double intra_node_gb_per_s = 400,

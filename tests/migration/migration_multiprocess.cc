@@ -6,9 +6,10 @@
 //   stalled  rank 1 stops answering past the deadline: same expectations
 // Exit status 0 when every expectation held; the launcher also checks how each child ended.
 // --progress-thread on|off: the UCX transport with or without its own progress thread (default on).
-// --device host|fake: where the random scenario's experts live. fake: in device memory the CPU
-// cannot touch (tests/migration/fake_device_memory.h), wrapped by the store as the engine wraps a
-// trainer's GPU buffers, sent through page-locked staging over UCX (transport_staged.h).
+// --device host|fake|cuda: where the random scenario's experts live. fake: in device memory the
+// CPU cannot touch (tests/migration/fake_device_memory.h); cuda: in the GPU's memory (every rank
+// on the same GPU; needs one). Either is wrapped by the store as the engine wraps a trainer's GPU
+// buffers and sent through page-locked staging over UCX (transport_staged.h).
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -57,7 +58,7 @@ struct Args {
   int plans = 100;
   double deadline = 2.0;
   bool progress_thread = true;  // the UCX transport's own progress thread
-  bool fake_device = false;     // --device fake
+  std::string device = "host";  // --device
   std::vector<std::string> raw;
 };
 
@@ -107,8 +108,8 @@ int RunRandom(Transport& transport, Communicator& comm, const Args& args) {
     auto plan =
         std::make_shared<TransferPlan>(ValueOrDie(PlanTransfers(from, to, topology, layout)));
     bytes += plan->total_bytes();
-    // With --device fake the slots live in the transport's (fake) device memory.
-    auto* device = static_cast<FakeDeviceMemory*>(transport.device_memory());
+    // With --device fake or cuda the slots live in the transport's device memory.
+    DeviceMemory* device = transport.device_memory();
     std::optional<DeviceSlots> slots;
     if (device != nullptr) {
       slots.emplace(*device, me, layers, slots_per_rank, layout);
@@ -352,8 +353,8 @@ Args Parse(int argc, char** argv) {
       args.deadline = std::stod(value);
     } else if (flag == "--progress-thread" && (value == "on" || value == "off")) {
       args.progress_thread = value == "on";
-    } else if (flag == "--device" && (value == "host" || value == "fake")) {
-      args.fake_device = value == "fake";
+    } else if (flag == "--device" && (value == "host" || value == "fake" || value == "cuda")) {
+      args.device = value;
     } else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       std::exit(2);
@@ -384,9 +385,13 @@ int Main(int argc, char** argv) {
   UcxTransportOptions options;
   options.progress_thread = args.progress_thread;
   auto transport = CreateUcxTransport(*comm, options);
-  if (transport.ok() && args.fake_device) {
-    transport = CreateStagedTransport(std::move(*transport),
-                                      std::make_shared<FakeDeviceMemory>(/*protect=*/true));
+  if (transport.ok() && args.device != "host") {
+    Result<std::shared_ptr<DeviceMemory>> device =
+        args.device == "fake"
+            ? Result<std::shared_ptr<DeviceMemory>>(std::make_shared<FakeDeviceMemory>(true))
+            : CreateCudaDeviceMemory();
+    transport = device.ok() ? CreateStagedTransport(std::move(*transport), std::move(*device))
+                            : Result<std::unique_ptr<Transport>>(device.status());
   }
   if (!transport.ok()) {
     std::fprintf(stderr, "rank %d: %s\n", comm->rank(), transport.status().ToString().c_str());

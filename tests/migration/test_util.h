@@ -119,12 +119,12 @@ inline uint64_t LiveChecksum(const ExpertStore& store) {
   return h;
 }
 
-// One rank's expert slots in (fake) device memory, as a trainer with its experts on the GPU
-// registers them: every slot has a weights and an optimizer region. Filled and checked through
-// the memory's Write and Read, since the CPU may not touch them.
+// One rank's expert slots in device memory (a GPU's, or fake), as a trainer with its experts on
+// the GPU registers them: every slot has a weights and an optimizer region. Filled and checked
+// through the memory's copies, since the CPU may not touch them.
 class DeviceSlots {
  public:
-  DeviceSlots(FakeDeviceMemory& memory, int rank, int num_layers, int slots_per_rank,
+  DeviceSlots(DeviceMemory& memory, int rank, int num_layers, int slots_per_rank,
               const ExpertLayout& layout)
       : memory_(memory),
         rank_(rank),
@@ -132,14 +132,16 @@ class DeviceSlots {
         slots_per_rank_(slots_per_rank),
         layout_(layout) {
     for (int i = 0; i < num_layers * slots_per_rank; ++i) {
-      weights_.emplace_back(memory.Allocate(layout.weight_bytes), layout.weight_bytes);
-      optimizer_.emplace_back(memory.Allocate(layout.optimizer_bytes), layout.optimizer_bytes);
+      weights_.emplace_back(ValueOrDie(memory.AllocateDevice(layout.weight_bytes)),
+                            layout.weight_bytes);
+      optimizer_.emplace_back(ValueOrDie(memory.AllocateDevice(layout.optimizer_bytes)),
+                              layout.optimizer_bytes);
     }
   }
 
   ~DeviceSlots() {
-    for (std::span<std::byte> region : weights_) memory_.Free(region.data());
-    for (std::span<std::byte> region : optimizer_) memory_.Free(region.data());
+    for (std::span<std::byte> region : weights_) memory_.FreeDevice(region.data());
+    for (std::span<std::byte> region : optimizer_) memory_.FreeDevice(region.data());
   }
   DeviceSlots(const DeviceSlots&) = delete;
   DeviceSlots& operator=(const DeviceSlots&) = delete;
@@ -158,7 +160,7 @@ class DeviceSlots {
         std::span<std::byte> where = region == 0 ? weights_[index] : optimizer_[index];
         std::vector<std::byte> bytes(where.size());
         FillPattern(bytes, l, e, region);
-        memory_.Write(where.data(), bytes);
+        CheckOk(memory_.Copy(where.data(), bytes.data(), bytes.size()));
       }
       return std::string();
     });
@@ -171,7 +173,8 @@ class DeviceSlots {
       const int regions = home ? 2 : 1;
       for (int region = 0; region < regions; ++region) {
         std::span<std::byte> where = region == 0 ? weights_[index] : optimizer_[index];
-        const std::vector<std::byte> got = memory_.Read(where.data(), where.size());
+        std::vector<std::byte> got(where.size());
+        CheckOk(memory_.Copy(got.data(), where.data(), where.size()));
         for (size_t b = 0; b < got.size(); ++b) {
           if (got[b] != PatternByte(l, e, region, b)) {
             return "rank " + std::to_string(rank_) + " layer " + std::to_string(l) +
@@ -203,7 +206,7 @@ class DeviceSlots {
     return "";
   }
 
-  FakeDeviceMemory& memory_;
+  DeviceMemory& memory_;
   int rank_;
   int num_layers_;
   int slots_per_rank_;

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Builds, on this machine, the whole project's GPU-facing programs for the lent GPU (sm_90) and packs
+# them with the shared libraries they need into .gpu-deps/prebuilt/{bin,lib}, which the device tool
+# carries with .gpu-deps. The GPU machine has CUDA but none of the project's Debian dependencies
+# (yaml-cpp, UCX, Open MPI, TBB, GLPK, prometheus-cpp, ...), so bench/gpu/run.sh runs these programs
+# there instead of building the whole project. Left out of lib/: the C and C++ runtimes, the CUDA
+# driver and NCCL (218 MB; run.sh finds the one the GPU machine's PyTorch brings).
+# Usage: bench/gpu/pack.sh   (after bench/gpu/prepare.sh; KEEL_GPU_PACK_BUILD sets the build folder,
+#                             default build-gpu)
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+build=${KEEL_GPU_PACK_BUILD:-$root/build-gpu}
+pack=$root/.gpu-deps/prebuilt
+programs=(tests/keel_kernels_tests tests/keel_engine_tests tests/keel_migration_tests
+          tests/keel_comm_tests bin/device_bench bin/kernels_gpu_bench bin/keel
+          bin/keel_migration_multiprocess bin/migration_bench)
+
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKEEL_WITH_PYTHON=OFF \
+  -DKEEL_WITH_CUDA=ON -DKEEL_WITH_NCCL=ON -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
+targets=()
+for p in "${programs[@]}"; do targets+=("$(basename "$p")"); done
+cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
+
+rm -rf "$pack"
+mkdir -p "$pack/bin" "$pack/lib"
+for p in "${programs[@]}"; do
+  cp "$build/$p" "$pack/bin/"
+  strip --strip-debug "$pack/bin/$(basename "$p")"
+done
+# Every shared library the programs load, less those any Linux with CUDA has.
+system='^(linux-vdso|ld-linux|libc\.|libm\.|libpthread\.|libdl\.|librt\.|libstdc\+\+|libgcc_s|libcuda\.|libnccl\.)'
+for p in "$pack"/bin/*; do
+  ldd "$p" | awk '$3 ~ /^\// {print $1, $3}'
+done | sort -u | while read -r name path; do
+  [[ $name =~ $system ]] || cp -L "$path" "$pack/lib/$name"
+done
+echo "pack.sh: $(du -sh "$pack" | cut -f1) in $pack (bin: ${#programs[@]} programs," \
+  "lib: $(ls "$pack/lib" | wc -l) libraries)"
