@@ -6,13 +6,10 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <charconv>
 #include <climits>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <cstring>
 #include <limits>
 #include <map>
 #include <memory>
@@ -22,6 +19,7 @@
 #include <variant>
 #include <vector>
 
+#include "common/file.h"
 #include "common/policy_names.h"
 
 namespace keel {
@@ -128,8 +126,10 @@ constexpr ConfigKey kConfigKeys[] = {
     {KEEL_CONFIG_FIELD(policy.replan_interval_steps), .min = 1, .unit = "steps",
      .doc = "Steps between two placement plans."},
     {KEEL_CONFIG_FIELD(policy.eplb.num_groups), .min = 0,
-     .doc = "Expert groups for EPLB's hierarchical balancing, 0 meaning one per node; EPLB "
-            "balances globally when the groups do not divide evenly among nodes and experts."},
+     .doc = "Expert groups for EPLB's hierarchical balancing; 0 means one per node (one in all "
+            "when the experts do not divide among the nodes). As in DeepSeek's EPLB: hierarchical "
+            "when the groups are a multiple of the nodes, and then the experts must divide into "
+            "the groups; otherwise global."},
     {KEEL_CONFIG_FIELD(policy.flexmoe.balance_ratio_trigger), .min = 1,
      .doc = "FlexMoE replans only when the predicted max/mean rank load exceeds this ratio."},
     {KEEL_CONFIG_FIELD(policy.flexmoe.max_actions_per_replan), .min = 1,
@@ -804,20 +804,9 @@ Result<KeelConfig> ParseConfig(std::string_view yaml_text, std::string_view sour
 }
 
 Result<KeelConfig> LoadConfigFile(const std::string& path) {
-  std::FILE* file = std::fopen(path.c_str(), "rb");
-  if (file == nullptr) {
-    int error = errno;
-    std::string message = path + ": cannot open config file: " + std::strerror(error);
-    return error == ENOENT ? NotFound(std::move(message)) : IoError(std::move(message));
-  }
-  std::string text;
-  char buffer[8192];
-  size_t count = 0;
-  while ((count = std::fread(buffer, 1, sizeof(buffer), file)) > 0) text.append(buffer, count);
-  bool failed = std::ferror(file) != 0;
-  std::fclose(file);
-  if (failed) return IoError(path + ": cannot read config file");
-  return ParseConfig(text, path);
+  Result<std::string> text = ReadFile(path);
+  if (!text.ok()) return text.status().WithContext("config file");
+  return ParseConfig(*text, path);
 }
 
 Status ValidateConfig(const KeelConfig& config) { return Validate(config, ParseOrigin{}); }

@@ -290,6 +290,11 @@ Metrics::Metrics(const MetricsLayout& layout)
 
 Metrics::~Metrics() = default;
 
+namespace {
+constexpr int kExporterThreads = 8;
+constexpr int kExporterRequestTimeoutMs = 5000;
+}  // namespace
+
 Status Metrics::Serve(std::string_view address) {
   if (exposer_) {
     return FailedPrecondition("metrics are already served on " + bound_address_ +
@@ -298,7 +303,11 @@ Status Metrics::Serve(std::string_view address) {
   KEEL_ASSIGN_OR_RETURN(std::string resolved, ResolveMetricsAddress(address));
   if (resolved.empty()) return Status::Ok();
   try {
-    auto exposer = std::make_unique<prometheus::Exposer>(resolved, 2);
+    // Enough threads that a few slow or idle clients leave others served, and a timeout that
+    // frees a thread whose client stopped sending (civetweb's options).
+    auto exposer = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
+        "listening_ports", resolved, "num_threads", std::to_string(kExporterThreads),
+        "request_timeout_ms", std::to_string(kExporterRequestTimeoutMs)});
     const std::vector<int> ports = exposer->GetListeningPorts();
     if (ports.empty()) {
       return IoError("metrics address '" + std::string(address) + "': exposer bound no port");

@@ -252,14 +252,21 @@ Status ValidateInput(const EplbInput& in) {
     return InvalidArgument("num_replicas " + std::to_string(in.num_replicas) +
                            " is not divisible by num_gpus " + std::to_string(in.num_gpus));
   }
+  // As the reference: hierarchical only when num_groups % num_nodes == 0, and then its shape rules
+  // apply; otherwise the global policy runs with one group on one node, and experts need not
+  // divide into groups nor GPUs into nodes.
+  if (in.num_groups % in.num_nodes != 0) return Status::Ok();
+  if (in.num_experts % in.num_groups != 0) {
+    return InvalidArgument("num_experts " + std::to_string(in.num_experts) +
+                           " is not divisible by num_groups " + std::to_string(in.num_groups) +
+                           " (hierarchical, since num_groups " + std::to_string(in.num_groups) +
+                           " % num_nodes " + std::to_string(in.num_nodes) + " == 0)");
+  }
   if (in.num_gpus % in.num_nodes != 0) {
     return InvalidArgument("num_gpus " + std::to_string(in.num_gpus) +
-                           " is not divisible by num_nodes " + std::to_string(in.num_nodes));
-  }
-  // The hierarchical path splits experts into groups; the global one uses a single group.
-  if (in.num_groups % in.num_nodes == 0 && in.num_experts % in.num_groups != 0) {
-    return InvalidArgument("num_experts " + std::to_string(in.num_experts) +
-                           " is not divisible by num_groups " + std::to_string(in.num_groups));
+                           " is not divisible by num_nodes " + std::to_string(in.num_nodes) +
+                           " (hierarchical, since num_groups " + std::to_string(in.num_groups) +
+                           " % num_nodes " + std::to_string(in.num_nodes) + " == 0)");
   }
   return Status::Ok();
 }

@@ -47,9 +47,13 @@ class EplbPolicy final : public Policy {
       return InvalidArgument("policy.eplb.num_groups must be >= 0, got " +
                              std::to_string(num_groups));
     }
-    if (num_groups == 0) num_groups = ctx.topology.num_nodes();
-    // Groups that do not divide the experts cannot be kept whole: balance globally instead.
-    if (ctx.num_experts % num_groups != 0) num_groups = 1;
+    // 0: one group per node when the experts divide among the nodes, else one group, which
+    // makes EPLB balance globally (with more than one node). A number the user chose goes to
+    // EPLB as it is, which rejects what DeepSeek's reference rejects.
+    if (num_groups == 0) {
+      const int nodes = ctx.topology.num_nodes();
+      num_groups = ctx.num_experts % nodes == 0 ? nodes : 1;
+    }
     EplbInput input;
     input.num_layers = 1;
     input.num_experts = ctx.num_experts;
@@ -58,8 +62,12 @@ class EplbPolicy final : public Policy {
     input.num_groups = num_groups;
     input.num_nodes = ctx.topology.num_nodes();
     input.num_gpus = ctx.topology.num_ranks();
-    KEEL_ASSIGN_OR_RETURN(EplbOutput out, RebalanceExperts(input));
-    return std::move(out.phy2log);
+    Result<EplbOutput> out = RebalanceExperts(input);
+    if (!out.ok()) {
+      return out.status().WithContext("eplb with policy.eplb.num_groups " +
+                                      std::to_string(ctx.config.eplb.num_groups));
+    }
+    return std::move(out->phy2log);
   }
 };
 

@@ -881,10 +881,14 @@ bool StepPlanner::Impl::Scan() {
   } else {
     scanned = ScanEntries(by_expert_, static_cast<size_t>(num_experts) * num_sources_);
   }
-  // Any negative entry (or -0.0, or a NaN with its sign bit) sets the sign bit of the OR; a NaN,
-  // an infinity or an entry beyond kMaxTokens makes its expert's total NaN or beyond kMaxTokens,
-  // as all other entries are then non-negative. Either sends the caller to the exact check.
-  const bool non_negative = (scanned.bits >> 63) == 0;
+  // Any negative entry (or -0.0, or a NaN with its sign bit) sets the sign bit of the OR; then a
+  // second look tells -0.0, a zero count, from a negative entry. A NaN, an infinity or an entry
+  // beyond kMaxTokens makes its expert's total NaN or beyond kMaxTokens, as all other entries are
+  // then non-negative. Either sends the caller to the exact check.
+  const size_t num_entries = static_cast<size_t>(num_experts) * num_sources_;
+  const bool non_negative =
+      (scanned.bits >> 63) == 0 ||
+      std::none_of(by_expert_, by_expert_ + num_entries, [](double v) { return v < 0; });
   auto sum_totals = [&] {
     double total = 0;
     for (int e = 0; e < num_experts; ++e) total += totals_[e];
@@ -1741,7 +1745,16 @@ Status StepPlanner::Impl::Plan(const Placement& placement, int num_sources,
   by_expert_ = by_expert.data();
   counts_ = nullptr;
   if (!Scan()) {
-    return load != nullptr ? TrafficValues(*load) : ByExpertValues(by_expert, num_sources);
+    KEEL_RETURN_IF_ERROR(load != nullptr ? TrafficValues(*load)
+                                         : ByExpertValues(by_expert, num_sources));
+    // Every entry is a valid count, so an expert's total is out of range.
+    for (size_t e = 0; e < totals_.size(); ++e) {
+      if (totals_[e] > kMaxTokens) {
+        return InvalidArgument("expert " + std::to_string(e) + " receives " +
+                               std::to_string(totals_[e]) + " tokens in all, beyond 1e15");
+      }
+    }
+    return Internal("the step planner's scan refused traffic whose entries and totals are valid");
   }
   return Route(placement, options, routing);
 }

@@ -48,19 +48,17 @@ Status CheckRequest(const PlanRequest& in) {
   if (in.num_replicas % in.num_gpus != 0) {
     return InvalidArgument("num_replicas " + replicas + " is not divisible by num_gpus " + gpus);
   }
-  if (in.num_gpus % in.num_nodes != 0) {
-    return InvalidArgument("num_gpus " + gpus + " is not divisible by num_nodes " +
-                           std::to_string(in.num_nodes));
-  }
   if (in.num_replicas < in.num_experts) {
     return InvalidArgument("num_replicas " + replicas + " is smaller than the " +
                            std::to_string(in.num_experts) +
                            " experts per row of weight (every expert needs a slot)");
   }
-  if (in.num_experts % in.num_groups != 0) {
-    return InvalidArgument("the " + std::to_string(in.num_experts) +
-                           " experts per row of weight are not divisible by num_groups " +
-                           std::to_string(in.num_groups));
+  // EPLB applies DeepSeek's rule itself: the shapes below matter only when it is hierarchical.
+  // Every other policy places ranks as num_nodes x gpus_per_node and has no groups.
+  if (in.policy != "eplb" && in.num_gpus % in.num_nodes != 0) {
+    return InvalidArgument("num_gpus " + gpus + " is not divisible by num_nodes " +
+                           std::to_string(in.num_nodes) + " (policy " + in.policy +
+                           " needs num_nodes x gpus_per_node ranks)");
   }
   return Status::Ok();
 }

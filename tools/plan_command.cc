@@ -5,18 +5,17 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <iterator>
 #include <memory>
 #include <optional>
 #include <span>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "common/file.h"
 #include "keel/config.hpp"
 #include "keel/plan.hpp"
 #include "placement/policy.h"
@@ -109,11 +108,9 @@ Result<Json> ReadJsonFile(const std::string& path) {
   if (path == "-") {
     text.assign(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
   } else {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) return NotFound("cannot open --input '" + path + "'");
-    std::ostringstream buffer;
-    buffer << in.rdbuf();
-    text = buffer.str();
+    Result<std::string> read = ReadFile(path);
+    if (!read.ok()) return read.status().WithContext("--input");
+    text = std::move(*read);
   }
   Json json = Json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (json.is_discarded()) return InvalidArgument("--input '" + path + "' is not valid JSON");

@@ -268,10 +268,10 @@ int RunReplay(int argc, char** argv) {
             "picks a free one) while replaying one policy: the one --policy names, else the "
             "config's policy.name");
   flags.Add("pace", "SECONDS", &pace_seconds,
-            "make each replayed step take this long (0 = as fast as possible)");
+            "make each replayed step take this long (0 = as fast as possible; at most 1e9)");
   flags.Add("serve-seconds", "N", &serve_seconds,
             "with --serve-metrics: exit N seconds after serving started (0 = on SIGINT/SIGTERM "
-            "only); the exporter stays up after the trace ends until then");
+            "only; at most 1e9); the exporter stays up after the trace ends until then");
   flags.AddBool("loop", &loop, "with --serve-metrics: replay the trace again when it ends");
   flags.SetEpilogue(
       "Metrics are defined in docs/replay.md, the exported ones in docs/monitor.md. Config keys: "
@@ -304,13 +304,15 @@ int RunReplay(int argc, char** argv) {
   if (threads < 0)
     return Fail(InvalidArgument("--threads must be >= 0, got " + std::to_string(threads)));
   const bool serve = flags.IsSet("serve-metrics");
-  if (!(pace_seconds >= 0) || !std::isfinite(pace_seconds)) {
-    return Fail(
-        InvalidArgument("--pace must be >= 0 seconds, got " + std::to_string(pace_seconds)));
+  // Durations up to 1e9 s (31 years): beyond about 9.2e9 s a clock's nanoseconds overflow.
+  constexpr double kMaxSeconds = 1e9;
+  if (!(pace_seconds >= 0 && pace_seconds <= kMaxSeconds)) {
+    return Fail(InvalidArgument("--pace must be in [0, 1e9] seconds, got " +
+                                std::to_string(pace_seconds)));
   }
-  if (!(serve_seconds >= 0) || !std::isfinite(serve_seconds)) {
-    return Fail(
-        InvalidArgument("--serve-seconds must be >= 0, got " + std::to_string(serve_seconds)));
+  if (!(serve_seconds >= 0 && serve_seconds <= kMaxSeconds)) {
+    return Fail(InvalidArgument("--serve-seconds must be in [0, 1e9], got " +
+                                std::to_string(serve_seconds)));
   }
   if (!serve && (loop || flags.IsSet("serve-seconds"))) {
     return Fail(InvalidArgument(std::string(loop ? "--loop" : "--serve-seconds") +

@@ -24,8 +24,11 @@ struct PlanRequest {
   // [num_layers, num_experts] float64, row-major: each expert's load; finite and >= 0.
   std::vector<double> weight;
   int num_replicas = 0;  // physical slots per layer: >= num_experts, divisible by num_gpus
-  int num_groups = 1;    // expert groups (EPLB's hierarchical policy); divides num_experts
-  int num_nodes = 1;     // divides num_gpus
+  // eplb: hierarchical when num_groups % num_nodes == 0, and then num_groups divides num_experts
+  // and num_nodes divides num_gpus; otherwise global, with no such rule (DeepSeek's reference).
+  // Every other policy: num_nodes divides num_gpus, and num_groups is not read.
+  int num_groups = 1;
+  int num_nodes = 1;
   int num_gpus = 1;
   // Policy parameters and cost model (its topology and slots are replaced by the fields above);
   // null: the defaults. Not read by eplb, which is DeepSeek's algorithm as published.

@@ -106,6 +106,21 @@ expect_error "non-numeric count" "field 'num_replicas' must be an integer" \
 expect_error "not JSON" "is not valid JSON" "{\"weight\": [["
 expect_error "unknown field" "unknown field 'num_gpu' (known: weight, num_replicas" \
   "{\"weight\": [[1, 2, 3, 4]], \"num_replicas\": 8, \"num_gpu\": 4, $ok}"
+# DeepSeek's fallback rule: hierarchical only when num_groups % num_nodes == 0, and then GPUs must
+# split among nodes; otherwise global, where neither groups nor nodes need divide anything.
+expect_error "hierarchical, GPUs not split among nodes" \
+  "num_gpus 3 is not divisible by num_nodes 2 (hierarchical" \
+  '{"weight": [[10, 6, 4, 2]], "num_replicas": 6, "num_groups": 2, "num_nodes": 2, "num_gpus": 3}'
+printf '%s' '{"weight": [[10, 6, 4, 2]], "num_replicas": 6, "num_groups": 3, "num_nodes": 2,
+  "num_gpus": 3}' >"$work/global.json"
+"$keel" plan --policy eplb --input "$work/global.json" >"$work/global.out" ||
+  fail "global fallback (3 groups, 2 nodes, 3 GPUs) was refused: $(cat "$work/global.out")"
+python3 - "$work/global.out" <<'PY' || fail "global fallback: wrong plan: $(cat "$work/global.out")"
+import json, sys
+out = json.load(open(sys.argv[1]))
+assert out["phy2log"] == [[0, 1, 0, 3, 2, 1]], out["phy2log"]  # worked by hand in eplb_test.cc
+assert out["logcnt"] == [[2, 2, 1, 1]], out["logcnt"]
+PY
 
 # Usage errors exit 2 as well.
 got=0

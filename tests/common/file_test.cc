@@ -3,10 +3,12 @@
 #include "common/file.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
+#include <thread>
 
 namespace keel {
 namespace {
@@ -55,6 +57,39 @@ TEST_F(FileTest, FailedWriteKeepsThePreviousFile) {
   EXPECT_EQ(*ReadFile(path), "previous");
   EXPECT_FALSE(WriteFileAtomically((dir_ / "no" / "such" / "dir.txt").string(), "x").ok());
   EXPECT_EQ(std::distance(fs::directory_iterator(dir_), fs::directory_iterator()), 2);
+}
+
+// A link to a regular file stays a link, and its target gets the contents.
+TEST_F(FileTest, WritesThroughALinkKeepingIt) {
+  const fs::path target = dir_ / "target.txt";
+  const fs::path link = dir_ / "link.txt";
+  ASSERT_TRUE(WriteFileAtomically(target.string(), "old").ok());
+  fs::create_symlink(target, link);
+  ASSERT_TRUE(WriteFileAtomically(link.string(), "new").ok());
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(link)));
+  EXPECT_EQ(*ReadFile(target.string()), "new");
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir_), fs::directory_iterator()), 2);
+}
+
+// A FIFO is written through, not replaced by a regular file.
+TEST_F(FileTest, WritesThroughAFifo) {
+  const std::string fifo = (dir_ / "fifo").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  Result<std::string> read = std::string();
+  std::thread reader([&] { read = ReadFile(fifo); });
+  const Status written = WriteFileAtomically(fifo, "through the pipe");
+  reader.join();
+  ASSERT_TRUE(written.ok()) << written.ToString();
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  EXPECT_EQ(*read, "through the pipe");
+  EXPECT_TRUE(fs::is_fifo(fifo));
+}
+
+TEST_F(FileTest, ReadingAFolderNamesIt) {
+  auto text = ReadFile(dir_.string());
+  ASSERT_FALSE(text.ok());
+  EXPECT_EQ(text.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(text.status().message().find("is a folder, expected a file"), std::string::npos);
 }
 
 }  // namespace

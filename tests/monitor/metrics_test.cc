@@ -2,7 +2,11 @@
 // per-expert switch, promtool's verdict, and the exposer's address handling over real HTTP.
 #include "monitor/metrics.h"
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <string>
@@ -245,6 +249,35 @@ TEST(MetricsTest, ServesOnAFreeLocalPortAndReportsConflictsByAddress) {
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.message().find("256.1.1.1:0"), std::string::npos) << bad.message();
   EXPECT_EQ(second->Serve("no-port-here").code(), StatusCode::kInvalidArgument);
+}
+
+// Clients that send a request line and then nothing (slow or hostile) must not keep a scrape from
+// being answered.
+TEST(MetricsTest, IdleConnectionsDoNotBlockScrapes) {
+  if (std::system("command -v python3 >/dev/null 2>&1") != 0) GTEST_SKIP() << "no python3";
+  auto metrics = MakeMetrics(1, 2, 2, false);
+  ASSERT_TRUE(metrics->Serve("127.0.0.1:0").ok());
+  metrics->SetEpoch(7);
+  std::vector<int> idle;
+  for (int i = 0; i < 4; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_port = htons(static_cast<uint16_t>(metrics->bound_port()));
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+    const char request_line[] = "GET /metrics HTTP/1.1\r\n";
+    ASSERT_GT(send(fd, request_line, sizeof request_line - 1, 0), 0);
+    idle.push_back(fd);
+  }
+  // Scrape times out after 10 s.
+  const auto scraped = ParseExposition(Scrape(metrics->bound_port()));
+  EXPECT_EQ(scraped.count("keel_placement_epoch"), 1u);
+  if (scraped.count("keel_placement_epoch") == 1) {
+    EXPECT_EQ(scraped.at("keel_placement_epoch"), 7);
+  }
+  for (int fd : idle) close(fd);
 }
 
 TEST(MetricsTest, RejectsEmptyLayouts) {

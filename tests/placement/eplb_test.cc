@@ -258,13 +258,82 @@ TEST(EplbTest, ValidationErrorsNameTheField) {
   in.num_gpus = 4;
   EXPECT_NE(ErrorOf(in).find("num_replicas 10 is not divisible by num_gpus 4"), std::string::npos);
   in = ReadmeInput();
+  in.num_groups = 6;  // 6 % 3 == 0: hierarchical, and 8 GPUs do not split among 3 nodes
   in.num_nodes = 3;
-  EXPECT_NE(ErrorOf(in).find("num_gpus 8 is not divisible by num_nodes 3"), std::string::npos);
+  EXPECT_NE(ErrorOf(in).find("num_gpus 8 is not divisible by num_nodes 3 (hierarchical, since "
+                             "num_groups 6 % num_nodes 3 == 0)"),
+            std::string::npos);
   in = ReadmeInput();
   in.num_groups = 8;  // 8 % 2 == 0: hierarchical, but 12 experts do not split into 8 groups
   EXPECT_NE(ErrorOf(in).find("num_experts 12 is not divisible by num_groups 8"), std::string::npos);
   in.num_groups = 5;  // 5 % 2 != 0: global, so the group count no longer matters
   EXPECT_EQ(ErrorOf(in), "<ok>");
+}
+
+// DeepSeek's rebalance_experts is hierarchical only when num_groups % num_nodes == 0; otherwise it
+// runs the same routine with one group and one node, and none of the hierarchical shape rules
+// apply. Worked by hand: 4 experts, weights 10 6 4 2, 6 slots on 3 GPUs.
+//   replication: the first extra copy goes to expert 0 (10 is the largest weight / count), the
+//     second to expert 1 (6 beats 10/2 = 5, 4 and 2): physical experts 0 1 2 3 0 1, loads
+//     5 3 4 2 5 3;
+//   packing into 3 GPUs of 2, heaviest first (stable): 5 (phy 0) -> GPU 0, 5 (phy 4) -> GPU 1,
+//     4 (phy 2) -> GPU 2, 3 (phy 1) -> GPU 2 (lightest with room, 4), 3 (phy 5) -> GPU 0 (5 vs 5:
+//     lowest index), 2 (phy 3) -> GPU 1;
+//   slots: GPU 0 = 0 1, GPU 1 = 0 3, GPU 2 = 2 1.
+TEST(EplbTest, GlobalFallbackAcceptsWhatTheReferenceAccepts) {
+  EplbInput in;
+  in.num_layers = 1;
+  in.num_experts = 4;
+  in.weight = {10, 6, 4, 2};
+  in.num_replicas = 6;
+  in.num_gpus = 3;
+  const std::vector<int> by_hand = {0, 1, 0, 3, 2, 1};
+  // 3 groups on 2 nodes: global. Neither 4 experts into 3 groups nor 3 GPUs onto 2 nodes divide.
+  in.num_groups = 3;
+  in.num_nodes = 2;
+  auto out = RebalanceExperts(in);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out->phy2log, by_hand);
+  EXPECT_EQ(out->logcnt, (std::vector<int>{2, 2, 1, 1}));
+  ExpectConsistent(in, *out);
+  // 1 group on 4 nodes (more nodes than GPUs): global too, the same answer.
+  in.num_groups = 1;
+  in.num_nodes = 4;
+  out = RebalanceExperts(in);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out->phy2log, by_hand);
+  // 1 group on 1 node: hierarchical with one group, which is what global means.
+  in.num_nodes = 1;
+  out = RebalanceExperts(in);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out->phy2log, by_hand);
+}
+
+TEST(EplbTest, HierarchicalRejectsWhatTheReferenceRejects) {
+  EplbInput in;
+  in.num_layers = 1;
+  in.num_experts = 4;
+  in.weight = {10, 6, 4, 2};
+  in.num_replicas = 6;
+  in.num_gpus = 3;
+  in.num_groups = 2;  // 2 % 2 == 0: hierarchical, so 3 GPUs must split among 2 nodes
+  in.num_nodes = 2;
+  EXPECT_NE(ErrorOf(in).find("num_gpus 3 is not divisible by num_nodes 2"), std::string::npos);
+  in.num_groups = 4;  // 4 % 1 == 0 and 4 experts in 4 groups: accepted
+  in.num_nodes = 1;
+  EXPECT_EQ(ErrorOf(in), "<ok>");
+  in.num_experts = 6;  // but 6 experts do not split into 4 groups
+  in.weight = {10, 6, 4, 2, 1, 1};
+  EXPECT_NE(ErrorOf(in).find("num_experts 6 is not divisible by num_groups 4"), std::string::npos);
+  in.num_groups = 3;  // 3 % 1 == 0, 6 experts in 3 groups of 2
+  EXPECT_EQ(ErrorOf(in), "<ok>");
+  // What both paths need: every expert a slot, slots dividing among the GPUs.
+  in.num_replicas = 5;
+  EXPECT_NE(ErrorOf(in).find("num_replicas 5 is less than num_experts 6"), std::string::npos);
+  in.num_replicas = 7;
+  in.num_groups = 5;
+  in.num_nodes = 2;  // 5 % 2 != 0: global, still 7 slots on 3 GPUs
+  EXPECT_NE(ErrorOf(in).find("num_replicas 7 is not divisible by num_gpus 3"), std::string::npos);
 }
 
 TEST(EplbTest, RandomLoadsKeepInvariantsAndAreDeterministic) {
@@ -402,6 +471,38 @@ TEST(EplbPolicyTest, GroupsThatDoNotDivideExpertsFallBackToGlobal) {
   auto direct = RebalanceExperts(in);
   ASSERT_TRUE(direct.ok()) << direct.status().ToString();
   EXPECT_EQ(next->phy2log(), direct->phy2log);
+}
+
+// A group count the user chose goes to EPLB as it is: groups that are a multiple of the nodes but
+// do not divide the experts are rejected, as DeepSeek's reference rejects them, with the key named.
+// Left at 0, the policy picks a count EPLB accepts.
+TEST(EplbPolicyTest, ChosenGroupsFollowTheReferenceRules) {
+  const std::vector<double> load = {5, 500, 5, 5, 5, 5};
+  // The initial placement (EPLB on a uniform load), then a replan.
+  auto plan = [&](int num_groups) -> Status {
+    auto policy = MakePolicy("eplb", MakeContext(2, 2, 6, 3, num_groups));
+    if (!policy.ok()) return policy.status();
+    auto current = (*policy)->Initial(0);
+    if (!current.ok()) return current.status();
+    LayerView view;
+    view.current = &*current;
+    view.expert_load = load;
+    return (*policy)->Replan(view).status();
+  };
+  const Status four = plan(4);  // 4 % 2 == 0: hierarchical, and 6 experts do not split into 4
+  ASSERT_FALSE(four.ok());
+  EXPECT_NE(four.message().find("policy.eplb.num_groups 4"), std::string::npos)
+      << four.ToString();
+  EXPECT_NE(four.message().find("num_experts 6 is not divisible by num_groups 4"),
+            std::string::npos)
+      << four.ToString();
+  EXPECT_TRUE(plan(3).ok()) << plan(3).ToString();  // 3 % 2 != 0: global
+  EXPECT_TRUE(plan(2).ok()) << plan(2).ToString();  // hierarchical, 3 experts per group
+  EXPECT_TRUE(plan(0).ok()) << plan(0).ToString();  // one group per node
+  // 0 with experts that do not divide among the nodes: one group, global.
+  auto odd = MakePolicy("eplb", MakeContext(2, 2, 7, 3, 0));
+  ASSERT_TRUE(odd.ok());
+  EXPECT_TRUE((*odd)->Initial(0).ok());
 }
 
 TEST(EplbPolicyTest, ReportsBadInputs) {

@@ -480,6 +480,35 @@ TEST(StepPlannerTest, BadInputIsNamed) {
   counts[9] = 5;
   ASSERT_TRUE(eight_planner.Plan(one_each, 8, counts, options, routing).ok());
   EXPECT_DOUBLE_EQ(routing.max_rank_tokens() * 8, 35.0 + 5.0);
+
+  // Entries each within range whose total is not.
+  by_expert = {6e14, 6e14, 1, 2, 3, 4};
+  ExpectError(planner.Plan(placement, 2, by_expert, {}, routing),
+              "expert 0 receives 1200000000000000.000000 tokens in all, beyond 1e15");
+}
+
+// -0.0 is a zero count: it sets the sign bit the planner's fast scan looks at, and must still be
+// planned as 0.0 is, on both the fast path (one source per rank) and the general one.
+TEST(StepPlannerTest, NegativeZeroIsAZeroCount) {
+  for (int num_sources : {8, 3}) {
+    const Topology topology = MakeTopology(1, 8);
+    const CostModel cost(topology, SmallExperts());
+    StepPlanner planner(topology, cost);
+    const Placement placement = Placement::Create(2, 8, {0, 1, 0, 1, 0, 1, 0, 1}).value();
+    std::vector<double> zero(2 * static_cast<size_t>(num_sources), 7.0);
+    zero[1] = 0.0;
+    std::vector<double> negative_zero = zero;
+    negative_zero[1] = -0.0;
+    QuotaPlanOptions options;
+    options.transient_per_rank = 1;
+    StepRouting from_zero, from_negative_zero;
+    ASSERT_TRUE(planner.Plan(placement, num_sources, zero, options, from_zero).ok());
+    const Status status =
+        planner.Plan(placement, num_sources, negative_zero, options, from_negative_zero);
+    ASSERT_TRUE(status.ok()) << status.ToString();
+    SCOPED_TRACE(std::to_string(num_sources) + " sources");
+    ExpectSameRouting(from_negative_zero, from_zero);
+  }
 }
 
 }  // namespace
