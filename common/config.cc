@@ -60,12 +60,18 @@ struct ConfigKey {
 #define KEEL_CONFIG_FIELD(member) \
   .path = #member, .field = [](KeelConfig& c) { return FieldRef(&c.member); }
 
+// Sizes have upper bounds, so that a typo fails here rather than as an exhausted memory later.
+constexpr double kMaxRanks = 65536;            // num_nodes x gpus_per_node too
+constexpr double kMaxSlotsPerLayer = 1 << 20;  // all ranks' persistent and transient slots
+constexpr double kMaxModelWidth = 1 << 20;     // hidden and FFN sizes, elements
+
 constexpr ConfigKey kConfigKeys[] = {
     // topology
-    {KEEL_CONFIG_FIELD(topology.num_nodes), .min = 1,
+    {KEEL_CONFIG_FIELD(topology.num_nodes), .min = 1, .max = kMaxRanks,
      .doc = "Nodes (hosts) in the job; the ranks of one node share a fast link (NVLink)."},
-    {KEEL_CONFIG_FIELD(topology.gpus_per_node), .min = 1,
-     .doc = "Ranks (GPUs) per node; the job has num_nodes x gpus_per_node ranks."},
+    {KEEL_CONFIG_FIELD(topology.gpus_per_node), .min = 1, .max = kMaxRanks,
+     .doc = "Ranks (GPUs) per node; the job has num_nodes x gpus_per_node ranks, at most "
+            "65536."},
     {KEEL_CONFIG_FIELD(topology.intra_node_gb_per_s), .min = 0, .min_exclusive = true,
      .unit = "GB/s",
      .doc = "Bandwidth between two ranks of one node, per GPU and direction (NVLink)."},
@@ -73,9 +79,10 @@ constexpr ConfigKey kConfigKeys[] = {
      .unit = "GB/s",
      .doc = "Bandwidth from a rank to ranks on other nodes, per GPU and direction (the NIC)."},
     // slots
-    {KEEL_CONFIG_FIELD(slots.persistent_per_rank), .min = 1,
-     .doc = "Expert slots per rank in every MoE layer, filled by the planned placement."},
-    {KEEL_CONFIG_FIELD(slots.transient_per_rank), .min = 0,
+    {KEEL_CONFIG_FIELD(slots.persistent_per_rank), .min = 1, .max = kMaxSlotsPerLayer,
+     .doc = "Expert slots per rank in every MoE layer, filled by the planned placement. All "
+            "ranks' persistent and transient slots of a layer are at most 2^20."},
+    {KEEL_CONFIG_FIELD(slots.transient_per_rank), .min = 0, .max = kMaxSlotsPerLayer,
      .doc = "Extra slots per rank, filled each step with replicas of bursting experts (used by "
             "the keel policy); 0 means none. The engine gives every layer its own transient "
             "slots, so a layer's backward finds the weights its forward used."},
@@ -83,12 +90,12 @@ constexpr ConfigKey kConfigKeys[] = {
     {KEEL_CONFIG_FIELD(cost_model.expert_tflops), .min = 0, .min_exclusive = true,
      .unit = "TFLOP/s",
      .doc = "Achieved throughput of the expert GEMMs on one GPU, in the weights' dtype."},
-    {KEEL_CONFIG_FIELD(cost_model.hidden_size), .min = 1, .unit = "elements",
+    {KEEL_CONFIG_FIELD(cost_model.hidden_size), .min = 1, .max = kMaxModelWidth, .unit = "elements",
      .doc = "Model hidden size: elements of one token's activation entering and leaving an "
             "expert."},
-    {KEEL_CONFIG_FIELD(cost_model.expert_ffn_size), .min = 1, .unit = "elements",
-     .doc = "Inner (FFN) size of one expert."},
-    {KEEL_CONFIG_FIELD(cost_model.expert_matrices), .min = 1,
+    {KEEL_CONFIG_FIELD(cost_model.expert_ffn_size), .min = 1, .max = kMaxModelWidth,
+     .unit = "elements", .doc = "Inner (FFN) size of one expert."},
+    {KEEL_CONFIG_FIELD(cost_model.expert_matrices), .min = 1, .max = 16,
      .doc = "Weight matrices of hidden_size x expert_ffn_size per expert (2 for a plain FFN, 3 "
             "for SwiGLU)."},
     {KEEL_CONFIG_FIELD(cost_model.dtype_bytes), .min = 1, .max = 8, .unit = "bytes",
@@ -112,7 +119,7 @@ constexpr ConfigKey kConfigKeys[] = {
     {KEEL_CONFIG_FIELD(estimator.ema_decay), .min = 0, .max = 1, .max_exclusive = true,
      .doc = "Weight of the past in the ema estimator: estimate = decay x estimate + (1 - decay) "
             "x observed."},
-    {KEEL_CONFIG_FIELD(estimator.window_steps), .min = 1, .unit = "steps",
+    {KEEL_CONFIG_FIELD(estimator.window_steps), .min = 1, .max = 10000, .unit = "steps",
      .doc = "Steps averaged by the window estimator."},
     // policy
     {KEEL_CONFIG_FIELD(policy.name), .choices = kBuiltinPolicyNames,
@@ -134,7 +141,7 @@ constexpr ConfigKey kConfigKeys[] = {
      .doc = "FlexMoE replans only when the predicted max/mean rank load exceeds this ratio."},
     {KEEL_CONFIG_FIELD(policy.flexmoe.max_actions_per_replan), .min = 1,
      .doc = "Expand, shrink and migrate actions FlexMoE takes per replan, at most."},
-    {KEEL_CONFIG_FIELD(policy.smartmoe.candidate_pool_size), .min = 1,
+    {KEEL_CONFIG_FIELD(policy.smartmoe.candidate_pool_size), .min = 1, .max = 4096,
      .doc = "Placements SmartMoE keeps and chooses among online with the cost model."},
     {KEEL_CONFIG_FIELD(policy.smartmoe.stickiness), .min = 0,
      .doc = "Relative load gain a swap must beat before SmartMoE moves an expert off its current "
@@ -166,7 +173,7 @@ constexpr ConfigKey kConfigKeys[] = {
             "aggregating_rank only, so one exporter carries them rather than every rank)."},
     {KEEL_CONFIG_FIELD(monitor.aggregating_rank), .min = 0,
      .doc = "The rank that exports the per-expert series when per_expert is aggregated."},
-    {KEEL_CONFIG_FIELD(monitor.queue_capacity), .min = 1, .unit = "batches",
+    {KEEL_CONFIG_FIELD(monitor.queue_capacity), .min = 1, .max = 65536, .unit = "batches",
      .doc = "Routing batches the trainer can hand the monitor before the monitor thread drains "
             "them; beyond this, samples are dropped and counted, never waited for."},
     {KEEL_CONFIG_FIELD(monitor.per_source_rank),
@@ -180,9 +187,9 @@ constexpr ConfigKey kConfigKeys[] = {
     {KEEL_CONFIG_FIELD(migration.transport), .choices = kTransportNames,
      .doc = "How expert state moves between ranks: local (ranks are threads of one process), "
             "ucx (UCP over shared memory, TCP or RDMA) or nccl (GPU memory)."},
-    {KEEL_CONFIG_FIELD(migration.chunk_bytes), .min = 4096, .unit = "bytes",
+    {KEEL_CONFIG_FIELD(migration.chunk_bytes), .min = 4096, .max = 1073741824, .unit = "bytes",
      .doc = "Transfers are cut into chunks of this size and pipelined."},
-    {KEEL_CONFIG_FIELD(migration.pipeline_depth), .min = 1, .unit = "chunks",
+    {KEEL_CONFIG_FIELD(migration.pipeline_depth), .min = 1, .max = 1024, .unit = "chunks",
      .doc = "Chunks in flight per peer at once."},
     {KEEL_CONFIG_FIELD(migration.bandwidth_cap_gb_per_s), .min = 0, .unit = "GB/s",
      .doc = "Migration bandwidth per rank, at most, so training traffic keeps priority; 0 means "
@@ -684,11 +691,25 @@ Status Validate(const KeelConfig& config, const ParseOrigin& origin) {
   };
 
   const TopologyConfig& topology = config.topology;
-  int64_t num_ranks = int64_t{topology.num_nodes} * topology.gpus_per_node;
-  if (num_ranks > INT_MAX) {
+  const int64_t num_ranks = int64_t{topology.num_nodes} * topology.gpus_per_node;
+  if (num_ranks > kMaxRanks) {
     return cross_error("topology.num_nodes", "topology.gpus_per_node",
                        "topology.num_nodes x topology.gpus_per_node: " + std::to_string(num_ranks) +
-                           " ranks is too many");
+                           " ranks, more than the 65536 Keel supports");
+  }
+  const int64_t slots_per_layer =
+      num_ranks * (int64_t{config.slots.persistent_per_rank} + config.slots.transient_per_rank);
+  if (slots_per_layer > kMaxSlotsPerLayer) {
+    return cross_error(
+        "slots.persistent_per_rank", "slots.transient_per_rank",
+        "slots.persistent_per_rank + slots.transient_per_rank: " + std::to_string(slots_per_layer) +
+            " slots per layer on " + std::to_string(num_ranks) + " ranks, more than 2^20");
+  }
+  if (config.monitor.aggregating_rank >= num_ranks) {
+    return cross_error(
+        "monitor.aggregating_rank", "topology.gpus_per_node",
+        "monitor.aggregating_rank: " + std::to_string(config.monitor.aggregating_rank) +
+            " is not a rank of the job (it has " + std::to_string(num_ranks) + " ranks)");
   }
   const CostModelConfig& cost = config.cost_model;
   if (cost.home_move_bytes_per_parameter < cost.dtype_bytes) {

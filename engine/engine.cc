@@ -151,26 +151,50 @@ Status Engine::Impl::Init() {
                            std::to_string(rank_) + " of " + std::to_string(num_ranks_));
   }
 
-  if (aggregating()) {
-    metrics_ = shared_metrics_;
-    if (metrics_ == nullptr && !config.monitor.metrics_address.empty()) {
-      KEEL_ASSIGN_OR_RETURN(
-          owned_metrics_, Metrics::Create(MetricsLayout::FromConfig(config, options_.num_layers,
+  // The aggregating rank's outputs can fail where no other rank's can (a port in use, a missing
+  // folder): every rank hears of it now, rather than at its first collective's deadline.
+  return AgreeOnSetup(aggregating() ? OpenMonitorOutputs() : Status::Ok());
+}
+
+// The metrics exporter and the trace recorder of the aggregating rank.
+Status Engine::Impl::OpenMonitorOutputs() {
+  const KeelConfig& config = config_;
+  metrics_ = shared_metrics_;
+  if (metrics_ == nullptr && !config.monitor.metrics_address.empty()) {
+    KEEL_ASSIGN_OR_RETURN(owned_metrics_,
+                          Metrics::Create(MetricsLayout::FromConfig(config, options_.num_layers,
                                                                     options_.num_experts, rank_)));
-      KEEL_RETURN_IF_ERROR(owned_metrics_->Serve(config.monitor.metrics_address));
-      metrics_ = owned_metrics_.get();
+    KEEL_RETURN_IF_ERROR(owned_metrics_->Serve(config.monitor.metrics_address)
+                             .WithContext("monitor.metrics_address"));
+    metrics_ = owned_metrics_.get();
+  }
+  if (!config.monitor.trace_path.empty()) {
+    TraceRecorderOptions trace;
+    trace.path = config.monitor.trace_path;
+    trace.description = "recorded by the keel engine";
+    trace.num_layers = options_.num_layers;
+    trace.num_experts = options_.num_experts;
+    trace.num_sources = num_ranks_;
+    trace.sample_interval_steps = config.monitor.trace_sample_interval_steps;
+    Result<std::unique_ptr<TraceRecorder>> recorder = TraceRecorder::Open(trace);
+    if (!recorder.ok()) return recorder.status().WithContext("monitor.trace_path");
+    recorder_ = std::move(*recorder);
+  }
+  if (metrics_ != nullptr) metrics_->SetEpoch(0);
+  return Status::Ok();
+}
+
+// Every rank's `local` setup result; the first failure (a rank's own, else the lowest failed
+// rank's) for all of them.
+Status Engine::Impl::AgreeOnSetup(const Status& local) {
+  KEEL_ASSIGN_OR_RETURN(std::vector<std::string> verdicts,
+                        communicator_.AllGather(local.ok() ? "" : local.ToString()));
+  if (!local.ok()) return local;
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (!verdicts[r].empty()) {
+      return FailedPrecondition("rank " + std::to_string(r) +
+                                " could not create its engine: " + verdicts[r]);
     }
-    if (!config.monitor.trace_path.empty()) {
-      TraceRecorderOptions trace;
-      trace.path = config.monitor.trace_path;
-      trace.description = "recorded by the keel engine";
-      trace.num_layers = options_.num_layers;
-      trace.num_experts = options_.num_experts;
-      trace.num_sources = num_ranks_;
-      trace.sample_interval_steps = config.monitor.trace_sample_interval_steps;
-      KEEL_ASSIGN_OR_RETURN(recorder_, TraceRecorder::Open(trace));
-    }
-    if (metrics_ != nullptr) metrics_->SetEpoch(0);
   }
   return Status::Ok();
 }

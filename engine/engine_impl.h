@@ -45,6 +45,8 @@ class Engine::Impl {
 
   Status Init();
   Status ChooseMemory();
+  Status OpenMonitorOutputs();
+  Status AgreeOnSetup(const Status& local);
   // Whether the slot buffers are device memory (shape.memory = kDevice).
   bool on_device() const { return options_.shape.memory == MemoryKind::kDevice; }
   Status RegisterSlot(int layer, int local_slot, const SlotBuffers& buffers);

@@ -316,9 +316,11 @@ Status Metrics::Serve(std::string_view address) {
     bound_port_ = ports.front();
     bound_address_ = resolved.substr(0, resolved.rfind(':')) + ":" + std::to_string(bound_port_);
     exposer_ = std::move(exposer);
-  } catch (const std::exception& error) {
-    return IoError("cannot serve metrics on '" + std::string(address) + "' (" + resolved +
-                   "): " + error.what() + " (address in use or not local?)");
+  } catch (const std::exception&) {
+    // civetweb says no more than that it could not start ("null context ..."), so name the causes.
+    return InvalidArgument("cannot serve metrics on '" + std::string(address) + "' (" + resolved +
+                           "): the port is in use, the address is not one of this host's, or "
+                           "the port is below 1024 and needs root");
   }
   return Status::Ok();
 }

@@ -40,6 +40,31 @@ std::string KnownFormatList() {
   return list;
 }
 
+}  // namespace
+
+Status CheckTraceShape(int64_t num_layers, int64_t num_experts, int64_t num_sources) {
+  if (num_layers > kMaxTraceLayers) {
+    return InvalidArgument("num_layers " + std::to_string(num_layers) + " is more than " +
+                           std::to_string(kMaxTraceLayers));
+  }
+  if (num_experts > kMaxTraceExperts) {
+    return InvalidArgument("num_experts " + std::to_string(num_experts) + " is more than " +
+                           std::to_string(kMaxTraceExperts));
+  }
+  if (num_sources > kMaxTraceSources) {
+    return InvalidArgument("num_sources " + std::to_string(num_sources) + " is more than " +
+                           std::to_string(kMaxTraceSources));
+  }
+  const int64_t counts = num_layers * num_experts * std::max<int64_t>(num_sources, 1);
+  if (counts > kMaxTraceCountsPerStep) {
+    return InvalidArgument("num_layers x num_sources x num_experts = " + std::to_string(counts) +
+                           " counts per step, more than 2^26");
+  }
+  return Status::Ok();
+}
+
+namespace {
+
 // Reads an integer member of the header; errors name the key and the bad value.
 Result<int64_t> HeaderInt(const nlohmann::json& header, const char* key, const std::string& where,
                           int64_t min_value) {
@@ -69,6 +94,14 @@ Status ParseStepLine(std::string_view line, const std::string& where, Trace& tra
   auto step_id = step.find("step");
   if (step_id == step.end() || !step_id->is_number_integer()) {
     return InvalidArgument(where + ": \"step\" is missing or not an integer");
+  }
+  // Steps are a time series: ids from 0 up, each after the one before.
+  const int64_t id = step_id->get<int64_t>();
+  if (id < 0) return InvalidArgument(where + ": step " + std::to_string(id) + " is negative");
+  if (!trace.step_ids.empty() && id <= trace.step_ids.back()) {
+    return InvalidArgument(where + ": step " + std::to_string(id) + " does not follow step " +
+                           std::to_string(trace.step_ids.back()) +
+                           " (step ids must increase line by line)");
   }
   auto layers = step.find("layers");
   if (layers == step.end() || !layers->is_array()) {
@@ -107,7 +140,7 @@ Status ParseStepLine(std::string_view line, const std::string& where, Trace& tra
     }
     ++layer;
   }
-  trace.step_ids.push_back(step_id->get<int64_t>());
+  trace.step_ids.push_back(id);
   trace.steps.push_back(std::move(values));
   return Status::Ok();
 }
@@ -148,6 +181,7 @@ Status Trace::Validate() const {
     return InvalidArgument("trace: num_sources " + std::to_string(num_sources) +
                            " must be 0 or positive");
   }
+  KEEL_RETURN_IF_ERROR(CheckTraceShape(num_layers, num_experts, num_sources).WithContext("trace"));
   if (step_ids.size() != steps.size()) {
     return InvalidArgument("trace: " + std::to_string(step_ids.size()) + " step ids for " +
                            std::to_string(steps.size()) + " steps");
@@ -187,10 +221,9 @@ std::string_view TraceFormatName(TraceFormat format) {
   return "unknown";
 }
 
-Result<Trace> ReadTrace(const std::string& path, TraceFormat format) {
-  if (format == TraceFormat::kAuto) {
-    KEEL_ASSIGN_OR_RETURN(format, DetectTraceFormat(path));
-  }
+namespace {
+
+Result<Trace> ReadTraceAs(const std::string& path, TraceFormat format) {
   switch (format) {
     case TraceFormat::kKeel:
       return ReadKeelTrace(path);
@@ -206,6 +239,21 @@ Result<Trace> ReadTrace(const std::string& path, TraceFormat format) {
       break;
   }
   return Internal("ReadTrace: unhandled format");
+}
+
+}  // namespace
+
+Result<Trace> ReadTrace(const std::string& path, TraceFormat format) {
+  if (format != TraceFormat::kAuto) return ReadTraceAs(path, format);
+  KEEL_ASSIGN_OR_RETURN(const TraceFormat guessed, DetectTraceFormat(path));
+  Result<Trace> trace = ReadTraceAs(path, guessed);
+  if (!trace.ok()) return trace.status().WithContext(GuessedFormatContext(guessed));
+  return trace;
+}
+
+std::string GuessedFormatContext(TraceFormat guessed) {
+  return "read as " + std::string(TraceFormatName(guessed)) +
+         " (the format guessed from the path; --format chooses another)";
 }
 
 Result<Trace> ReadKeelTrace(const std::string& path) {
@@ -242,11 +290,7 @@ Result<Trace> ReadKeelTrace(const std::string& path) {
       KEEL_ASSIGN_OR_RETURN(int64_t layers, HeaderInt(header, "num_layers", where, 1));
       KEEL_ASSIGN_OR_RETURN(int64_t experts, HeaderInt(header, "num_experts", where, 1));
       KEEL_ASSIGN_OR_RETURN(int64_t sources, HeaderInt(header, "num_sources", where, 0));
-      const int64_t row_size = sources > 0 ? sources * experts : experts;
-      if (layers * row_size > (int64_t{1} << 31)) {
-        return InvalidArgument(where + ": num_layers * num_sources * num_experts " +
-                               std::to_string(layers * row_size) + " is too large");
-      }
+      KEEL_RETURN_IF_ERROR(CheckTraceShape(layers, experts, sources).WithContext(where));
       trace.num_layers = static_cast<int>(layers);
       trace.num_experts = static_cast<int>(experts);
       trace.num_sources = static_cast<int>(sources);

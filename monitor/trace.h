@@ -14,6 +14,14 @@
 
 namespace keel {
 
+// Within kMaxTraceLayers, kMaxTraceExperts, kMaxTraceSources and kMaxTraceCountsPerStep
+// (include/keel/trace.hpp); the error names the dimension. Sizes below 1 are not checked here.
+Status CheckTraceShape(int64_t num_layers, int64_t num_experts, int64_t num_sources);
+
+// "read as megatron (the format guessed ...)": the context of an error in a trace whose format
+// was guessed, so that a wrong guess is seen as one.
+std::string GuessedFormatContext(TraceFormat guessed);
+
 Result<Trace> ReadKeelTrace(const std::string& path);
 Status WriteKeelTrace(const Trace& trace, const std::string& path);
 

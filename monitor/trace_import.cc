@@ -53,17 +53,23 @@ bool EndsWith(std::string_view text, std::string_view suffix) {
   return text.size() >= suffix.size() && text.substr(text.size() - suffix.size()) == suffix;
 }
 
-// Parses `<prefix><digits><suffix>` and returns the number, or nothing when `name` differs.
-std::optional<int64_t> NumberBetween(std::string_view name, std::string_view prefix,
-                                     std::string_view suffix) {
-  if (!name.starts_with(prefix) || !EndsWith(name, suffix)) return std::nullopt;
+// Parses `<prefix><digits><suffix>` and returns the number; nothing when `name` has another
+// shape; an error when its digits do not fit in 64 bits (a file that would otherwise be skipped
+// without a word).
+Result<std::optional<int64_t>> NumberBetween(std::string_view name, std::string_view prefix,
+                                             std::string_view suffix) {
+  if (!name.starts_with(prefix) || !EndsWith(name, suffix)) return std::optional<int64_t>();
   std::string_view digits = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
   int64_t value = 0;
   auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
-  if (digits.empty() || error != std::errc() || end != digits.data() + digits.size()) {
-    return std::nullopt;
+  if (error == std::errc::result_out_of_range && end == digits.data() + digits.size()) {
+    return InvalidArgument(std::string(name) + ": the number " + std::string(digits) +
+                           " in the file name does not fit in 64 bits");
   }
-  return value;
+  if (digits.empty() || error != std::errc() || end != digits.data() + digits.size()) {
+    return std::optional<int64_t>();
+  }
+  return std::optional<int64_t>(value);
 }
 
 // The entries of a folder, without exceptions; an unreadable folder lists as empty.
@@ -134,9 +140,11 @@ Status ExtractTarXz(const std::string& archive, const std::string& folder) {
     if (errno != EINTR) return IoError(archive + ": waiting for tar failed");
   }
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    return IoError(archive + ": `tar -xJf` failed (exit status " +
-                   std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) +
-                   "); is it a .tar.xz archive and is xz installed?");
+    // Almost always a truncated or corrupt archive: bad input, like any other bad trace.
+    return InvalidArgument(archive + ": `tar -xJf` failed (exit status " +
+                           std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) +
+                           "): the archive is truncated, corrupt or not .tar.xz (or xz is not "
+                           "installed)");
   }
   return Status::Ok();
 }
@@ -150,22 +158,27 @@ struct SmartMoeFile {
   std::string path;
 };
 
-std::vector<SmartMoeFile> ListSmartMoeFiles(const std::string& folder) {
+Result<std::vector<SmartMoeFile>> ListSmartMoeFiles(const std::string& folder) {
   std::vector<SmartMoeFile> files;
   for (const FolderEntry& entry : ListFolder(folder)) {
     const std::string& name = entry.name;
     size_t split = name.find("_rank");
     if (split == std::string::npos) continue;
-    std::optional<int64_t> iteration =
-        NumberBetween(std::string_view(name).substr(0, split), "table_iter", "");
-    std::optional<int64_t> rank =
-        NumberBetween(std::string_view(name).substr(split), "_rank", ".log");
+    KEEL_ASSIGN_OR_RETURN(
+        std::optional<int64_t> iteration,
+        NumberBetween(std::string_view(name).substr(0, split), "table_iter", ""));
+    KEEL_ASSIGN_OR_RETURN(std::optional<int64_t> rank,
+                          NumberBetween(std::string_view(name).substr(split), "_rank", ".log"));
     if (iteration && rank) files.push_back({*iteration, *rank, entry.path});
   }
   return files;
 }
 
-bool HasSmartMoeFiles(const std::string& folder) { return !ListSmartMoeFiles(folder).empty(); }
+// A folder with a file that fails to list counts as SmartMoE, so that importing it says why.
+bool HasSmartMoeFiles(const std::string& folder) {
+  Result<std::vector<SmartMoeFile>> files = ListSmartMoeFiles(folder);
+  return !files.ok() || !files->empty();
+}
 
 // A cursor over one SmartMoE table file; errors name the file, line and column.
 class SmartMoeLineParser {
@@ -284,7 +297,7 @@ Result<int> SmartMoeExpertsOf(std::string_view first_line, const std::string& wh
 
 Result<Trace> ImportSmartMoeFolder(const std::string& folder, const std::string& origin,
                                    const SmartMoeImportOptions& options) {
-  std::vector<SmartMoeFile> files = ListSmartMoeFiles(folder);
+  KEEL_ASSIGN_OR_RETURN(std::vector<SmartMoeFile> files, ListSmartMoeFiles(folder));
   if (files.empty()) {
     return NotFound(folder + ": no table_iter{N}_rank{R}.log files (SmartMoE trace)");
   }
@@ -392,7 +405,23 @@ Status ParseEsftLine(std::string_view line, const std::string& where, int num_ex
     ++num_ids;
     cursor = next < end ? next + 1 : next;
   }
-  size_t num_weights = weights.empty() ? 0 : std::count(weights.begin(), weights.end(), '\t') + 1;
+  // The weights are not counted as load, but a file whose weights are not probabilities is not
+  // the gate output it claims to be.
+  size_t num_weights = 0;
+  cursor = weights.data();
+  end = weights.data() + weights.size();
+  while (cursor < end) {
+    double weight = 0;
+    auto [next, error] = std::from_chars(cursor, end, weight);
+    if (error != std::errc() || (next < end && *next != '\t') || !std::isfinite(weight) ||
+        weight < 0) {
+      return InvalidArgument(where + ": gate weight " + std::to_string(num_weights) + " ('" +
+                             std::string(cursor, std::min<size_t>(end - cursor, 12)) +
+                             "') is not a finite non-negative number");
+    }
+    ++num_weights;
+    cursor = next < end ? next + 1 : next;
+  }
   if (num_weights != num_ids) {
     return InvalidArgument(where + ": " + std::to_string(num_ids) + " expert ids but " +
                            std::to_string(num_weights) + " gate weights");
@@ -439,8 +468,9 @@ Result<int64_t> RecordInt(const nlohmann::json& record, const char* key, const s
 Status AddMegatronRecord(const nlohmann::json& record, const std::string& where,
                          std::vector<double>& counts) {
   auto add = [&](int64_t expert, double value) -> Status {
-    if (expert < 0 || expert >= (int64_t{1} << 24)) {
-      return InvalidArgument(where + ": expert id " + std::to_string(expert) + " out of range");
+    if (expert < 0 || expert >= kMaxTraceExperts) {
+      return InvalidArgument(where + ": expert id " + std::to_string(expert) +
+                             " is out of range [0, " + std::to_string(kMaxTraceExperts) + ")");
     }
     if (static_cast<size_t>(expert) >= counts.size()) counts.resize(expert + 1, 0.0);
     counts[expert] += value;
@@ -488,10 +518,10 @@ Status AddMegatronRecord(const nlohmann::json& record, const std::string& where,
   return InvalidArgument(where + ": record has neither \"top_indices\" nor \"expert_counts\"");
 }
 
-// True when the first line of a JSON Lines file is a Keel header.
-bool HasKeelHeader(const std::string& path) {
+// The first line of a JSON Lines file as JSON (up to 1 MiB of it); null when it is not JSON.
+nlohmann::json FirstLine(const std::string& path) {
   std::FILE* file = std::fopen(path.c_str(), "rb");
-  if (file == nullptr) return false;
+  if (file == nullptr) return nullptr;
   std::string first;
   int c = 0;
   while ((c = std::fgetc(file)) != EOF && c != '\n' && first.size() < (1 << 20)) {
@@ -499,11 +529,23 @@ bool HasKeelHeader(const std::string& path) {
   }
   std::fclose(file);
   try {
-    nlohmann::json header = nlohmann::json::parse(first);
-    return header.is_object() && header.contains("keel_trace");
+    return nlohmann::json::parse(first);
   } catch (const nlohmann::json::exception&) {
-    return false;
+    return nullptr;
   }
+}
+
+// True when the first line of a JSON Lines file is a Keel header.
+bool HasKeelHeader(const std::string& path) {
+  const nlohmann::json first = FirstLine(path);
+  return first.is_object() && first.contains("keel_trace");
+}
+
+// True when the first line is a Keel step line: a Keel trace that lost its header.
+bool LooksLikeKeelStep(const std::string& path) {
+  const nlohmann::json first = FirstLine(path);
+  return first.is_object() && first.contains("step") && first.contains("layers") &&
+         !first.contains("layer");
 }
 
 }  // namespace
@@ -536,7 +578,14 @@ Result<TraceFormat> DetectTraceFormat(const std::string& path) {
     std::string name = fs::path(path).filename().string();
     if (EndsWith(name, ".tar.xz")) return TraceFormat::kSmartMoe;
     if (EndsWith(name, ".jsonl")) {
-      return HasKeelHeader(path) ? TraceFormat::kKeel : TraceFormat::kMegatron;
+      if (HasKeelHeader(path)) return TraceFormat::kKeel;
+      if (LooksLikeKeelStep(path)) {
+        return InvalidArgument(path +
+                               ": its first line is a Keel trace step (\"step\" and \"layers\") "
+                               "but the header line {\"keel_trace\": 1, \"num_layers\": ..., "
+                               "\"num_experts\": ..., \"num_sources\": ...} is missing");
+      }
+      return TraceFormat::kMegatron;
     }
     if (name == "expert_counts_derived.json") return TraceFormat::kOlmoe;
   }
@@ -593,16 +642,17 @@ Result<Trace> ImportEsftTrace(const std::string& path, const EsftImportOptions& 
     return InvalidArgument("esft: sequences_per_step " +
                            std::to_string(options.sequences_per_step) + " must be at least 1");
   }
-  if (options.num_experts < 1) {
+  if (options.num_experts < 1 || options.num_experts > kMaxTraceExperts) {
     return InvalidArgument("esft: num_experts " + std::to_string(options.num_experts) +
-                           " must be at least 1");
+                           " must be in [1, " + std::to_string(kMaxTraceExperts) + "]");
   }
   if (!IsFolder(path)) {
     return NotFound(path + ": not a folder of expert_weights_{layer}.txt files (ESFT trace)");
   }
   std::map<int64_t, std::string> layer_files;
   for (const FolderEntry& entry : ListFolder(path)) {
-    std::optional<int64_t> layer = NumberBetween(entry.name, "expert_weights_", ".txt");
+    KEEL_ASSIGN_OR_RETURN(std::optional<int64_t> layer,
+                          NumberBetween(entry.name, "expert_weights_", ".txt"));
     if (layer) layer_files[*layer] = entry.path;
   }
   if (layer_files.empty()) return NotFound(path + ": no expert_weights_{layer}.txt files");
@@ -743,9 +793,10 @@ Result<Trace> ImportOlmoeTrace(const std::string& path, const OlmoeImportOptions
 }
 
 Result<Trace> ImportMegatronTrace(const std::string& path, const MegatronImportOptions& options) {
-  if (options.num_experts < 0) {
+  if (options.num_experts < 0 || options.num_experts > kMaxTraceExperts) {
     return InvalidArgument("megatron: num_experts " + std::to_string(options.num_experts) +
-                           " must be 0 (infer) or positive");
+                           " must be 0 (infer) or in [1, " + std::to_string(kMaxTraceExperts) +
+                           "]");
   }
   std::vector<std::string> files;
   if (IsFolder(path)) {
@@ -762,6 +813,8 @@ Result<Trace> ImportMegatronTrace(const std::string& path, const MegatronImportO
 
   std::map<MegatronRecordKey, std::vector<double>> records;
   int records_read = 0;
+  // Records of counts must all count the same experts; where the first of them is.
+  std::optional<std::pair<size_t, std::string>> counts_length;
   for (const std::string& file : files) {
     KEEL_ASSIGN_OR_RETURN(std::string text, ReadFile(file));
     std::vector<std::string_view> lines = SplitLines(text);
@@ -795,6 +848,15 @@ Result<Trace> ImportMegatronTrace(const std::string& path, const MegatronImportO
         KEEL_ASSIGN_OR_RETURN(key.layer.mtp_index, RecordInt(record, "mtp_idx", where, 0));
       }
       if (!options.per_source) key.rank = 0;
+      if (auto counts = record.find("expert_counts");
+          !record.contains("top_indices") && counts != record.end() && counts->is_array()) {
+        if (!counts_length) counts_length.emplace(counts->size(), where);
+        if (counts->size() != counts_length->first) {
+          return InvalidArgument(where + ": expert_counts has " + std::to_string(counts->size()) +
+                                 " entries, the record at " + counts_length->second + " has " +
+                                 std::to_string(counts_length->first));
+        }
+      }
       KEEL_RETURN_IF_ERROR(AddMegatronRecord(record, where, records[key]));
       ++records_read;
       if (options.progress && records_read % 1000 == 0) options.progress(records_read, 0);

@@ -31,7 +31,8 @@ Result<std::unique_ptr<TraceRecorder>> TraceRecorder::Open(const TraceRecorderOp
 
   std::FILE* file = std::fopen(options.path.c_str(), "wb");
   if (file == nullptr) {
-    return IoError("cannot create trace " + options.path + ": " + std::strerror(errno));
+    // A missing folder or a path without write permission: the path given is wrong.
+    return InvalidArgument("cannot create trace " + options.path + ": " + std::strerror(errno));
   }
   std::unique_ptr<TraceRecorder> recorder(new TraceRecorder(options, file));
   recorder->shape_ = std::move(shape);

@@ -74,23 +74,48 @@ int Fail(const Status& status) {
              : 1;
 }
 
+// Memory the demo's model would take in all ranks, roughly: every slot's weights, gradients and
+// Adam state (about 48 bytes per parameter), the teacher, and per layer the activations that
+// backward keeps (four rows of hidden + ffn int64 or double values per routed token).
+double DemoBytes(const DemoFlags& f) {
+  const double parameters_per_expert = 2.0 * f.hidden * f.ffn;
+  const double slots = f.ranks * (std::ceil(static_cast<double>(f.experts) / f.ranks) + 2.0);
+  const double model = (slots * 48.0 + f.experts * 8.0) * parameters_per_expert * f.layers;
+  const double activations =
+      32.0 * f.ranks * static_cast<double>(f.tokens) * f.top_k * f.layers * (f.hidden + f.ffn);
+  return model + activations;
+}
+
+constexpr double kMaxDemoBytes = 16.0 * (1 << 30);
+
 Status CheckFlags(const DemoFlags& f) {
-  auto at_least = [](const char* flag, long long value, long long least) -> Status {
-    if (value >= least) return Status::Ok();
-    return InvalidArgument(std::string(flag) + " " + std::to_string(value) +
-                           " must be >= " + std::to_string(least));
+  // Each size between its least and largest value; the largest keep a typo from exhausting memory.
+  auto in_range = [](const char* flag, long long value, long long least, long long most) -> Status {
+    if (value >= least && value <= most) return Status::Ok();
+    return InvalidArgument(std::string(flag) + " " + std::to_string(value) + " must be in [" +
+                           std::to_string(least) + ", " + std::to_string(most) + "]");
   };
-  KEEL_RETURN_IF_ERROR(at_least("--ranks", f.ranks, 1));
-  KEEL_RETURN_IF_ERROR(at_least("--layers", f.layers, 1));
-  KEEL_RETURN_IF_ERROR(at_least("--experts", f.experts, 1));
-  KEEL_RETURN_IF_ERROR(at_least("--top-k", f.top_k, 1));
-  KEEL_RETURN_IF_ERROR(at_least("--tokens", f.tokens, 1));
-  KEEL_RETURN_IF_ERROR(at_least("--hidden", f.hidden, 1));
-  KEEL_RETURN_IF_ERROR(at_least("--ffn", f.ffn, 1));
-  KEEL_RETURN_IF_ERROR(at_least("--steps", f.steps, 1));
+  KEEL_RETURN_IF_ERROR(in_range("--ranks", f.ranks, 1, 1024));
+  KEEL_RETURN_IF_ERROR(in_range("--layers", f.layers, 1, 1024));
+  KEEL_RETURN_IF_ERROR(in_range("--experts", f.experts, 1, 65536));
+  KEEL_RETURN_IF_ERROR(in_range("--top-k", f.top_k, 1, 64));
+  KEEL_RETURN_IF_ERROR(in_range("--tokens", f.tokens, 1, 1 << 20));
+  KEEL_RETURN_IF_ERROR(in_range("--hidden", f.hidden, 1, 1 << 16));
+  KEEL_RETURN_IF_ERROR(in_range("--ffn", f.ffn, 1, 1 << 16));
+  KEEL_RETURN_IF_ERROR(in_range("--steps", f.steps, 1, 1000000));
   if (f.top_k > f.experts) {
     return InvalidArgument("--top-k " + std::to_string(f.top_k) + " exceeds --experts " +
                            std::to_string(f.experts));
+  }
+  if (const double bytes = DemoBytes(f); bytes > kMaxDemoBytes) {
+    char gib[32];
+    std::snprintf(gib, sizeof gib, "%.1f", bytes / (1 << 30));
+    return InvalidArgument("--ranks " + std::to_string(f.ranks) + ", --layers " +
+                           std::to_string(f.layers) + ", --experts " + std::to_string(f.experts) +
+                           ", --tokens " + std::to_string(f.tokens) + ", --top-k " +
+                           std::to_string(f.top_k) + ", --hidden " + std::to_string(f.hidden) +
+                           " and --ffn " + std::to_string(f.ffn) + " need about " + gib +
+                           " GiB, more than the demo's 16 GiB limit");
   }
   if (f.comm != "local" && f.comm != "mpi") {
     return InvalidArgument("--comm '" + f.comm + "' is not local or mpi");
@@ -531,8 +556,8 @@ int RunDemo(int argc, char** argv) {
       "int64 fixed point, so the final expert weights of both runs must be bitwise identical;\n"
       "the command fails when they are not.");
   parser.Add("ranks", "N", &flags.ranks,
-             "ranks as threads of this process (with --comm mpi: must equal the mpirun process "
-             "count, or be left out)");
+             "ranks as threads of this process, at most 1024 (with --comm mpi: must equal the "
+             "mpirun process count, or be left out)");
   parser.Add("comm", "NAME", &flags.comm,
              "communicator: local (ranks are threads) or mpi (ranks are the mpirun processes; "
              "needs --transport ucx)");
@@ -543,13 +568,17 @@ int RunDemo(int argc, char** argv) {
              "where the expert slot buffers live: host, device (CUDA memory; needs a GPU) or "
              "guarded-host (host memory that faults on any direct CPU access: the device path "
              "without a GPU)");
-  parser.Add("layers", "N", &flags.layers, "MoE layers (with --trace: the trace's)");
-  parser.Add("experts", "N", &flags.experts, "experts per layer (with --trace: the trace's)");
-  parser.Add("top-k", "K", &flags.top_k, "experts each token is routed to");
-  parser.Add("tokens", "N", &flags.tokens, "tokens per rank per step");
-  parser.Add("hidden", "N", &flags.hidden, "hidden size (expert input and output width)");
-  parser.Add("ffn", "N", &flags.ffn, "expert FFN size");
-  parser.Add("steps", "N", &flags.steps, "training steps per run");
+  parser.Add("layers", "N", &flags.layers, "MoE layers, at most 1024 (with --trace: the trace's)");
+  parser.Add("experts", "N", &flags.experts,
+             "experts per layer, at most 65536 (with --trace: the trace's)");
+  parser.Add("top-k", "K", &flags.top_k, "experts each token is routed to, at most 64");
+  parser.Add("tokens", "N", &flags.tokens, "tokens per rank per step, at most 2^20");
+  parser.Add("hidden", "N", &flags.hidden,
+             "hidden size (expert input and output width), at most 65536");
+  parser.Add("ffn", "N", &flags.ffn,
+             "expert FFN size, at most 65536; the model and activations of all ranks together "
+             "may take about 16 GiB");
+  parser.Add("steps", "N", &flags.steps, "training steps per run, at most 10^6");
   parser.Add("seed", "N", &flags.seed,
              "seed of the gate, inputs, teacher and initial weights (both runs use it)");
   parser.Add("zipf", "S", &flags.zipf,

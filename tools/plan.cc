@@ -18,6 +18,11 @@
 namespace keel {
 namespace {
 
+constexpr long long kMaxPlanExperts = 65536;     // experts per layer
+constexpr long long kMaxPlanReplicas = 1 << 20;  // slots per layer
+constexpr long long kMaxPlanGpus = 65536;
+constexpr long long kMaxPlanSlots = 1 << 24;  // slots of all layers: the size of the answer
+
 Status CheckRequest(const PlanRequest& in) {
   const auto positive = [](const char* field, int value) -> Status {
     if (value >= 1) return Status::Ok();
@@ -30,6 +35,20 @@ Status CheckRequest(const PlanRequest& in) {
   KEEL_RETURN_IF_ERROR(positive("num_groups", in.num_groups));
   KEEL_RETURN_IF_ERROR(positive("num_nodes", in.num_nodes));
   KEEL_RETURN_IF_ERROR(positive("num_gpus", in.num_gpus));
+  // Upper bounds, so that a typo fails here rather than exhausting memory or time.
+  const auto at_most = [](const char* field, long long value, long long most) -> Status {
+    if (value <= most) return Status::Ok();
+    return InvalidArgument(std::string(field) + " = " + std::to_string(value) +
+                           " is more than the " + std::to_string(most) + " keel plan supports");
+  };
+  KEEL_RETURN_IF_ERROR(at_most("num_experts", in.num_experts, kMaxPlanExperts));
+  KEEL_RETURN_IF_ERROR(at_most("num_replicas", in.num_replicas, kMaxPlanReplicas));
+  KEEL_RETURN_IF_ERROR(at_most("num_gpus", in.num_gpus, kMaxPlanGpus));
+  KEEL_RETURN_IF_ERROR(at_most("num_nodes", in.num_nodes, kMaxPlanGpus));
+  KEEL_RETURN_IF_ERROR(at_most("num_groups", in.num_groups, kMaxPlanExperts));
+  KEEL_RETURN_IF_ERROR(at_most("num_layers x num_replicas",
+                               static_cast<long long>(in.num_layers) * in.num_replicas,
+                               kMaxPlanSlots));
   const size_t cells = static_cast<size_t>(in.num_layers) * static_cast<size_t>(in.num_experts);
   if (in.weight.size() != cells) {
     return InvalidArgument("weight has " + std::to_string(in.weight.size()) +

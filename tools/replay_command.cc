@@ -307,8 +307,8 @@ int RunReplay(int argc, char** argv) {
   // Durations up to 1e9 s (31 years): beyond about 9.2e9 s a clock's nanoseconds overflow.
   constexpr double kMaxSeconds = 1e9;
   if (!(pace_seconds >= 0 && pace_seconds <= kMaxSeconds)) {
-    return Fail(InvalidArgument("--pace must be in [0, 1e9] seconds, got " +
-                                std::to_string(pace_seconds)));
+    return Fail(
+        InvalidArgument("--pace must be in [0, 1e9] seconds, got " + std::to_string(pace_seconds)));
   }
   if (!(serve_seconds >= 0 && serve_seconds <= kMaxSeconds)) {
     return Fail(InvalidArgument("--serve-seconds must be in [0, 1e9], got " +

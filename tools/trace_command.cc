@@ -64,9 +64,12 @@ Result<TraceFormat> FormatFlag(const std::string& name) {
   return format;
 }
 
+// Bad input (an invalid or missing trace) exits 2, as everywhere in keel; anything else 1.
 int Fail(const char* command, const Status& status) {
   std::fprintf(stderr, "keel trace %s: %s\n", command, status.ToString().c_str());
-  return kExitFailure;
+  const bool bad_input =
+      status.code() == StatusCode::kInvalidArgument || status.code() == StatusCode::kNotFound;
+  return bad_input ? kExitUsage : kExitFailure;
 }
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
@@ -81,10 +84,7 @@ struct ImportFlags {
   bool quiet = false;
 };
 
-Result<Trace> ImportTrace(const std::string& path, TraceFormat format, ImportFlags flags) {
-  if (format == TraceFormat::kAuto) {
-    KEEL_ASSIGN_OR_RETURN(format, DetectTraceFormat(path));
-  }
+Result<Trace> ImportTraceAs(const std::string& path, TraceFormat format, ImportFlags flags) {
   if (!flags.quiet) {
     std::fprintf(stderr, "keel trace: reading %s as %s\n", path.c_str(),
                  std::string(TraceFormatName(format)).c_str());
@@ -121,6 +121,15 @@ Result<Trace> ImportTrace(const std::string& path, TraceFormat format, ImportFla
   return Internal("unhandled trace format");
 }
 
+// `format`, or the format guessed from the path (then an error says it was a guess).
+Result<Trace> ImportTrace(const std::string& path, TraceFormat format, const ImportFlags& flags) {
+  if (format != TraceFormat::kAuto) return ImportTraceAs(path, format, flags);
+  KEEL_ASSIGN_OR_RETURN(const TraceFormat guessed, DetectTraceFormat(path));
+  Result<Trace> trace = ImportTraceAs(path, guessed, flags);
+  if (!trace.ok()) return trace.status().WithContext(GuessedFormatContext(guessed));
+  return trace;
+}
+
 int RunConvert(int argc, char** argv) {
   std::string input;
   std::string output;
@@ -135,12 +144,13 @@ int RunConvert(int argc, char** argv) {
   parser.Add("output", "OUT", &output, "Keel trace (.jsonl) to write", FlagRequirement::kRequired);
   parser.Add("format", "F", &format_name, "auto, keel, smartmoe, esft, olmoe or megatron");
   parser.Add("esft-group", "K", &import.esft.sequences_per_step, "esft: sequences per step");
-  parser.Add("esft-experts", "N", &import.esft.num_experts, "esft: routed experts per layer");
+  parser.Add("esft-experts", "N", &import.esft.num_experts,
+             "esft: routed experts per layer, at most 65536");
   parser.Add("olmoe-model", "M", &import.olmoe.model,
              "olmoe: model (olmoe, mistral, olmoe-sft, olmoe-dpo)");
   parser.Add("olmoe-kind", "K", &import.olmoe.kind, "olmoe: expert_counts or expert_counts_top1");
   parser.Add("megatron-experts", "N", &import.megatron.num_experts,
-             "megatron: experts per layer; 0 = largest id seen + 1");
+             "megatron: experts per layer, at most 65536; 0 = largest id seen + 1");
   parser.AddBool("megatron-sum-ranks", &sum_ranks,
                  "megatron: add all ranks together instead of one source per rank");
   parser.AddBool("megatron-mtp", &import.megatron.include_mtp,
@@ -157,15 +167,16 @@ int RunConvert(int argc, char** argv) {
                                             std::to_string(import.esft.sequences_per_step) +
                                             " must be at least 1"));
   }
-  if (import.esft.num_experts < 1) {
+  if (import.esft.num_experts < 1 || import.esft.num_experts > kMaxTraceExperts) {
     return Usage("convert",
                  InvalidArgument("flag --esft-experts: " + std::to_string(import.esft.num_experts) +
-                                 " must be at least 1"));
+                                 " must be in [1, " + std::to_string(kMaxTraceExperts) + "]"));
   }
-  if (import.megatron.num_experts < 0) {
-    return Usage("convert", InvalidArgument("flag --megatron-experts: " +
-                                            std::to_string(import.megatron.num_experts) +
-                                            " must be 0 (infer) or positive"));
+  if (import.megatron.num_experts < 0 || import.megatron.num_experts > kMaxTraceExperts) {
+    return Usage(
+        "convert",
+        InvalidArgument("flag --megatron-experts: " + std::to_string(import.megatron.num_experts) +
+                        " must be 0 (infer) or in [1, " + std::to_string(kMaxTraceExperts) + "]"));
   }
   import.megatron.per_source = !sum_ranks;
 
@@ -307,13 +318,17 @@ int RunInfo(int argc, char** argv) {
   }
   ImportFlags import;
   import.quiet = true;
-  if (format == TraceFormat::kAuto) {
+  const bool guessed = format == TraceFormat::kAuto;
+  if (guessed) {
     Result<TraceFormat> detected = DetectTraceFormat(path);
     if (!detected.ok()) return Fail("info", detected.status());
     format = *detected;
   }
   Result<Trace> trace = ImportTrace(path, format, import);
-  if (!trace.ok()) return Fail("info", trace.status());
+  if (!trace.ok()) {
+    return Fail("info", guessed ? trace.status().WithContext(GuessedFormatContext(format))
+                                : trace.status());
+  }
   if (Status valid = trace->Validate(); !valid.ok()) return Fail("info", valid);
   if (ranks == 0) ranks = trace->num_sources > 0 ? trace->num_sources : 8;
 

@@ -19,17 +19,17 @@ std::vector<std::string> PolicyNames();
 
 struct PlanRequest {
   std::string policy = "eplb";  // one of PolicyNames()
-  int num_layers = 0;           // >= 1
-  int num_experts = 0;          // >= 1
+  int num_layers = 0;           // >= 1; num_layers x num_replicas <= 2^24
+  int num_experts = 0;          // in [1, 65536]
   // [num_layers, num_experts] float64, row-major: each expert's load; finite and >= 0.
   std::vector<double> weight;
-  int num_replicas = 0;  // physical slots per layer: >= num_experts, divisible by num_gpus
+  int num_replicas = 0;  // physical slots per layer: >= num_experts, divisible by num_gpus, <= 2^20
   // eplb: hierarchical when num_groups % num_nodes == 0, and then num_groups divides num_experts
   // and num_nodes divides num_gpus; otherwise global, with no such rule (DeepSeek's reference).
   // Every other policy: num_nodes divides num_gpus, and num_groups is not read.
-  int num_groups = 1;
-  int num_nodes = 1;
-  int num_gpus = 1;
+  int num_groups = 1;  // <= 65536
+  int num_nodes = 1;   // <= 65536
+  int num_gpus = 1;    // <= 65536
   // Policy parameters and cost model (its topology and slots are replaced by the fields above);
   // null: the defaults. Not read by eplb, which is DeepSeek's algorithm as published.
   const Config* config = nullptr;

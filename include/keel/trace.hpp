@@ -14,6 +14,13 @@
 namespace keel {
 
 // A recorded or generated trace, all steps in memory.
+// The largest trace Keel reads, imports or generates: beyond these a typo or a corrupt file would
+// exhaust memory before anything could be said about it.
+inline constexpr int kMaxTraceExperts = 65536;
+inline constexpr int kMaxTraceLayers = 65536;
+inline constexpr int kMaxTraceSources = 65536;
+inline constexpr int64_t kMaxTraceCountsPerStep = int64_t{1} << 26;  // layers x sources x experts
+
 struct Trace {
   std::string description;  // where it came from, e.g. "smartmoe: moe_trace (16 ranks)"
   int num_layers = 0;

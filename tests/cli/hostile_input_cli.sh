@@ -3,7 +3,14 @@
 # or work correctly; none may crash, hang or be silently accepted.
 #   - a keel trace whose count is -0.0 (a zero count), under every policy;
 #   - a folder where a file is expected: every trace format, `keel plan --input`, `--config`;
+#   - a truncated .tar.xz trace; traces accepted without a word before (duplicate or negative
+#     step ids, a Keel trace without its header, Megatron counts of two lengths, ESFT gate weights
+#     that are not probabilities, file numbers beyond 64 bits);
 #   - a FIFO or a device as `--output`: written through, not replaced;
+#   - sizes without a bound: config slots, an aggregating rank outside the job, demo sizes, plan
+#     sizes;
+#   - what only the aggregating rank opens: a trace in a missing folder, an unbindable address
+#     (every rank fails at once, no collective's deadline);
 #   - durations beyond what a clock can hold: `--serve-seconds`, `--pace`.
 # $1: path of the keel binary.
 set -euo pipefail
@@ -62,6 +69,41 @@ expect_usage_error "plan --config folder" "is a folder, expected a file" \
 expect_usage_error "config --check folder" "is a folder, expected a file" \
   "$keel" config --check "$work/folder.yaml"
 
+# Traces that used to be accepted without a word.
+header='{"keel_trace":1,"num_layers":1,"num_experts":2,"num_sources":0}'
+printf '%s\n{"step":0,"layers":[[1,2]]}\n{"step":0,"layers":[[3,4]]}\n' "$header" >"$work/dup.jsonl"
+expect_usage_error "duplicate step id" "dup.jsonl:3: step 0 does not follow step 0" \
+  "$keel" trace info "$work/dup.jsonl"
+printf '%s\n{"step":-4,"layers":[[1,2]]}\n' "$header" >"$work/neg.jsonl"
+expect_usage_error "negative step id" "neg.jsonl:2: step -4 is negative" \
+  "$keel" trace info "$work/neg.jsonl"
+printf '{"step":0,"layers":[[1,2]]}\n' >"$work/headless.jsonl"
+expect_usage_error "Keel steps without a header" "the header line" \
+  "$keel" trace info "$work/headless.jsonl"
+printf '{"iteration":1}\n' >"$work/router.jsonl"
+expect_usage_error "a guessed format says so" "read as megatron (the format guessed" \
+  "$keel" trace info "$work/router.jsonl"
+printf '{"step":1,"layer":0,"expert_counts":[1,2,3]}\n{"step":1,"layer":1,"expert_counts":[1,2]}\n' \
+  >"$work/ragged_router.jsonl"
+expect_usage_error "megatron counts of two lengths" "expert_counts has 2 entries" \
+  "$keel" trace info "$work/ragged_router.jsonl" --format megatron
+mkdir "$work/esft"
+printf '1\t2\t\t0.5\tnan\n' >"$work/esft/expert_weights_1.txt"
+expect_usage_error "ESFT gate weight nan" "gate weight 1 ('nan') is not a finite non-negative" \
+  "$keel" trace info "$work/esft" --format esft
+printf '1\t2\t\t0.5\t-0.25\n' >"$work/esft/expert_weights_1.txt"
+expect_usage_error "ESFT negative gate weight" "gate weight 1 ('-0.25')" \
+  "$keel" trace info "$work/esft" --format esft
+printf '1\t2\t\t0.5\t0.5\n' >"$work/esft/expert_weights_1.txt"
+touch "$work/esft/expert_weights_99999999999999999999.txt"
+expect_usage_error "ESFT file number overflows" "does not fit in 64 bits" \
+  "$keel" trace info "$work/esft" --format esft
+
+# A truncated archive is a bad trace: exit 2.
+printf '\xfd7zXZ\0truncated' >"$work/moe_trace.tar.xz"
+expect_usage_error "truncated .tar.xz" "the archive is truncated, corrupt or not .tar.xz" \
+  "$keel" replay --trace "$work/moe_trace.tar.xz" --format smartmoe --quiet
+
 # Output to something that is not a regular file is written through, never replaced.
 printf '{"weight": [[1, 2, 3, 4]], "num_replicas": 4, "num_groups": 1, "num_nodes": 1,
   "num_gpus": 2}' >"$work/in.json"
@@ -73,6 +115,38 @@ timeout 60 "$keel" plan --policy eplb --input "$work/in.json" --output "$work/fi
 wait "$reader"
 [[ -p "$work/fifo" ]] || fail "the FIFO was replaced by a regular file"
 grep -q '"phy2log"' "$work/from_fifo" || fail "nothing came through the FIFO"
+
+# Sizes without a bound: refused by name before anything is allocated.
+printf 'slots:\n  persistent_per_rank: 2147483647\n' >"$work/big_slots.yaml"
+expect_usage_error "config with 2^31-1 slots" "slots.persistent_per_rank: 2147483647" \
+  "$keel" config --check "$work/big_slots.yaml"
+printf 'topology:\n  num_nodes: 1\n  gpus_per_node: 2\nmonitor:\n  aggregating_rank: 1000\n' \
+  >"$work/far_rank.yaml"
+expect_usage_error "aggregating rank beyond the job" \
+  "monitor.aggregating_rank: 1000 is not a rank of the job (it has 2 ranks)" \
+  "$keel" config --check "$work/far_rank.yaml"
+expect_usage_error "demo --hidden 1000000" "--hidden 1000000 must be in [1, 65536]" \
+  "$keel" demo --hidden 1000000 --quiet
+expect_usage_error "demo --ffn 2147483647" "--ffn 2147483647 must be in [1, 65536]" \
+  "$keel" demo --ffn 2147483647 --quiet
+expect_usage_error "demo --tokens 1000000000" "--tokens 1000000000 must be in [1, 1048576]" \
+  "$keel" demo --tokens 1000000000 --quiet
+expect_usage_error "demo --layers 100000" "--layers 100000 must be in [1, 1024]" \
+  "$keel" demo --layers 100000 --quiet
+expect_usage_error "demo too big in all" "GiB, more than the demo's 16 GiB limit" \
+  "$keel" demo --hidden 65536 --ffn 65536 --quiet
+printf '{"weight": [[1, 2]], "num_replicas": 1000000000, "num_groups": 1, "num_nodes": 1,
+  "num_gpus": 1000000000}' >"$work/huge_plan.json"
+expect_usage_error "plan with 1e9 replicas" "num_replicas = 1000000000 is more than" \
+  "$keel" plan --policy eplb --input "$work/huge_plan.json"
+
+# What only the aggregating rank opens: a trace in a missing folder, an address it cannot bind.
+printf 'slots:\n  persistent_per_rank: 5\nmonitor:\n  trace_path: %s\n' \
+  "$work/no/such/folder/t.jsonl" >"$work/lost_trace.yaml"
+expect_usage_error "demo trace in a missing folder" "monitor.trace_path: cannot create trace" \
+  "$keel" demo --config "$work/lost_trace.yaml" --steps 2 --quiet
+expect_usage_error "metrics on a foreign address" "the address is not one of this host's" \
+  "$keel" replay --trace synthetic --serve-metrics 256.1.1.1:0 --quiet
 
 # Durations a clock cannot hold.
 expect_usage_error "--serve-seconds 9.3e9" "--serve-seconds must be in [0, 1e9], got" \

@@ -164,7 +164,7 @@ EXPECT="--loop" expect_usage_error --loop
 EXPECT="not-a-port" expect_usage_error --serve-metrics 127.0.0.1:not-a-port
 EXPECT="--pace" expect_usage_error --pace -1
 
-# 4. A port in use: the error names the address (exit 1, not a crash).
+# 4. A port in use: bad input (exit 2, not a crash); the error names the address and the cause.
 "$keel" replay --trace synthetic --policy static --serve-metrics 127.0.0.1:0 --serve-seconds 20 \
   --quiet >"$work/out" 2>"$work/err" &
 pid=$!
@@ -172,8 +172,9 @@ address="$(wait_for_address)" || fail "no 'serving metrics on' line (port in use
 status=0
 "$keel" replay --trace synthetic --policy static --serve-metrics "$address" --serve-seconds 1 \
   --quiet >"$work/out2" 2>"$work/err2" || status=$?
-[[ "$status" == 1 ]] || fail "second exporter on $address: expected exit 1, got $status"
+[[ "$status" == 2 ]] || fail "second exporter on $address: expected exit 2, got $status"
 grep -q "$address" "$work/err2" || fail "error does not name $address: $(cat "$work/err2")"
+grep -q "the port is in use" "$work/err2" || fail "error does not say why: $(cat "$work/err2")"
 kill -INT "$pid"
 wait "$pid" || fail "keel replay exited with $? on SIGINT"
 pid=""

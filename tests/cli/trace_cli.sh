@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # End-to-end test of `keel trace`: generate -> info -> convert round trip, a SmartMoE-style
-# folder converted and summarized, and usage errors (exit 2) and failures (exit 1).
+# folder converted and summarized, and usage errors and bad traces (exit 2).
 # $1: path of the keel binary.
 set -euo pipefail
 
@@ -77,13 +77,25 @@ expect_exit 2 "$keel" trace convert --input "$work/syn.jsonl" --output "$work/x"
 expect_exit 2 "$keel" trace frobnicate
 [[ ! -e "$work/x.jsonl" ]] || fail "a failed generate wrote output"
 
-# Failures exit 1 with the error and leave an existing output untouched.
+# Bad traces exit 2 with the error and leave an existing output untouched.
 printf 'precious\n' >"$work/keep.jsonl"
 printf '{"keel_trace": 1, "num_layers": 1, "num_experts": 2, "num_sources": 0}\n' >"$work/bad.jsonl"
 printf '{"step": 0, "layers": [[1, -1]]}\n' >>"$work/bad.jsonl"
-expect_exit 1 "$keel" trace convert --input "$work/bad.jsonl" --output "$work/keep.jsonl"
+expect_exit 2 "$keel" trace convert --input "$work/bad.jsonl" --output "$work/keep.jsonl"
 grep -q 'bad.jsonl:2' "$work/err" || fail "failure does not name the line: $(cat "$work/err")"
 [[ "$(cat "$work/keep.jsonl")" == "precious" ]] || fail "failed convert clobbered the output"
-expect_exit 1 "$keel" trace info "$work/does-not-exist.jsonl"
+expect_exit 2 "$keel" trace info "$work/does-not-exist.jsonl"
+# Sizes beyond what a trace may hold are refused before anything is allocated.
+printf '{"keel_trace": 1, "num_layers": 1, "num_experts": 1000000000, "num_sources": 0}\n' \
+  >"$work/huge.jsonl"
+expect_exit 2 "$keel" trace info "$work/huge.jsonl"
+grep -q 'num_experts 1000000000 is more than 65536' "$work/err" ||
+  fail "huge header: $(cat "$work/err")"
+expect_exit 2 "$keel" trace convert --input "$work/syn.jsonl" --output "$work/x.jsonl" \
+  --format esft --esft-experts 1000000000
+grep -q 'esft-experts: 1000000000 must be in \[1, 65536\]' "$work/err" || fail "$(cat "$work/err")"
+expect_exit 2 "$keel" trace convert --input "$work/syn.jsonl" --output "$work/x.jsonl" \
+  --format megatron --megatron-experts 2147483647
+grep -q 'megatron-experts: 2147483647 must be 0' "$work/err" || fail "$(cat "$work/err")"
 
 echo "trace_cli: ok"

@@ -91,7 +91,8 @@ TEST(ConfigTest, EmptySectionKeepsDefaults) {
 
 TEST(ConfigTest, OutOfRangeNamesKeyValueLineAndBound) {
   ExpectError("cost_model:\n  expert_ffn_size: 8192\n  hidden_size: -3\n",
-              {"configs/x.yaml:3: cost_model.hidden_size: -3 is out of range (must be >= 1)"});
+              {"configs/x.yaml:3: cost_model.hidden_size: -3 is out of range (must be in [1, "
+               "1048576])"});
   ExpectError("topology:\n  intra_node_gb_per_s: 0\n",
               {"configs/x.yaml:2: topology.intra_node_gb_per_s: 0 is out of range (must be > 0)"});
   ExpectError("estimator:\n  ema_decay: 1.0\n",
@@ -182,7 +183,7 @@ TEST(ConfigTest, ValidateConfigChecksBuiltConfigs) {
   expect_invalid(config, "estimator.ema_decay: 1.0 is out of range (must be in [0, 1))");
   config = KeelConfig{};
   config.slots.persistent_per_rank = 0;
-  expect_invalid(config, "slots.persistent_per_rank: 0 is out of range (must be >= 1)");
+  expect_invalid(config, "slots.persistent_per_rank: 0 is out of range (must be in [1, 1048576])");
   config = KeelConfig{};
   config.slots.transient_per_rank = -1;
   expect_invalid(config, "slots.transient_per_rank: -1");
@@ -195,7 +196,15 @@ TEST(ConfigTest, ValidateConfigChecksBuiltConfigs) {
   config = KeelConfig{};
   config.topology.num_nodes = 1 << 16;
   config.topology.gpus_per_node = 1 << 16;
-  expect_invalid(config, "ranks is too many");
+  expect_invalid(config, "4294967296 ranks, more than the 65536 Keel supports");
+  config = KeelConfig{};
+  config.topology.gpus_per_node = 1024;
+  config.slots.persistent_per_rank = 1024;
+  config.slots.transient_per_rank = 1;
+  expect_invalid(config, "1049600 slots per layer on 1024 ranks, more than 2^20");
+  config = KeelConfig{};
+  config.monitor.aggregating_rank = 8;  // the default topology has 8 ranks
+  expect_invalid(config, "monitor.aggregating_rank: 8 is not a rank of the job (it has 8 ranks)");
 }
 
 TEST(ConfigTest, EstimatorKindNames) {

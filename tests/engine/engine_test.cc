@@ -418,6 +418,42 @@ TEST(EngineTest, RouteCountsPlusTheRemapKernelEqualsRoute) {
   EXPECT_GT(split_experts.load(), 0) << "no expert was split: the test would prove little";
 }
 
+// Only the aggregating rank opens the trace recorder; when it cannot, every other rank must hear
+// of it at creation, not at its first collective's deadline (30 s here, as the message would say).
+TEST(EngineTest, AnAggregatingRanksFailureFailsEveryRanksCreation) {
+  std::unique_ptr<LocalGroup> group = MakeGroup(kRanks);
+  KeelConfig config = TestConfig("keel");
+  config.monitor.aggregating_rank = 1;
+  config.monitor.trace_path = ::testing::TempDir() + "/no/such/folder/trace.jsonl";
+  std::vector<Status> status(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      Result<std::unique_ptr<Communicator>> communicator = group->Join(r);
+      if (!communicator.ok()) {
+        status[r] = communicator.status();
+        return;
+      }
+      status[r] =
+          Engine::Create(SmallOptions(config, 2, communicator->get(), group.get())).status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_FALSE(status[r].ok()) << "rank " << r;
+    EXPECT_NE(status[r].message().find("monitor.trace_path: cannot create trace"),
+              std::string::npos)
+        << "rank " << r << ": " << status[r].ToString();
+    if (r != 1) {
+      EXPECT_EQ(status[r].code(), StatusCode::kFailedPrecondition) << status[r].ToString();
+      EXPECT_NE(status[r].message().find("rank 1 could not create its engine"), std::string::npos)
+          << status[r].ToString();
+    } else {
+      EXPECT_EQ(status[r].code(), StatusCode::kInvalidArgument) << status[r].ToString();
+    }
+  }
+}
+
 TEST(EngineTest, RouteCountsRejectsBadCountsNamingThem) {
   std::unique_ptr<LocalGroup> group = MakeGroup(1);
   auto communicator = testing::ValueOrDie(group->Join(0));

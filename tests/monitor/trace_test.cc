@@ -125,7 +125,9 @@ TEST(KeelTraceTest, ReaderErrorsNameLineAndProblem) {
       {"{\"step\": 1}\n", ":1:", "Keel header"},
       {"{\"keel_trace\": 1, \"num_layers\": 1000000, \"num_experts\": 1000000, "
        "\"num_sources\": 1000000}\n",
-       ":1:", "too large"},
+       ":1:", "num_layers 1000000 is more than 65536"},
+      {"{\"keel_trace\": 1, \"num_layers\": 64, \"num_experts\": 2048, \"num_sources\": 1024}\n",
+       ":1:", "num_layers x num_sources x num_experts = 134217728 counts per step, more than 2^26"},
       {"", "", "empty file"},
       {"{\"keel_trace\": 7}\n", ":1:", "version 7"},
       {"\n\n{\"keel_trace\": 1,\n", ":3:", "header is not JSON"},

@@ -491,8 +491,7 @@ TEST(EplbPolicyTest, ChosenGroupsFollowTheReferenceRules) {
   };
   const Status four = plan(4);  // 4 % 2 == 0: hierarchical, and 6 experts do not split into 4
   ASSERT_FALSE(four.ok());
-  EXPECT_NE(four.message().find("policy.eplb.num_groups 4"), std::string::npos)
-      << four.ToString();
+  EXPECT_NE(four.message().find("policy.eplb.num_groups 4"), std::string::npos) << four.ToString();
   EXPECT_NE(four.message().find("num_experts 6 is not divisible by num_groups 4"),
             std::string::npos)
       << four.ToString();

@@ -82,6 +82,8 @@ class ProcessGroupCommunicator:
         length = torch.tensor([len(mine)], dtype=torch.int64, device=self.device)
         lengths = [int(n) for n in self._gather(length, timeout, "all_gather (lengths)")]
         longest = max(lengths)
+        if longest == 0:  # gloo cannot gather empty tensors
+            return [b""] * self.size
         padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
         padded[:len(mine)] = self._bytes_tensor(mine)
         parts = self._gather(padded, timeout, "all_gather")
