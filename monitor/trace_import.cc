@@ -164,9 +164,8 @@ Result<std::vector<SmartMoeFile>> ListSmartMoeFiles(const std::string& folder) {
     const std::string& name = entry.name;
     size_t split = name.find("_rank");
     if (split == std::string::npos) continue;
-    KEEL_ASSIGN_OR_RETURN(
-        std::optional<int64_t> iteration,
-        NumberBetween(std::string_view(name).substr(0, split), "table_iter", ""));
+    KEEL_ASSIGN_OR_RETURN(std::optional<int64_t> iteration,
+                          NumberBetween(std::string_view(name).substr(0, split), "table_iter", ""));
     KEEL_ASSIGN_OR_RETURN(std::optional<int64_t> rank,
                           NumberBetween(std::string_view(name).substr(split), "_rank", ".log"));
     if (iteration && rank) files.push_back({*iteration, *rank, entry.path});
