@@ -378,11 +378,51 @@ std::string TypeText(const ConfigKey& key, std::string_view quote) {
   return text;
 }
 
+// Why `text` cannot be a free-form value (a path, an address), or "": control characters and
+// bytes that are not UTF-8 would not survive a round trip through YAML, nor mean a real path.
+std::string TextProblem(std::string_view text) {
+  size_t i = 0;
+  while (i < text.size()) {
+    const auto byte = static_cast<unsigned char>(text[i]);
+    if (byte < 0x20 || byte == 0x7f) {
+      return "has a control character (byte " + std::to_string(byte) + ") at position " +
+             std::to_string(i);
+    }
+    if (byte < 0x80) {
+      ++i;
+      continue;
+    }
+    // A lead byte 110xxxxx, 1110xxxx or 11110xxx and as many bytes 10xxxxxx, in shortest form,
+    // at most U+10FFFF and no surrogate.
+    const std::string invalid = "is not valid UTF-8 at position " + std::to_string(i);
+    const int extra = (byte >> 5) == 0x6 ? 1 : (byte >> 4) == 0xe ? 2 : (byte >> 3) == 0x1e ? 3 : 0;
+    if (extra == 0 || text.size() - i <= static_cast<size_t>(extra)) return invalid;
+    uint32_t code = byte & (0x3f >> extra);
+    for (int k = 1; k <= extra; ++k) {
+      const auto next = static_cast<unsigned char>(text[i + k]);
+      if ((next >> 6) != 0x2) return invalid;
+      code = (code << 6) | (next & 0x3f);
+    }
+    constexpr uint32_t kSmallest[] = {0, 0x80, 0x800, 0x10000};
+    if (code < kSmallest[extra] || code > 0x10ffff || (code >= 0xd800 && code <= 0xdfff)) {
+      return invalid;
+    }
+    i += static_cast<size_t>(extra) + 1;
+  }
+  return "";
+}
+
 // A free-form string as a double-quoted YAML scalar, so that "" and values like "on" or "8080"
-// read back as the same string.
+// read back as the same string; control characters (which TextProblem refuses) are shown as \xNN.
 std::string QuotedYamlString(std::string_view text) {
   std::string quoted = "\"";
   for (char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte < 0x20 || byte == 0x7f) {
+      constexpr char kHex[] = "0123456789abcdef";
+      quoted += {'\\', 'x', kHex[byte >> 4], kHex[byte & 0xf]};
+      continue;
+    }
     if (c == '"' || c == '\\') quoted += '\\';
     quoted += c;
   }
@@ -668,8 +708,8 @@ Status Validate(const KeelConfig& config, const ParseOrigin& origin) {
     if (auto* value = std::get_if<double*>(&ref)) {
       problem = std::isfinite(**value) ? RangeProblem(key, **value) : "is not a finite number";
     }
-    if (auto* value = std::get_if<std::string*>(&ref); value && !key.choices.empty()) {
-      problem = ChoiceProblem(key, **value);
+    if (auto* value = std::get_if<std::string*>(&ref)) {
+      problem = key.choices.empty() ? TextProblem(**value) : ChoiceProblem(key, **value);
     }
     if (auto* value = std::get_if<EstimatorKind*>(&ref)) {
       auto index = static_cast<size_t>(**value);

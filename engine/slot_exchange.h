@@ -17,7 +17,7 @@ namespace keel {
 
 // A buffer of a DeviceMemory that grows to the largest size asked of it; the engine keeps it
 // between steps. kDevice: device memory. kPageLockedHost: host memory that device copies read and
-// write at full speed (on a GPU about three times what pageable memory gets).
+// write at full speed (on an H200, 51 GB/s against 13-17 GB/s into pageable memory).
 class DeviceBuffer {
  public:
   enum class Kind { kDevice, kPageLockedHost };

@@ -1255,20 +1255,17 @@ void StepPlanner::Impl::AssignSpreadWholeRows(int expert, const QuotaSplit& spli
   double* from_node = draft.links.data() + static_cast<size_t>(kFromNode) * num_ranks;
   double* to_node = draft.links.data() + static_cast<size_t>(kToNode) * num_ranks;
   double* kept = draft.links.data() + static_cast<size_t>(kKept) * num_ranks;
-  const int* node_of = node_of_.data();
   const bool record_shares = record_shares_;
   if (record_shares) draft.shares.Reserve(MaxShares(count));
-  // One copy at a time: `rank`, `node` and `id` are the copy's, `open` its quota still open (a
-  // local, so that it stays in a register), `row` its rank's row of received tokens (with kRows).
-  // Source (= rank) s sends it `tokens` > 0.
+  // One copy at a time: `rank` and `id` are the copy's, `open` its quota still open (a local, so
+  // that it stays in a register), `row` its rank's row of received tokens (with kRows). Source
+  // (= rank) s sends it `tokens` > 0.
   int rank = 0;
-  int node = 0;
   int id = 0;
   double open = 0;
   double* row = received;
   auto select = [&](int i) KEEL_INLINE {
     rank = solver.copy_rank(begin + i);
-    node = node_of[rank];
     id = solver.copy_id(begin + i);
     open = room[i];
     if constexpr (kRows) row = received + static_cast<size_t>(rank) * num_ranks;
@@ -1397,7 +1394,7 @@ void StepPlanner::Impl::AssignSpreadWholeRows(int expert, const QuotaSplit& spli
       }
       const double tokens = std::min(remaining[s], open);
       if (tokens > 0) {
-        assert(node_of[s] != node);
+        assert(node_of_[s] != node_of_[rank]);
         open -= tokens;
         remaining[s] -= tokens;
         add_row(s, tokens);

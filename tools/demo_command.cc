@@ -576,8 +576,8 @@ int RunDemo(int argc, char** argv) {
   parser.Add("hidden", "N", &flags.hidden,
              "hidden size (expert input and output width), at most 65536");
   parser.Add("ffn", "N", &flags.ffn,
-             "expert FFN size, at most 65536; the model and activations of all ranks together "
-             "may take about 16 GiB");
+             "expert FFN size, at most 65536; all sizes together are refused when the model "
+             "and activations of all ranks would take more than about 16 GiB");
   parser.Add("steps", "N", &flags.steps, "training steps per run, at most 10^6");
   parser.Add("seed", "N", &flags.seed,
              "seed of the gate, inputs, teacher and initial weights (both runs use it)");

@@ -4,9 +4,9 @@
 # carries with .gpu-deps. The GPU machine has CUDA but none of the project's Debian dependencies
 # (yaml-cpp, UCX, Open MPI, TBB, GLPK, prometheus-cpp, ...), so bench/gpu/run.sh runs these programs
 # there instead of building the whole project. Left out of lib/: the C and C++ runtimes, the CUDA
-# driver and NCCL (218 MB; run.sh finds the one the GPU machine's PyTorch brings).
-# Usage: bench/gpu/pack.sh   (after bench/gpu/prepare.sh; KEEL_GPU_PACK_BUILD sets the build folder,
-#                             default build-gpu)
+# driver and NCCL (218 MB; run.sh finds the one installed on the GPU machine).
+# Usage: bench/gpu/pack.sh   (KEEL_GPU_PACK_BUILD sets the build folder, default build-gpu; the
+#                             kernels' standalone build of run.sh needs bench/gpu/prepare.sh instead)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=${KEEL_GPU_PACK_BUILD:-$root/build-gpu}
@@ -21,6 +21,11 @@ targets=()
 for p in "${programs[@]}"; do targets+=("$(basename "$p")"); done
 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
 
+# .gpu-deps/ is the device tool's carry folder, never committed.
+exclude=$(git -C "$root" rev-parse --git-path info/exclude)
+case $exclude in /*) ;; *) exclude=$root/$exclude ;; esac
+mkdir -p "$(dirname "$exclude")"
+grep -qxF /.gpu-deps/ "$exclude" 2>/dev/null || echo /.gpu-deps/ >>"$exclude"
 rm -rf "$pack"
 mkdir -p "$pack/bin" "$pack/lib"
 for p in "${programs[@]}"; do

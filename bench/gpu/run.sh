@@ -47,7 +47,7 @@ run() {
 
 if [ -d "$prebuilt/bin" ]; then
   tests=$prebuilt/bin benches=$prebuilt/bin
-  # NCCL is not carried (218 MB): the one PyTorch brings on the GPU machine.
+  # NCCL is not carried (218 MB): the one installed on the GPU machine.
   nccl=$(find / -name 'libnccl.so.2' -not -path '/proc/*' 2>/dev/null | head -n 1)
   export LD_LIBRARY_PATH="$prebuilt/lib${nccl:+:$(dirname "$nccl")}:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   echo "== prebuilt programs from $prebuilt (NCCL: ${nccl:-none found})"

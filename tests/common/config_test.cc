@@ -238,6 +238,34 @@ TEST(ConfigTest, ShippedSmartMoeConfigLoads) {
   EXPECT_EQ(config->policy.name, "keel");
 }
 
+// Found by the config fuzzer (tests/fuzz/config_fuzz.cc): a trace_path holding control bytes
+// loaded, but did not survive ConfigToYaml and back. Free-form values must be text.
+TEST(ConfigTest, FreeFormValuesAreText) {
+  Result<KeelConfig> control = ParseConfig("monitor:\n  trace_path: \"a\\x0f\\x1cb\"\n", "x.yaml");
+  ASSERT_FALSE(control.ok());
+  EXPECT_NE(control.status().message().find(
+                "monitor.trace_path: \"a\\x0f\\x1cb\" has a control character (byte 15) at "
+                "position 1"),
+            std::string::npos)
+      << control.status().message();
+  KeelConfig config;
+  config.monitor.metrics_address = "127.0.0.1:\xff";
+  const Status not_utf8 = ValidateConfig(config);
+  EXPECT_NE(not_utf8.message().find("monitor.metrics_address"), std::string::npos)
+      << not_utf8.ToString();
+  EXPECT_NE(not_utf8.message().find("is not valid UTF-8 at position 10"), std::string::npos)
+      << not_utf8.ToString();
+  config.monitor.metrics_address = "127.0.0.1:\xc0\x80";  // an overlong NUL
+  EXPECT_NE(ValidateConfig(config).message().find("is not valid UTF-8"), std::string::npos);
+  // Text outside ASCII is fine, and round-trips.
+  config.monitor.metrics_address = "";
+  config.monitor.trace_path = "/tmp/d\xc3\xa9j\xc3\xa0/\xe2\x82\xac/t.jsonl";
+  ASSERT_TRUE(ValidateConfig(config).ok()) << ValidateConfig(config).ToString();
+  Result<KeelConfig> again = ParseConfig(ConfigToYaml(config), "again.yaml");
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->monitor.trace_path, config.monitor.trace_path);
+}
+
 TEST(ConfigTest, MissingFileIsNotFound) {
   Result<KeelConfig> config = LoadConfigFile("/nonexistent/keel.yaml");
   ASSERT_FALSE(config.ok());
