@@ -130,10 +130,10 @@ Status ParseStepLine(std::string_view line, const std::string& where, Trace& tra
                                std::to_string(index) + " is not a number: " + count.dump());
       }
       double value = count.get<double>();
-      if (!(value >= 0.0) || !std::isfinite(value)) {
+      if (!(value >= 0.0 && value <= kMaxTraceCount)) {
         return InvalidArgument(where + ": layer " + std::to_string(layer) + " entry " +
                                std::to_string(index) +
-                               " is negative or not finite: " + count.dump());
+                               " is not a count in [0, 1e15]: " + count.dump());
       }
       values.push_back(value);
       ++index;
@@ -195,10 +195,10 @@ Status Trace::Validate() const {
     }
     for (size_t i = 0; i < expected; ++i) {
       double value = steps[step][i];
-      if (!(value >= 0.0) || !std::isfinite(value)) {
+      if (!(value >= 0.0 && value <= kMaxTraceCount)) {
         return InvalidArgument("trace: step " + std::to_string(step) + " layer " +
                                std::to_string(i / row_size()) + " entry " +
-                               std::to_string(i % row_size()) + " is negative or not finite (" +
+                               std::to_string(i % row_size()) + " is not a count in [0, 1e15] (" +
                                std::to_string(value) + ")");
       }
     }

@@ -370,6 +370,7 @@ Result<Trace> ImportSmartMoeFolder(const std::string& folder, const std::string&
       options.progress(static_cast<int>(i + 1), static_cast<int>(files.size()));
     }
   }
+  KEEL_RETURN_IF_ERROR(trace.Validate());
   return trace;
 }
 
@@ -698,6 +699,7 @@ Result<Trace> ImportEsftTrace(const std::string& path, const EsftImportOptions& 
   trace.description = "esft: " + path + " (" + std::to_string(num_sequences) + " sequences, " +
                       std::to_string(options.sequences_per_step) +
                       " per step; layer l = MoE layer l+1)";
+  KEEL_RETURN_IF_ERROR(trace.Validate());
   return trace;
 }
 
@@ -788,6 +790,7 @@ Result<Trace> ImportOlmoeTrace(const std::string& path, const OlmoeImportOptions
   trace.description = "olmoe: " + options.model + " " + options.kind + " from " + file +
                       "; model layers [" + layer_names +
                       "]; one step per domain: " + trace.description;
+  KEEL_RETURN_IF_ERROR(trace.Validate());
   return trace;
 }
 
@@ -907,6 +910,7 @@ Result<Trace> ImportMegatronTrace(const std::string& path, const MegatronImportO
   }
   trace.description = "megatron: " + path + "; model layers [" + layers + "]" +
                       (options.per_source ? "; sources = ranks [" + ranks + "]" : "; ranks summed");
+  KEEL_RETURN_IF_ERROR(trace.Validate());
   return trace;
 }
 

@@ -30,6 +30,7 @@ class EplbPolicy final : public Policy {
                              std::to_string(view.expert_load.size()) +
                              " entries, expected num_experts " + std::to_string(num_experts));
     }
+    KEEL_RETURN_IF_ERROR(CheckExpertLoad(view.expert_load));
     std::vector<float> weight(view.expert_load.begin(), view.expert_load.end());
     KEEL_ASSIGN_OR_RETURN(std::vector<int> phy2log, Balance(std::move(weight)));
     if (view.current == nullptr) {

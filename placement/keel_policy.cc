@@ -200,13 +200,8 @@ Result<bool> KeelPolicy::SwapWithCoolest(const LayerView& view,
 }
 
 Result<Placement> KeelPolicy::Replan(const LayerView& view) {
-  if (view.current == nullptr) return InvalidArgument("keel: LayerView.current is null");
+  KEEL_RETURN_IF_ERROR(CheckLayerView(view).WithContext("keel"));
   const Placement& current = *view.current;
-  if (static_cast<int>(view.expert_load.size()) != current.num_experts()) {
-    return InvalidArgument("keel: expert_load has " + std::to_string(view.expert_load.size()) +
-                           " entries, expected num_experts " +
-                           std::to_string(current.num_experts()));
-  }
   const int num_ranks = current.num_ranks();
   std::vector<long long> tokens(view.expert_load.size());
   long long total = 0;

@@ -20,10 +20,10 @@ Result<StepLoad> StepLoad::FromTraffic(int num_sources, int num_experts,
                            std::to_string(num_experts));
   }
   for (size_t i = 0; i < traffic.size(); ++i) {
-    if (!std::isfinite(traffic[i]) || traffic[i] < 0) {
+    if (!std::isfinite(traffic[i]) || traffic[i] < 0 || traffic[i] > kMaxTokenCount) {
       return InvalidArgument("traffic[source " + std::to_string(i / num_experts) + "][expert " +
                              std::to_string(i % num_experts) + "] = " + std::to_string(traffic[i]) +
-                             " is not a non-negative token count");
+                             " is not a token count in [0, 1e15]");
     }
   }
   StepLoad load;

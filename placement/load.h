@@ -12,13 +12,18 @@
 
 namespace keel {
 
+// The most tokens one count (of a traffic matrix, or an expert's expected load) may hold: sums of
+// such counts stay exact whole numbers in a double, and rounding them to integers cannot overflow.
+inline constexpr double kMaxTokenCount = 1e15;
+
 // One layer, one step: tokens each source rank sent to each logical expert.
 struct StepLoad {
   int num_sources = 0;  // ranks the tokens come from (= topology ranks)
   int num_experts = 0;
   std::vector<double> traffic;  // [num_sources * num_experts] tokens from source s to expert e
 
-  // Traffic known per source rank. Fails on a size mismatch or a negative or non-finite count.
+  // Traffic known per source rank. Fails on a size mismatch or a negative, non-finite or larger
+  // than kMaxTokenCount count.
   static Result<StepLoad> FromTraffic(int num_sources, int num_experts,
                                       std::vector<double> traffic);
   // Only per-expert totals known: each expert's tokens come evenly from every source.

@@ -45,6 +45,17 @@ Status CheckLayerView(const LayerView& view) {
     return InvalidArgument("expert_load has " + std::to_string(view.expert_load.size()) +
                            " entries, expected num_experts " + std::to_string(num_experts));
   }
+  return CheckExpertLoad(view.expert_load);
+}
+
+Status CheckExpertLoad(std::span<const double> expert_load) {
+  for (size_t e = 0; e < expert_load.size(); ++e) {
+    const double load = expert_load[e];
+    if (!(load >= 0 && load <= kMaxTokenCount)) {
+      return InvalidArgument("expert_load[" + std::to_string(e) + "] = " + std::to_string(load) +
+                             " is not a token count in [0, 1e15]");
+    }
+  }
   return Status::Ok();
 }
 

@@ -46,9 +46,11 @@ struct LayerView {
   bool fresh_start = false;
 };
 
-// OK when the view has its placement and one expected load per expert of it; otherwise an
-// InvalidArgument that says which is wrong.
+// OK when the view has its placement and one expected load per expert of it, each in [0,
+// kMaxTokenCount]; otherwise an InvalidArgument that says which is wrong.
 Status CheckLayerView(const LayerView& view);
+// OK when every expected load is in [0, kMaxTokenCount]; otherwise the first that is not.
+Status CheckExpertLoad(std::span<const double> expert_load);
 
 // The step a replan plans for: the estimated traffic matrix when it covers the placement's ranks,
 // otherwise the estimated per-expert totals sent evenly from every rank. Fails when the view is

@@ -49,7 +49,7 @@ class RegisteredPolicy final : public Policy {
   }
 
   Result<Placement> Replan(const LayerView& view) override {
-    if (view.current == nullptr) return InvalidArgument("LayerView.current is null");
+    KEEL_RETURN_IF_ERROR(CheckLayerView(view));
     const Placement& current = *view.current;
     ReplanInput input;
     input.layer = view.layer;

@@ -25,7 +25,7 @@ namespace keel {
 namespace {
 
 // Token counts beyond this are input errors (and would overflow the integer quotas).
-constexpr double kMaxTokens = 1e15;
+constexpr double kMaxTokens = kMaxTokenCount;
 
 // sum[i] = ((sum[i] + rows[list[0]][i]) + rows[list[1]][i]) + ... for i < n, where row k starts at
 // rows + k * stride: per entry the additions of one loop over the list after another, so the

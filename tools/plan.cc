@@ -57,10 +57,12 @@ Status CheckRequest(const PlanRequest& in) {
   }
   for (size_t i = 0; i < cells; ++i) {
     const double load = in.weight[i];
-    if (std::isfinite(load) && load >= 0) continue;
+    if (std::isfinite(load) && load >= 0 && load <= kMaxTokenCount) continue;
     return InvalidArgument("weight[" + std::to_string(i / in.num_experts) + "][" +
                            std::to_string(i % in.num_experts) + "] = " + std::to_string(load) +
-                           (std::isfinite(load) ? " is negative" : " is not finite"));
+                           (!std::isfinite(load) ? " is not finite"
+                            : load < 0           ? " is negative"
+                                                 : " is more than 1e15 tokens"));
   }
   const std::string replicas = std::to_string(in.num_replicas);
   const std::string gpus = std::to_string(in.num_gpus);

@@ -12,7 +12,6 @@ namespace {
 
 using Json = nlohmann::json;
 
-
 Result<int> PositiveIntField(const Json& input, const char* name) {
   if (!input.contains(name)) return InvalidArgument(std::string("missing field '") + name + "'");
   const Json& value = input.at(name);

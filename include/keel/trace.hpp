@@ -20,6 +20,7 @@ inline constexpr int kMaxTraceExperts = 65536;
 inline constexpr int kMaxTraceLayers = 65536;
 inline constexpr int kMaxTraceSources = 65536;
 inline constexpr int64_t kMaxTraceCountsPerStep = int64_t{1} << 26;  // layers x sources x experts
+inline constexpr double kMaxTraceCount = 1e15;                       // tokens in one count
 
 struct Trace {
   std::string description;  // where it came from, e.g. "smartmoe: moe_trace (16 ranks)"
@@ -39,7 +40,7 @@ struct Trace {
   }
   // [num_experts] tokens of one (step, layer), summed over sources.
   std::vector<double> ExpertCounts(int step, int layer) const;
-  // Shapes agree, counts finite and non-negative; errors name the step and layer.
+  // Shapes agree, counts in [0, kMaxTraceCount]; errors name the step and layer.
   Status Validate() const;
 };
 

@@ -135,6 +135,11 @@ expect_usage_error "demo --layers 100000" "--layers 100000 must be in [1, 1024]"
   "$keel" demo --layers 100000 --quiet
 expect_usage_error "demo too big in all" "GiB, more than the demo's 16 GiB limit" \
   "$keel" demo --hidden 65536 --ffn 65536 --quiet
+printf '{"weight": [[0, 6666666666666666666666666666666, 56]], "num_replicas": 6,
+  "num_groups": 1, "num_nodes": 1, "num_gpus": 2}' >"$work/huge_load.json"
+expect_usage_error "plan with a load of 6.7e30 tokens" "weight[0][1] = " \
+  "$keel" plan --policy keel --input "$work/huge_load.json"
+grep -qF "is more than 1e15 tokens" "$work/out" || fail "huge load: $(cat "$work/out")"
 printf '{"weight": [[1, 2]], "num_replicas": 1000000000, "num_groups": 1, "num_nodes": 1,
   "num_gpus": 1000000000}' >"$work/huge_plan.json"
 expect_usage_error "plan with 1e9 replicas" "num_replicas = 1000000000 is more than" \

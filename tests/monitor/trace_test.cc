@@ -30,7 +30,7 @@ Trace SmallTrace(int num_sources) {
     trace.steps.push_back(values);
   }
   trace.steps[1][2] = 2.5;   // a fractional count (an averaged load) survives exactly
-  trace.steps[2][0] = 1e17;  // beyond 2^53: written as a double
+  trace.steps[2][0] = 1e15;  // the largest count a trace may hold, written exactly
   return trace;
 }
 
@@ -77,6 +77,7 @@ TEST(KeelTraceTest, WriterFormatsIntegersWithoutFraction) {
   EXPECT_NE(text.find("{\"step\": 1, \"layers\": [[0, 1, 2], [3, 4, 5]]}\n"), std::string::npos)
       << text;
   EXPECT_NE(text.find("2.5"), std::string::npos);
+  EXPECT_NE(text.find("[[1000000000000000, 201, 202]"), std::string::npos) << text;
   EXPECT_EQ(text.find(".0,"), std::string::npos);
   EXPECT_EQ(text.rfind("{\"keel_trace\": 1", 0), 0u) << text;
 }
@@ -111,7 +112,7 @@ TEST(KeelTraceTest, ReaderErrorsNameLineAndProblem) {
       {std::string(kHeader) + good + "{\"step\": 1, \"layers\": [[1, 2, 3], [4, 5]]}\n",
        ":3:", "layer 1 has 2 counts, expected 3"},
       {std::string(kHeader) + "{\"step\": 0, \"layers\": [[1, -2, 3], [4, 5, 6]]}\n",
-       ":2:", "negative"},
+       ":2:", "entry 1 is not a count in [0, 1e15]: -2"},
       {std::string(kHeader) + "{\"step\": 0, \"layers\": [[1, 2, 3]]}\n",
        ":2:", "1 layers, header says num_layers 2"},
       {std::string(kHeader) + good + "{\"step\": 1, \"layers\": [[1, 2, 3], [4,",
@@ -205,6 +206,9 @@ TEST(TraceTest, ValidateNamesStepAndLayer) {
   Status status = trace.Validate();
   ASSERT_FALSE(status.ok());
   EXPECT_NE(status.message().find("step 2 layer 1 entry 1"), std::string::npos) << status.message();
+  trace.steps[2][7] = 1e15 + 2;  // beyond the largest count
+  EXPECT_NE(trace.Validate().message().find("is not a count in [0, 1e15]"), std::string::npos)
+      << trace.Validate().message();
   trace = SmallTrace(2);
   trace.step_ids.pop_back();
   EXPECT_FALSE(trace.Validate().ok());

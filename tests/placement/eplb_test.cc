@@ -270,6 +270,17 @@ TEST(EplbTest, ValidationErrorsNameTheField) {
   EXPECT_EQ(ErrorOf(in), "<ok>");
 }
 
+// 1 layer, 4 experts of weights 10 6 4 2, 6 slots on 3 GPUs; groups and nodes are the test's.
+EplbInput FourExpertsOnThreeGpus() {
+  EplbInput in;
+  in.num_layers = 1;
+  in.num_experts = 4;
+  in.weight = {10, 6, 4, 2};
+  in.num_replicas = 6;
+  in.num_gpus = 3;
+  return in;
+}
+
 // DeepSeek's rebalance_experts is hierarchical only when num_groups % num_nodes == 0; otherwise it
 // runs the same routine with one group and one node, and none of the hierarchical shape rules
 // apply. Worked by hand: 4 experts, weights 10 6 4 2, 6 slots on 3 GPUs.
@@ -281,12 +292,7 @@ TEST(EplbTest, ValidationErrorsNameTheField) {
 //     lowest index), 2 (phy 3) -> GPU 1;
 //   slots: GPU 0 = 0 1, GPU 1 = 0 3, GPU 2 = 2 1.
 TEST(EplbTest, GlobalFallbackAcceptsWhatTheReferenceAccepts) {
-  EplbInput in;
-  in.num_layers = 1;
-  in.num_experts = 4;
-  in.weight = {10, 6, 4, 2};
-  in.num_replicas = 6;
-  in.num_gpus = 3;
+  EplbInput in = FourExpertsOnThreeGpus();
   const std::vector<int> by_hand = {0, 1, 0, 3, 2, 1};
   // 3 groups on 2 nodes: global. Neither 4 experts into 3 groups nor 3 GPUs onto 2 nodes divide.
   in.num_groups = 3;
@@ -310,12 +316,7 @@ TEST(EplbTest, GlobalFallbackAcceptsWhatTheReferenceAccepts) {
 }
 
 TEST(EplbTest, HierarchicalRejectsWhatTheReferenceRejects) {
-  EplbInput in;
-  in.num_layers = 1;
-  in.num_experts = 4;
-  in.weight = {10, 6, 4, 2};
-  in.num_replicas = 6;
-  in.num_gpus = 3;
+  EplbInput in = FourExpertsOnThreeGpus();
   in.num_groups = 2;  // 2 % 2 == 0: hierarchical, so 3 GPUs must split among 2 nodes
   in.num_nodes = 2;
   EXPECT_NE(ErrorOf(in).find("num_gpus 3 is not divisible by num_nodes 2"), std::string::npos);
@@ -522,7 +523,7 @@ TEST(EplbPolicyTest, ReportsBadInputs) {
   view.expert_load = negative;
   auto bad_value = (*policy)->Replan(view);
   ASSERT_FALSE(bad_value.ok());
-  EXPECT_NE(bad_value.status().message().find("weight[0][3] = -4"), std::string::npos);
+  EXPECT_NE(bad_value.status().message().find("expert_load[3] = -4"), std::string::npos);
 
   PolicyContext small = MakeContext(1, 2, 8, 4, 0);
   small.slots_per_rank = 3;  // 6 slots for 8 experts

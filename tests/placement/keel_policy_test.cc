@@ -32,6 +32,24 @@ TEST(KeelPolicyTest, LeavesABalancedLayerAlone) {
   EXPECT_EQ(next, initial);
 }
 
+// Found by the plan fuzzer (tests/fuzz/plan_fuzz.cc): a load of 6.7e30 tokens overflowed the
+// policy's whole-token sums. Loads beyond 1e15 tokens are refused, naming the expert, by every
+// policy that reads them (static, fastermoe and velb keep their placement whatever the load).
+TEST(KeelPolicyTest, LoadsBeyondTheTokenLimitAreRefused) {
+  PolicyContext context = Context(1, 4, 8, 3, 1);
+  for (const std::string& name : PolicyNames()) {
+    auto policy = MakePolicy(name, context).value();
+    Placement initial = policy->Initial(0).value();
+    std::vector<double> load(8, 1000.0);
+    load[5] = 6.7e30;
+    Result<Placement> next = policy->Replan({0, &initial, load, nullptr});
+    if (name == "static" || name == "fastermoe" || name == "velb") continue;
+    ASSERT_FALSE(next.ok()) << name;
+    EXPECT_NE(next.status().message().find("[5]"), std::string::npos)
+        << name << ": " << next.status().ToString();
+  }
+}
+
 TEST(KeelPolicyTest, SpreadsAHotExpertWithinTheMoveBudget) {
   PolicyContext context = Context(2, 4, 16, 3, 0);
   context.config.keel.max_moves_per_replan = 3;
