@@ -4,8 +4,9 @@
 # the CUDA device memory, NCCL communicator and NCCL transport tests, device_bench (the engine's
 # copies, staging and sums against the device-copy ceiling), migration between 4 processes with
 # their experts on the GPU (random plans, byte-exact) and its 64 MiB bandwidth against a device
-# copy, and `keel demo --memory device` against `--memory host` (same final-weights checksum). Logs, gtest XML and benchmark JSON go to
-# $OUT when it is set (the device tool brings that folder back), else to bench/gpu/out/.
+# copy, and `keel demo --memory device` against `--memory host` (same final-weights checksum).
+# Logs, gtest XML and benchmark JSON go to $OUT when it is set (the device tool brings that folder
+# back), else to bench/gpu/out/.
 #
 # The GPU machine has CUDA, CMake and ninja but none of the project's Debian dependencies, so the
 # programs are built on the machine without a GPU and carried:
@@ -109,7 +110,8 @@ if [ "$whole" = 1 ]; then
     run "demo_$memory" 300 "$benches/keel" demo --memory "$memory" --quiet \
       --report "$out/demo_$memory.json"
   done
-  sums=$(grep -hoE '"final_weights_checksum": *"[0-9a-f]+"' "$out/demo_host.json" "$out/demo_device.json" | sort -u)
+  sums=$(grep -hoE '"final_weights_checksum": *"[0-9a-f]+"' "$out/demo_host.json" \
+    "$out/demo_device.json" | sort -u)
   echo "demo final-weights checksums (host, device): $sums"
   if [ ! -s "$out/demo_device.json" ] || [ "$(echo "$sums" | wc -l)" != 1 ]; then
     echo "demo: no device run, or device and host checksums differ"
