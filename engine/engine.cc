@@ -34,6 +34,10 @@ Result<KeelConfig> ResolveConfig(const EngineOptions& options, int num_ranks) {
   return config;
 }
 
+// The most MoE layers and experts per layer an engine takes (as a trace may hold).
+constexpr long long kMaxEngineLayers = 65536;
+constexpr long long kMaxEngineExperts = 65536;
+
 std::string ShapeFingerprint(const EngineOptions& o, const KeelConfig& config) {
   return ConfigToYaml(config) + "\nlayers " + std::to_string(o.num_layers) + " experts " +
          std::to_string(o.num_experts) + " top_k " + std::to_string(o.top_k) + " weights " +
@@ -66,9 +70,17 @@ Status Engine::Impl::Init() {
     if (value > 0) return Status::Ok();
     return InvalidArgument(std::string(field) + " = " + std::to_string(value) + " must be > 0");
   };
+  // Upper bounds, so that a wrong size fails here rather than exhausting memory.
+  const auto at_most = [](const char* field, long long value, long long most) -> Status {
+    if (value <= most) return Status::Ok();
+    return InvalidArgument(std::string(field) + " = " + std::to_string(value) + " is more than " +
+                           std::to_string(most));
+  };
   KEEL_RETURN_IF_ERROR(positive("num_layers", options_.num_layers));
   KEEL_RETURN_IF_ERROR(positive("num_experts", options_.num_experts));
   KEEL_RETURN_IF_ERROR(positive("top_k", options_.top_k));
+  KEEL_RETURN_IF_ERROR(at_most("num_layers", options_.num_layers, kMaxEngineLayers));
+  KEEL_RETURN_IF_ERROR(at_most("num_experts", options_.num_experts, kMaxEngineExperts));
   KEEL_RETURN_IF_ERROR(
       positive("shape.weight_bytes", static_cast<long long>(options_.shape.weight_bytes)));
   const size_t element = GradientElementBytes(options_.shape.gradient_type);

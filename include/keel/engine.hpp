@@ -45,9 +45,9 @@ struct EngineOptions {
   std::optional<Config> config;
   std::string config_yaml;
   std::string config_path;
-  int num_layers = 1;
-  int num_experts = 1;
-  int top_k = 1;  // routing choices per token
+  int num_layers = 1;   // in [1, 65536]
+  int num_experts = 1;  // in [1, 65536]
+  int top_k = 1;        // routing choices per token
   ExpertShape shape;
   // This rank's communicator (rank and size come from it); must outlive the engine.
   Communicator* communicator = nullptr;

@@ -128,8 +128,8 @@ typedef struct keel_engine_options {
   const char* config_yaml;
   const char* config_path;
 
-  int num_layers;  /* MoE layers, >= 1; default 1 */
-  int num_experts; /* logical experts per layer, >= 1; default 1 */
+  int num_layers;  /* MoE layers, in [1, 65536]; default 1 */
+  int num_experts; /* logical experts per layer, in [1, 65536]; default 1 */
   int top_k;       /* routing choices per token, in [1, num_experts]; default 1 */
 
   /* One expert's state in bytes; the engine moves and adds these bytes and never interprets
@@ -172,11 +172,11 @@ static inline keel_status_t keel_engine_options_init(keel_engine_options_t* opti
 /* Creates this rank's engine. Collective: every rank passes the same config and shapes.
  * Errors: KEEL_INVALID_ARGUMENT for a NULL pointer, a struct_size out of range, both or a bad
  * config (the config reader's message names the key, the value and the line), a count < 1,
- * top_k > num_experts, weight_bytes = 0, gradient_bytes that is not a positive multiple of the
- * gradient element size, an unknown enum value, a comm whose size differs from the config's
- * ranks, a group that is not comm's; KEEL_NOT_FOUND / KEEL_IO_ERROR for an unreadable
- * config_path; KEEL_UNIMPLEMENTED for a transport or memory kind this build lacks; a
- * communicator's failure as its own status. */
+ * num_layers or num_experts above 65536, top_k > num_experts, weight_bytes = 0, gradient_bytes
+ * that is not a positive multiple of the gradient element size, an unknown enum value, a comm
+ * whose size differs from the config's ranks, a group that is not comm's; KEEL_NOT_FOUND /
+ * KEEL_IO_ERROR for an unreadable config_path; KEEL_UNIMPLEMENTED for a transport or memory kind
+ * this build lacks; a communicator's failure as its own status. */
 keel_status_t keel_engine_create(const keel_engine_options_t* options, keel_engine_t** engine_out);
 
 /* Destroys `engine`: cancels a running migration (bounded by migration.deadline_seconds) and

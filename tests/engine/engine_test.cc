@@ -500,6 +500,15 @@ TEST(EngineTest, CreateRejectsBadOptionsNamingTheField) {
   }
   {
     EngineOptions bad = options;
+    bad.num_experts = 2000000000;
+    auto engine = Engine::Create(bad);
+    ASSERT_FALSE(engine.ok());
+    EXPECT_NE(engine.status().ToString().find("num_experts = 2000000000 is more than 65536"),
+              std::string::npos)
+        << engine.status().ToString();
+  }
+  {
+    EngineOptions bad = options;
     bad.shape.gradient_bytes = 6;
     auto engine = Engine::Create(bad);
     ASSERT_FALSE(engine.ok());
