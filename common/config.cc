@@ -21,6 +21,7 @@
 
 #include "common/file.h"
 #include "common/policy_names.h"
+#include "keel/limits.hpp"
 
 namespace keel {
 
@@ -60,10 +61,9 @@ struct ConfigKey {
 #define KEEL_CONFIG_FIELD(member) \
   .path = #member, .field = [](KeelConfig& c) { return FieldRef(&c.member); }
 
-// Sizes have upper bounds, so that a typo fails here rather than as an exhausted memory later.
-constexpr double kMaxRanks = 65536;            // num_nodes x gpus_per_node too
-constexpr double kMaxSlotsPerLayer = 1 << 20;  // all ranks' persistent and transient slots
-constexpr double kMaxModelWidth = 1 << 20;     // hidden and FFN sizes, elements
+// Sizes have upper bounds (keel/limits.hpp), so that a typo fails here rather than as an
+// exhausted memory later.
+constexpr double kMaxModelWidth = 1 << 20;  // hidden and FFN sizes, elements
 
 constexpr ConfigKey kConfigKeys[] = {
     // topology

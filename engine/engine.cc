@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "engine/engine_internal.h"
+#include "keel/limits.hpp"
 #include "migration/transport_factory.h"
 #include "migration/transport_local.h"
 #include "migration/transport_staged.h"
@@ -33,10 +34,6 @@ Result<KeelConfig> ResolveConfig(const EngineOptions& options, int num_ranks) {
   config.topology.gpus_per_node = num_ranks;
   return config;
 }
-
-// The most MoE layers and experts per layer an engine takes (as a trace may hold).
-constexpr long long kMaxEngineLayers = 65536;
-constexpr long long kMaxEngineExperts = 65536;
 
 std::string ShapeFingerprint(const EngineOptions& o, const KeelConfig& config) {
   return ConfigToYaml(config) + "\nlayers " + std::to_string(o.num_layers) + " experts " +
@@ -79,8 +76,8 @@ Status Engine::Impl::Init() {
   KEEL_RETURN_IF_ERROR(positive("num_layers", options_.num_layers));
   KEEL_RETURN_IF_ERROR(positive("num_experts", options_.num_experts));
   KEEL_RETURN_IF_ERROR(positive("top_k", options_.top_k));
-  KEEL_RETURN_IF_ERROR(at_most("num_layers", options_.num_layers, kMaxEngineLayers));
-  KEEL_RETURN_IF_ERROR(at_most("num_experts", options_.num_experts, kMaxEngineExperts));
+  KEEL_RETURN_IF_ERROR(at_most("num_layers", options_.num_layers, kMaxLayers));
+  KEEL_RETURN_IF_ERROR(at_most("num_experts", options_.num_experts, kMaxExperts));
   KEEL_RETURN_IF_ERROR(
       positive("shape.weight_bytes", static_cast<long long>(options_.shape.weight_bytes)));
   const size_t element = GradientElementBytes(options_.shape.gradient_type);

@@ -43,17 +43,17 @@ std::string KnownFormatList() {
 }  // namespace
 
 Status CheckTraceShape(int64_t num_layers, int64_t num_experts, int64_t num_sources) {
-  if (num_layers > kMaxTraceLayers) {
+  if (num_layers > kMaxLayers) {
     return InvalidArgument("num_layers " + std::to_string(num_layers) + " is more than " +
-                           std::to_string(kMaxTraceLayers));
+                           std::to_string(kMaxLayers));
   }
-  if (num_experts > kMaxTraceExperts) {
+  if (num_experts > kMaxExperts) {
     return InvalidArgument("num_experts " + std::to_string(num_experts) + " is more than " +
-                           std::to_string(kMaxTraceExperts));
+                           std::to_string(kMaxExperts));
   }
-  if (num_sources > kMaxTraceSources) {
+  if (num_sources > kMaxRanks) {
     return InvalidArgument("num_sources " + std::to_string(num_sources) + " is more than " +
-                           std::to_string(kMaxTraceSources));
+                           std::to_string(kMaxRanks));
   }
   const int64_t counts = num_layers * num_experts * std::max<int64_t>(num_sources, 1);
   if (counts > kMaxTraceCountsPerStep) {
@@ -130,7 +130,7 @@ Status ParseStepLine(std::string_view line, const std::string& where, Trace& tra
                                std::to_string(index) + " is not a number: " + count.dump());
       }
       double value = count.get<double>();
-      if (!(value >= 0.0 && value <= kMaxTraceCount)) {
+      if (!(value >= 0.0 && value <= kMaxTokenCount)) {
         return InvalidArgument(where + ": layer " + std::to_string(layer) + " entry " +
                                std::to_string(index) +
                                " is not a count in [0, 1e15]: " + count.dump());
@@ -195,7 +195,7 @@ Status Trace::Validate() const {
     }
     for (size_t i = 0; i < expected; ++i) {
       double value = steps[step][i];
-      if (!(value >= 0.0 && value <= kMaxTraceCount)) {
+      if (!(value >= 0.0 && value <= kMaxTokenCount)) {
         return InvalidArgument("trace: step " + std::to_string(step) + " layer " +
                                std::to_string(i / row_size()) + " entry " +
                                std::to_string(i % row_size()) + " is not a count in [0, 1e15] (" +

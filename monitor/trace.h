@@ -14,7 +14,7 @@
 
 namespace keel {
 
-// Within kMaxTraceLayers, kMaxTraceExperts, kMaxTraceSources and kMaxTraceCountsPerStep
+// Within kMaxLayers, kMaxExperts, kMaxRanks (keel/limits.hpp) and kMaxTraceCountsPerStep
 // (include/keel/trace.hpp); the error names the dimension. Sizes below 1 are not checked here.
 Status CheckTraceShape(int64_t num_layers, int64_t num_experts, int64_t num_sources);
 

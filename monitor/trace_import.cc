@@ -468,9 +468,9 @@ Result<int64_t> RecordInt(const nlohmann::json& record, const char* key, const s
 Status AddMegatronRecord(const nlohmann::json& record, const std::string& where,
                          std::vector<double>& counts) {
   auto add = [&](int64_t expert, double value) -> Status {
-    if (expert < 0 || expert >= kMaxTraceExperts) {
+    if (expert < 0 || expert >= kMaxExperts) {
       return InvalidArgument(where + ": expert id " + std::to_string(expert) +
-                             " is out of range [0, " + std::to_string(kMaxTraceExperts) + ")");
+                             " is out of range [0, " + std::to_string(kMaxExperts) + ")");
     }
     if (static_cast<size_t>(expert) >= counts.size()) counts.resize(expert + 1, 0.0);
     counts[expert] += value;
@@ -642,9 +642,9 @@ Result<Trace> ImportEsftTrace(const std::string& path, const EsftImportOptions& 
     return InvalidArgument("esft: sequences_per_step " +
                            std::to_string(options.sequences_per_step) + " must be at least 1");
   }
-  if (options.num_experts < 1 || options.num_experts > kMaxTraceExperts) {
+  if (options.num_experts < 1 || options.num_experts > kMaxExperts) {
     return InvalidArgument("esft: num_experts " + std::to_string(options.num_experts) +
-                           " must be in [1, " + std::to_string(kMaxTraceExperts) + "]");
+                           " must be in [1, " + std::to_string(kMaxExperts) + "]");
   }
   if (!IsFolder(path)) {
     return NotFound(path + ": not a folder of expert_weights_{layer}.txt files (ESFT trace)");
@@ -795,10 +795,9 @@ Result<Trace> ImportOlmoeTrace(const std::string& path, const OlmoeImportOptions
 }
 
 Result<Trace> ImportMegatronTrace(const std::string& path, const MegatronImportOptions& options) {
-  if (options.num_experts < 0 || options.num_experts > kMaxTraceExperts) {
+  if (options.num_experts < 0 || options.num_experts > kMaxExperts) {
     return InvalidArgument("megatron: num_experts " + std::to_string(options.num_experts) +
-                           " must be 0 (infer) or in [1, " + std::to_string(kMaxTraceExperts) +
-                           "]");
+                           " must be 0 (infer) or in [1, " + std::to_string(kMaxExperts) + "]");
   }
   std::vector<std::string> files;
   if (IsFolder(path)) {

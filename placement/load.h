@@ -8,13 +8,10 @@
 #include <vector>
 
 #include "common/config.h"
+#include "keel/limits.hpp"
 #include "keel/status.hpp"
 
 namespace keel {
-
-// The most tokens one count (of a traffic matrix, or an expert's expected load) may hold: sums of
-// such counts stay exact whole numbers in a double, and rounding them to integers cannot overflow.
-inline constexpr double kMaxTokenCount = 1e15;
 
 // One layer, one step: tokens each source rank sent to each logical expert.
 struct StepLoad {

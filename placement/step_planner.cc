@@ -24,9 +24,6 @@
 namespace keel {
 namespace {
 
-// Token counts beyond this are input errors (and would overflow the integer quotas).
-constexpr double kMaxTokens = kMaxTokenCount;
-
 // sum[i] = ((sum[i] + rows[list[0]][i]) + rows[list[1]][i]) + ... for i < n, where row k starts at
 // rows + k * stride: per entry the additions of one loop over the list after another, so the
 // same bits. Each run of 32 entries keeps its sums in eight vector registers (named: an array
@@ -349,7 +346,7 @@ Status EntryValues(std::span<const double> values, Name name) {
       return InvalidArgument(name(i) + " = " + std::to_string(values[i]) +
                              " is not a non-negative token count");
     }
-    if (values[i] > kMaxTokens) {
+    if (values[i] > kMaxTokenCount) {
       return InvalidArgument(name(i) + " = " + std::to_string(values[i]) + " exceeds 1e15 tokens");
     }
   }
@@ -601,13 +598,13 @@ class StepPlanner::Impl {
   // The pass over the traffic: per-expert totals and, for the experts held by one rank in the
   // placement (every source sends there), their link sums (single_links_) on the fast path,
   // else the rows they fill (scanned_). False when some entry may be negative, not finite or
-  // beyond kMaxTokens; the caller then names it.
+  // beyond kMaxTokenCount; the caller then names it.
   bool Scan();
   // Scan for integer counts (counts_), on the fast path alone: false when the routing cannot
   // take them there or some count is negative (the caller then names it, or plans the counts as
   // doubles).
   bool ScanCounts(const QuotaPlanOptions& options);
-  // rounded_ for whole totals below 2^52 (whole_); false when some total is beyond kMaxTokens.
+  // rounded_ for whole totals below 2^52 (whole_); false when some total is beyond kMaxTokenCount.
   bool RoundWholeTotals();
   // What follows the scan: the quotas, the transients and the routing.
   Status Route(const Placement& placement, const QuotaPlanOptions& options, StepRouting& routing);
@@ -883,8 +880,8 @@ bool StepPlanner::Impl::Scan() {
   }
   // Any negative entry (or -0.0, or a NaN with its sign bit) sets the sign bit of the OR; then a
   // second look tells -0.0, a zero count, from a negative entry. A NaN, an infinity or an entry
-  // beyond kMaxTokens makes its expert's total NaN or beyond kMaxTokens, as all other entries are
-  // then non-negative. Either sends the caller to the exact check.
+  // beyond kMaxTokenCount makes its expert's total NaN or beyond kMaxTokenCount, as all other
+  // entries are then non-negative. Either sends the caller to the exact check.
   const size_t num_entries = static_cast<size_t>(num_experts) * num_sources_;
   const bool non_negative =
       (scanned.bits >> 63) == 0 ||
@@ -924,7 +921,7 @@ bool StepPlanner::Impl::Scan() {
   rounded_.resize(num_experts);
   scale_.resize(num_experts);
   for (int e = 0; e < num_experts; ++e) {
-    in_range &= totals_[e] <= kMaxTokens;
+    in_range &= totals_[e] <= kMaxTokenCount;
     rounded_[e] = std::isfinite(totals_[e]) ? std::llround(totals_[e]) : 0;
     scale_[e] = rounded_[e] > 0 ? totals_[e] / static_cast<double>(rounded_[e]) : 0.0;
   }
@@ -970,7 +967,7 @@ bool StepPlanner::Impl::ScanCounts(const QuotaPlanOptions& options) {
   }
   whole_ = true;
   fast_ = true;
-  return true;  // the totals are below 2^31, so within kMaxTokens
+  return true;  // the totals are below 2^31, so within kMaxTokenCount
 }
 
 bool StepPlanner::Impl::RoundWholeTotals() {
@@ -979,7 +976,7 @@ bool StepPlanner::Impl::RoundWholeTotals() {
   bool in_range = true;
   // Whole totals below 2^52: the cast is the rounding.
   for (int e = 0; e < num_experts; ++e) {
-    in_range &= totals_[e] <= kMaxTokens;
+    in_range &= totals_[e] <= kMaxTokenCount;
     rounded_[e] = static_cast<long long>(totals_[e]);
   }
   return in_range;
@@ -1746,7 +1743,7 @@ Status StepPlanner::Impl::Plan(const Placement& placement, int num_sources,
                                          : ByExpertValues(by_expert, num_sources));
     // Every entry is a valid count, so an expert's total is out of range.
     for (size_t e = 0; e < totals_.size(); ++e) {
-      if (totals_[e] > kMaxTokens) {
+      if (totals_[e] > kMaxTokenCount) {
         return InvalidArgument("expert " + std::to_string(e) + " receives " +
                                std::to_string(totals_[e]) + " tokens in all, beyond 1e15");
       }

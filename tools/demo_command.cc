@@ -20,6 +20,7 @@
 #include "comm/communicator.h"
 #include "common/config.h"
 #include "common/file.h"
+#include "keel/limits.hpp"
 #include "keel/local_group.hpp"
 #include "keel/version.hpp"
 #include "kernels/checksum.h"
@@ -97,7 +98,7 @@ Status CheckFlags(const DemoFlags& f) {
   };
   KEEL_RETURN_IF_ERROR(in_range("--ranks", f.ranks, 1, 1024));
   KEEL_RETURN_IF_ERROR(in_range("--layers", f.layers, 1, 1024));
-  KEEL_RETURN_IF_ERROR(in_range("--experts", f.experts, 1, 65536));
+  KEEL_RETURN_IF_ERROR(in_range("--experts", f.experts, 1, kMaxExperts));
   KEEL_RETURN_IF_ERROR(in_range("--top-k", f.top_k, 1, 64));
   KEEL_RETURN_IF_ERROR(in_range("--tokens", f.tokens, 1, 1 << 20));
   KEEL_RETURN_IF_ERROR(in_range("--hidden", f.hidden, 1, 1 << 16));

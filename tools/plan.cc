@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/config.h"
+#include "keel/limits.hpp"
 #include "placement/eplb.h"
 #include "placement/load.h"
 #include "placement/policy.h"
@@ -18,10 +19,8 @@
 namespace keel {
 namespace {
 
-constexpr long long kMaxPlanExperts = 65536;     // experts per layer
-constexpr long long kMaxPlanReplicas = 1 << 20;  // slots per layer
-constexpr long long kMaxPlanGpus = 65536;
-constexpr long long kMaxPlanSlots = 1 << 24;  // slots of all layers: the size of the answer
+// Beyond keel/limits.hpp: the slots of all layers, the size of the answer.
+constexpr long long kMaxPlanSlots = 1 << 24;
 
 Status CheckRequest(const PlanRequest& in) {
   const auto positive = [](const char* field, int value) -> Status {
@@ -41,11 +40,11 @@ Status CheckRequest(const PlanRequest& in) {
     return InvalidArgument(std::string(field) + " = " + std::to_string(value) +
                            " is more than the " + std::to_string(most) + " keel plan supports");
   };
-  KEEL_RETURN_IF_ERROR(at_most("num_experts", in.num_experts, kMaxPlanExperts));
-  KEEL_RETURN_IF_ERROR(at_most("num_replicas", in.num_replicas, kMaxPlanReplicas));
-  KEEL_RETURN_IF_ERROR(at_most("num_gpus", in.num_gpus, kMaxPlanGpus));
-  KEEL_RETURN_IF_ERROR(at_most("num_nodes", in.num_nodes, kMaxPlanGpus));
-  KEEL_RETURN_IF_ERROR(at_most("num_groups", in.num_groups, kMaxPlanExperts));
+  KEEL_RETURN_IF_ERROR(at_most("num_experts", in.num_experts, kMaxExperts));
+  KEEL_RETURN_IF_ERROR(at_most("num_replicas", in.num_replicas, kMaxSlotsPerLayer));
+  KEEL_RETURN_IF_ERROR(at_most("num_gpus", in.num_gpus, kMaxRanks));
+  KEEL_RETURN_IF_ERROR(at_most("num_nodes", in.num_nodes, kMaxRanks));
+  KEEL_RETURN_IF_ERROR(at_most("num_groups", in.num_groups, kMaxExperts));
   KEEL_RETURN_IF_ERROR(at_most("num_layers x num_replicas",
                                static_cast<long long>(in.num_layers) * in.num_replicas,
                                kMaxPlanSlots));

@@ -167,16 +167,16 @@ int RunConvert(int argc, char** argv) {
                                             std::to_string(import.esft.sequences_per_step) +
                                             " must be at least 1"));
   }
-  if (import.esft.num_experts < 1 || import.esft.num_experts > kMaxTraceExperts) {
+  if (import.esft.num_experts < 1 || import.esft.num_experts > kMaxExperts) {
     return Usage("convert",
                  InvalidArgument("flag --esft-experts: " + std::to_string(import.esft.num_experts) +
-                                 " must be in [1, " + std::to_string(kMaxTraceExperts) + "]"));
+                                 " must be in [1, " + std::to_string(kMaxExperts) + "]"));
   }
-  if (import.megatron.num_experts < 0 || import.megatron.num_experts > kMaxTraceExperts) {
+  if (import.megatron.num_experts < 0 || import.megatron.num_experts > kMaxExperts) {
     return Usage(
         "convert",
         InvalidArgument("flag --megatron-experts: " + std::to_string(import.megatron.num_experts) +
-                        " must be 0 (infer) or in [1, " + std::to_string(kMaxTraceExperts) + "]"));
+                        " must be 0 (infer) or in [1, " + std::to_string(kMaxExperts) + "]"));
   }
   import.megatron.per_source = !sum_ranks;
 

@@ -9,19 +9,17 @@
 #include <string_view>
 #include <vector>
 
+#include "keel/limits.hpp"
 #include "keel/status.hpp"
 
 namespace keel {
 
-// A recorded or generated trace, all steps in memory.
-// The largest trace Keel reads, imports or generates: beyond these a typo or a corrupt file would
-// exhaust memory before anything could be said about it.
-inline constexpr int kMaxTraceExperts = 65536;
-inline constexpr int kMaxTraceLayers = 65536;
-inline constexpr int kMaxTraceSources = 65536;
-inline constexpr int64_t kMaxTraceCountsPerStep = int64_t{1} << 26;  // layers x sources x experts
-inline constexpr double kMaxTraceCount = 1e15;                       // tokens in one count
+// A trace Keel reads, imports or generates has at most kMaxLayers layers, kMaxExperts experts
+// and kMaxRanks sources (keel/limits.hpp), at most this many counts per step (layers x sources x
+// experts), and counts of at most kMaxTokenCount tokens.
+inline constexpr int64_t kMaxTraceCountsPerStep = int64_t{1} << 26;
 
+// A recorded or generated trace, all steps in memory.
 struct Trace {
   std::string description;  // where it came from, e.g. "smartmoe: moe_trace (16 ranks)"
   int num_layers = 0;
@@ -40,7 +38,7 @@ struct Trace {
   }
   // [num_experts] tokens of one (step, layer), summed over sources.
   std::vector<double> ExpertCounts(int step, int layer) const;
-  // Shapes agree, counts in [0, kMaxTraceCount]; errors name the step and layer.
+  // Shapes agree, counts in [0, kMaxTokenCount]; errors name the step and layer.
   Status Validate() const;
 };
 
