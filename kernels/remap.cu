@@ -1,16 +1,32 @@
 // CUDA versions of RemapWithQuotas (kernels/remap.h) and PermutationIndex (kernels/permute.h).
-// Both are stable counting sorts of entries by a key (the expert; the send bucket), so they share
-// one ranking in three passes over chunks of entries, each chunk walked by one warp in entry order:
+// Both are stable counting sorts of entries by a key (the expert; the send bucket): the rank of an
+// entry is its 0-based occurrence among the entries of its key, exactly the CPU reference's
+// running count, whatever the scheduling. Entries are walked in chunks of 256, each chunk by one
+// warp in entry order, with a warp match per 32 entries and a running counter per key.
+//
+// PermutationIndex needs every key's total before it can place an entry, so it ranks in three
+// passes (three launches):
 //   1. CountKeys:   chunk_counts[key][chunk] = entries of `key` in the chunk;
 //   2. ScanChunks:  per key, an exclusive scan over the chunks turns the counts into the entries
 //                   of the key in earlier chunks, and hands the key's total to the caller;
 //   3. RankEntries: rank of an entry = its chunk's offset + the entries of its key before it in
-//                   the chunk (a warp match per 32 entries, a running counter per key).
-// The rank of an entry is then its 0-based occurrence among the entries of its key, exactly the
-// CPU reference's running count, whatever the scheduling. The outputs the passes add into are
-// cleared by CountKeys' first block rather than by memsets: each operation on the stream costs
-// 3-4 us of latency at these sizes (docs/benchmarks.md, "On an H200").
+//                   the chunk.
+// The outputs the passes add into are cleared by CountKeys' first block rather than by memsets:
+// each operation on the stream costs 3-4 us of latency at these sizes (docs/benchmarks.md, "On an
+// H200").
+//
+// RemapWithQuotas only needs each entry's rank, so with up to kOnePassMaxKeys experts it ranks in
+// one launch (RankInOnePass): each block counts its range of entries, publishes its counts, adds
+// up the counts its predecessors published (waiting for those not yet there), then ranks its
+// entries; the last block also has every total and counts the sends. Blocks take their place in
+// entry order from a ticket, so a block only ever waits for blocks already running. The
+// workspace carries the tickets and a generation number from one call to the next: it is
+// zero-filled once by the caller and each call leaves it ready for the next.
+#include <algorithm>
+
 #include <cuda_runtime.h>
+#include <cuda/atomic>
+
 #include <cub/block/block_scan.cuh>
 
 #include "kernels/arguments.h"
@@ -55,25 +71,70 @@ __device__ KeyCounters ChunkCounters(int32_t* shared, int32_t* chunk_counts, int
   return {chunk_counts + blockIdx.x, num_chunks};
 }
 
-// The keys of this warp's chunk, one per lane and tile; entries past the end have no key.
+__device__ int Lane() { return static_cast<int>(threadIdx.x) % kWarp; }
+
+// The keys of a chunk for the calling warp, one per lane and tile; entries past the end have no
+// key.
 template <typename KeyOf>
-__device__ void LoadChunkKeys(const KeyOf& key_of, int64_t num_entries,
+__device__ void LoadChunkKeys(const KeyOf& key_of, int64_t chunk, int64_t num_entries,
                               int (&keys)[kTilesPerChunk]) {
-  const int64_t chunk_begin = int64_t{blockIdx.x} * kChunk;
+  const int64_t chunk_begin = chunk * kChunk;
 #pragma unroll
   for (int tile = 0; tile < kTilesPerChunk; ++tile) {
-    const int64_t entry = chunk_begin + tile * kWarp + threadIdx.x;
+    const int64_t entry = chunk_begin + tile * kWarp + Lane();
     keys[tile] = entry < num_entries ? key_of(entry) : kNoKey;
   }
 }
 
 // The lane that speaks for a group of lanes with equal keys.
 __device__ bool IsGroupLeader(unsigned peers) {
-  return static_cast<int>(threadIdx.x) == __ffs(static_cast<int>(peers)) - 1;
+  return Lane() == __ffs(static_cast<int>(peers)) - 1;
 }
 
-// Clears what the later passes add into (counts[0, size) and *invalid). The first block of
-// CountKeys runs it: a memset before the passes would cost a launch's latency each.
+// Adds the entries of `chunk` to the calling warp's counters, one per key.
+template <typename KeyOf>
+__device__ void CountChunk(const KeyOf& key_of, int64_t chunk, int64_t num_entries,
+                           const KeyCounters& counters) {
+  int keys[kTilesPerChunk];
+  LoadChunkKeys(key_of, chunk, num_entries, keys);
+  __syncwarp();
+#pragma unroll
+  for (int tile = 0; tile < kTilesPerChunk; ++tile) {
+    const unsigned peers = __match_any_sync(kFullMask, keys[tile]);
+    if (keys[tile] >= 0 && IsGroupLeader(peers)) counters[keys[tile]] += __popc(peers);
+    __syncwarp();
+  }
+}
+
+// Ranks the entries of `chunk` from the calling warp's counters (the entries of each key before
+// the chunk), advancing them past it. Assign: __device__ void(int64_t entry, int key, int32_t
+// rank); rank is meaningful for key >= 0. Returns the chunk's invalid entries.
+template <typename KeyOf, typename Assign>
+__device__ int RankChunk(const KeyOf& key_of, int64_t chunk, int64_t num_entries,
+                         const KeyCounters& counters, const Assign& assign) {
+  int keys[kTilesPerChunk];
+  LoadChunkKeys(key_of, chunk, num_entries, keys);
+  __syncwarp();
+  const unsigned lanes_before = (1u << Lane()) - 1;
+  int invalid_entries = 0;
+#pragma unroll
+  for (int tile = 0; tile < kTilesPerChunk; ++tile) {
+    const int key = keys[tile];
+    const unsigned peers = __match_any_sync(kFullMask, key);
+    const int32_t rank = key >= 0 ? counters[key] + __popc(peers & lanes_before) : 0;
+    __syncwarp();  // every peer has read the counter before its leader advances it
+    if (key >= 0 && IsGroupLeader(peers)) counters[key] += __popc(peers);
+    __syncwarp();
+    const int64_t entry = chunk * kChunk + tile * kWarp + Lane();
+    if (entry < num_entries) assign(entry, key, rank);
+    invalid_entries += __popc(__ballot_sync(kFullMask, key == kInvalidKey));
+  }
+  return invalid_entries;
+}
+
+// Clears what the later passes add into (counts[0, size) and *invalid unless it is null). A block
+// of the kernel that starts the ranking runs it: a memset before the passes would cost a launch's
+// latency each.
 struct ZeroOutputs {
   int32_t* counts;
   int size;
@@ -81,7 +142,7 @@ struct ZeroOutputs {
 
   __device__ void operator()() const {
     for (int i = threadIdx.x; i < size; i += blockDim.x) counts[i] = 0;
-    if (threadIdx.x == 0) *invalid = 0;
+    if (threadIdx.x == 0 && invalid != nullptr) *invalid = 0;
   }
 };
 
@@ -92,15 +153,8 @@ __global__ void CountKeys(KeyOf key_of, int64_t num_entries, int num_keys, bool 
   if (blockIdx.x == 0) zero_outputs();
   const KeyCounters counters = ChunkCounters(shared, chunk_counts, num_chunks, use_shared);
   for (int key = threadIdx.x; key < num_keys; key += kWarp) counters[key] = 0;
-  int keys[kTilesPerChunk];
-  LoadChunkKeys(key_of, num_entries, keys);
   __syncwarp();
-#pragma unroll
-  for (int tile = 0; tile < kTilesPerChunk; ++tile) {
-    const unsigned peers = __match_any_sync(kFullMask, keys[tile]);
-    if (keys[tile] >= 0 && IsGroupLeader(peers)) counters[keys[tile]] += __popc(peers);
-    __syncwarp();
-  }
+  CountChunk(key_of, blockIdx.x, num_entries, counters);
   if (use_shared) {
     for (int key = threadIdx.x; key < num_keys; key += kWarp) {
       chunk_counts[key * num_chunks + blockIdx.x] = shared[key];
@@ -134,7 +188,6 @@ __global__ void ScanChunks(int32_t* chunk_counts, int64_t num_chunks, OnTotal on
   if (threadIdx.x == 0) on_total(key, total);
 }
 
-// Assign: __device__ void(int64_t entry, int key, int32_t rank); rank is meaningful for key >= 0.
 template <typename KeyOf, typename Assign>
 __global__ void RankEntries(KeyOf key_of, int64_t num_entries, int num_keys, bool use_shared,
                             int32_t* chunk_counts, int64_t num_chunks, Assign assign,
@@ -146,23 +199,8 @@ __global__ void RankEntries(KeyOf key_of, int64_t num_entries, int num_keys, boo
       shared[key] = chunk_counts[key * num_chunks + blockIdx.x];
     }
   }
-  int keys[kTilesPerChunk];
-  LoadChunkKeys(key_of, num_entries, keys);
   __syncwarp();
-  const unsigned lanes_before = (1u << threadIdx.x) - 1;
-  int invalid_entries = 0;
-#pragma unroll
-  for (int tile = 0; tile < kTilesPerChunk; ++tile) {
-    const int key = keys[tile];
-    const unsigned peers = __match_any_sync(kFullMask, key);
-    const int32_t rank = key >= 0 ? counters[key] + __popc(peers & lanes_before) : 0;
-    __syncwarp();  // every peer has read the counter before its leader advances it
-    if (key >= 0 && IsGroupLeader(peers)) counters[key] += __popc(peers);
-    __syncwarp();
-    const int64_t entry = int64_t{blockIdx.x} * kChunk + tile * kWarp + threadIdx.x;
-    if (entry < num_entries) assign(entry, key, rank);
-    invalid_entries += __popc(__ballot_sync(kFullMask, key == kInvalidKey));
-  }
+  const int invalid_entries = RankChunk(key_of, blockIdx.x, num_entries, counters, assign);
   if (threadIdx.x == 0 && invalid_entries > 0) atomicAdd(invalid, invalid_entries);
 }
 
@@ -193,6 +231,170 @@ Status RankAndAssign(const KeyOf& key_of, int64_t num_entries, int num_keys, int
   RankEntries<<<static_cast<unsigned>(num_chunks), kWarp, shared_bytes, stream>>>(
       key_of, num_entries, num_keys, use_shared, chunk_counts, num_chunks, assign, invalid);
   KEEL_CUDA_RETURN_IF_LAUNCH_FAILED(RankEntries);
+  return Status::Ok();
+}
+
+// ---- The one-pass ranking: one block per range of 8 * chunks_per_warp chunks, in entry order.
+
+constexpr int kOnePassWarps = 8;
+constexpr int kOnePassThreads = kOnePassWarps * kWarp;
+// Counters for [8 warps][1024 keys]: 32 KiB of shared memory.
+constexpr int kOnePassMaxKeys = 1024;
+// Each block adds up the counts of at most 127 predecessors.
+constexpr int kOnePassMaxBlocks = 128;
+// About 7 s of waiting for a predecessor: only a workspace that was not zero-filled gets there.
+constexpr int64_t kOnePassMaxWaits = int64_t{1} << 26;
+
+// What the workspace carries from one call to the next, in its first kHeaderBytes.
+struct OnePassHeader {
+  unsigned ticket;      // the next block's place in entry order
+  unsigned finished;    // blocks done with the workspace in this call
+  int32_t invalid;      // invalid entries counted so far in this call
+  unsigned generation;  // calls completed
+};
+constexpr int64_t kHeaderBytes = 256;
+
+struct OnePassLayout {
+  int blocks = 0;
+  int64_t chunks_per_warp = 0;
+};
+
+OnePassLayout ChooseOnePassLayout(int64_t num_entries) {
+  const int64_t num_chunks = NumChunks(num_entries);
+  const int64_t blocks =
+      std::min<int64_t>((num_chunks + kOnePassWarps - 1) / kOnePassWarps, kOnePassMaxBlocks);
+  const int64_t chunks_per_block = (num_chunks + blocks - 1) / blocks;
+  OnePassLayout layout;
+  layout.chunks_per_warp = (chunks_per_block + kOnePassWarps - 1) / kOnePassWarps;
+  const int64_t per_block = layout.chunks_per_warp * kOnePassWarps;
+  layout.blocks = static_cast<int>((num_chunks + per_block - 1) / per_block);
+  return layout;
+}
+
+// Block b's count of `key` is published as states[b * num_keys + key] = flag << 32 | count. The
+// flag names the call (bit 31 set, the generation in the rest): states of earlier calls carry
+// another flag until the generation repeats, after 2^31 calls, and the three-pass path's
+// counts, which share the memory, have a high word below 2^31.
+using State = unsigned long long;
+using StateRef = cuda::atomic_ref<State, cuda::thread_scope_device>;
+
+__device__ uint32_t FlagOf(unsigned generation) { return 0x80000000u | (generation & 0x7fffffffu); }
+
+__device__ void Publish(State* state, uint32_t flag, int32_t count) {
+  StateRef(*state).store(State{flag} << 32 | static_cast<uint32_t>(count),
+                         cuda::memory_order_relaxed);
+}
+
+// The entries of `key` in blocks [0, place), once every one of them has published its count.
+// All loads of a round are issued together; a round with a missing count is repeated.
+__device__ int32_t EarlierBlocksCount(State* states, int place, int num_keys, int key,
+                                      uint32_t flag) {
+  for (int64_t round = 0;; ++round) {
+    int32_t sum = 0;
+    bool complete = true;
+    for (int block = 0; block < place; ++block) {
+      const State state =
+          StateRef(states[int64_t{block} * num_keys + key]).load(cuda::memory_order_relaxed);
+      complete &= static_cast<uint32_t>(state >> 32) == flag;
+      sum += static_cast<int32_t>(static_cast<uint32_t>(state));
+    }
+    if (complete) return sum;
+    if (round == kOnePassMaxWaits) __trap();
+    __nanosleep(100);
+  }
+}
+
+// OnTotal: __device__ void(int key, int32_t total), called once per key by the last block, after
+// it ran clear_outputs. Writes *invalid once every block is done.
+template <typename KeyOf, typename Assign, typename OnTotal>
+__global__ void __launch_bounds__(kOnePassThreads)
+    RankInOnePass(KeyOf key_of, int64_t num_entries, int num_keys, int64_t chunks_per_warp,
+                  OnePassHeader* header, State* states, ZeroOutputs clear_outputs, OnTotal on_total,
+                  Assign assign, int32_t* invalid) {
+  extern __shared__ int32_t counts[];  // [kOnePassWarps][num_keys]
+  __shared__ unsigned block_place;
+  __shared__ uint32_t flag;
+  __shared__ int32_t block_invalid;
+  if (threadIdx.x == 0) {
+    block_place = atomicAdd(&header->ticket, 1u);
+    flag = FlagOf(cuda::atomic_ref<unsigned, cuda::thread_scope_device>(header->generation)
+                      .load(cuda::memory_order_relaxed));
+    block_invalid = 0;
+    if (block_place >= gridDim.x) __trap();  // a workspace that was not zero-filled
+  }
+  for (int i = threadIdx.x; i < kOnePassWarps * num_keys; i += blockDim.x) counts[i] = 0;
+  __syncthreads();
+  const int place = static_cast<int>(block_place);
+  const bool last_place = place == static_cast<int>(gridDim.x) - 1;
+  if (last_place) clear_outputs();
+
+  // Count each warp's chunks.
+  const int warp = static_cast<int>(threadIdx.x) / kWarp;
+  const KeyCounters counters{counts + warp * num_keys, 1};
+  const int64_t first_chunk = (int64_t{place} * kOnePassWarps + warp) * chunks_per_warp;
+  const int64_t end_chunk = first_chunk + chunks_per_warp;
+  for (int64_t chunk = first_chunk; chunk < end_chunk; ++chunk) {
+    CountChunk(key_of, chunk, num_entries, counters);
+  }
+  __syncthreads();
+
+  // Per key: the warps' counts become their offsets within the block, the block's count is
+  // published (every key before any wait), and the earlier blocks' counts are added.
+  for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
+    int32_t block_count = 0;
+    for (int w = 0; w < kOnePassWarps; ++w) {
+      const int32_t count = counts[w * num_keys + key];
+      counts[w * num_keys + key] = block_count;
+      block_count += count;
+    }
+    Publish(&states[int64_t{place} * num_keys + key], flag, block_count);
+  }
+  for (int key = threadIdx.x; key < num_keys; key += blockDim.x) {
+    const int32_t before = EarlierBlocksCount(states, place, num_keys, key, flag);
+    for (int w = 0; w < kOnePassWarps; ++w) counts[w * num_keys + key] += before;
+    if (last_place) {
+      const State own =
+          StateRef(states[int64_t{place} * num_keys + key]).load(cuda::memory_order_relaxed);
+      on_total(key, before + static_cast<int32_t>(static_cast<uint32_t>(own)));
+    }
+  }
+  __syncthreads();
+
+  // Rank each warp's chunks.
+  int invalid_entries = 0;
+  for (int64_t chunk = first_chunk; chunk < end_chunk; ++chunk) {
+    invalid_entries += RankChunk(key_of, chunk, num_entries, counters, assign);
+  }
+  if (Lane() == 0 && invalid_entries > 0) atomicAdd(&block_invalid, invalid_entries);
+  __syncthreads();
+
+  // The last block to finish hands out the invalid count and readies the header for the next call.
+  if (threadIdx.x == 0) {
+    if (block_invalid > 0) atomicAdd(&header->invalid, block_invalid);
+    __threadfence();
+    if (atomicAdd(&header->finished, 1u) == gridDim.x - 1) {
+      *invalid = atomicExch(&header->invalid, 0);
+      atomicExch(&header->ticket, 0u);
+      atomicExch(&header->finished, 0u);
+      atomicAdd(&header->generation, 1u);
+    }
+  }
+}
+
+// The whole ranking in one launch; `workspace` holds the header, then the states. 0 < num_keys
+// <= kOnePassMaxKeys, num_entries > 0.
+template <typename KeyOf, typename Assign, typename OnTotal>
+Status RankInOneLaunch(const KeyOf& key_of, int64_t num_entries, int num_keys, void* workspace,
+                       const ZeroOutputs& clear_outputs, const OnTotal& on_total,
+                       const Assign& assign, int32_t* invalid, Stream stream) {
+  const OnePassLayout layout = ChooseOnePassLayout(num_entries);
+  auto* header = static_cast<OnePassHeader*>(workspace);
+  auto* states = reinterpret_cast<State*>(static_cast<char*>(workspace) + kHeaderBytes);
+  const size_t shared_bytes = sizeof(int32_t) * kOnePassWarps * num_keys;
+  RankInOnePass<<<static_cast<unsigned>(layout.blocks), kOnePassThreads, shared_bytes, stream>>>(
+      key_of, num_entries, num_keys, layout.chunks_per_warp, header, states, clear_outputs,
+      on_total, assign, invalid);
+  KEEL_CUDA_RETURN_IF_LAUNCH_FAILED(RankInOnePass);
   return Status::Ok();
 }
 
@@ -258,6 +460,8 @@ struct CountSends {
   }
 };
 
+bool UsesOnePass(int num_experts) { return num_experts > 0 && num_experts <= kOnePassMaxKeys; }
+
 template <typename Id>
 Status Remap(const Id* ids, int64_t num_entries, const QuotaTable& quotas, int32_t* slot,
              int32_t* send_counts, int32_t* invalid, void* workspace, Stream stream) {
@@ -274,7 +478,17 @@ Status Remap(const Id* ids, int64_t num_entries, const QuotaTable& quotas, int32
   }
 
   const ExpertKey<Id> key_of{ids, quotas.copy_begin, quotas.num_experts};
-  auto* chunk_counts = static_cast<int32_t*>(workspace);
+  if (UsesOnePass(quotas.num_experts)) {
+    return RankInOneLaunch(key_of, num_entries, quotas.num_experts, workspace,
+                           ZeroOutputs{send_counts, quotas.num_ranks, nullptr},
+                           CountSends{quotas, send_counts}, AssignCopy{quotas, slot}, invalid,
+                           stream);
+  }
+  // The three passes leave the header alone, so a workspace may serve both paths.
+  auto* chunk_counts =
+      quotas.num_experts > 0
+          ? reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + kHeaderBytes)
+          : nullptr;
   KEEL_RETURN_IF_ERROR(CountAndScan(key_of, num_entries, quotas.num_experts, chunk_counts,
                                     ZeroOutputs{send_counts, quotas.num_ranks, invalid},
                                     CountSends{quotas, send_counts}, stream));
@@ -325,7 +539,12 @@ struct AssignPosition {
 }  // namespace
 
 int64_t RemapWorkspaceBytes(int64_t num_entries, int num_experts) {
-  return RankingWorkspaceBytes(num_entries, num_experts);
+  if (num_entries <= 0 || num_experts <= 0) return 0;
+  if (!UsesOnePass(num_experts)) {
+    return kHeaderBytes + RankingWorkspaceBytes(num_entries, num_experts);
+  }
+  return kHeaderBytes + int64_t{ChooseOnePassLayout(num_entries).blocks} * num_experts *
+                            static_cast<int64_t>(sizeof(State));
 }
 
 Status RemapWithQuotas(const int32_t* ids, int64_t num_entries, const QuotaTable& quotas,

@@ -51,7 +51,12 @@ Status RemapWithQuotas(const int64_t* ids, int64_t num_entries, const QuotaTable
 namespace gpu {
 
 // Device pointers, enqueued on `stream`; `workspace` holds the per-block counts of the stable
-// ranking and must have RemapWorkspaceBytes(num_entries, num_experts) bytes (device memory).
+// ranking and must have RemapWorkspaceBytes(num_entries, num_experts) bytes (device memory). It
+// carries a little state from one call to the next: zero-fill it once after allocating it (e.g.
+// cudaMemset), and each call leaves it ready for the next. One workspace serves one stream at a
+// time; it may serve calls of any size up to the one it was sized for. With up to 1024 experts the
+// remap is one launch (a workspace that was not zero-filled makes that launch fail with a device
+// error rather than hang); with more it is three.
 int64_t RemapWorkspaceBytes(int64_t num_entries, int num_experts);
 Status RemapWithQuotas(const int32_t* ids, int64_t num_entries, const QuotaTable& quotas,
                        int32_t* slot, int32_t* send_counts, int32_t* invalid, void* workspace,

@@ -388,6 +388,7 @@ int Main(int argc, char** argv) {
   const DeviceMemory position(4 * kEntries);
   const DeviceMemory bucket_begin(4 * (kSlots + 1));
   const DeviceMemory remap_workspace(gpu::RemapWorkspaceBytes(kEntries, kExperts));
+  CUDA_CHECK(cudaMemset(remap_workspace.get(), 0, gpu::RemapWorkspaceBytes(kEntries, kExperts)));
   const DeviceMemory index_workspace(gpu::PermutationWorkspaceBytes(kEntries, kSlots));
 
   const auto expert_histogram = [&] {

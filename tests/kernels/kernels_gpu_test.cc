@@ -92,6 +92,7 @@ class DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 
   T* get() const { return static_cast<T*>(allocation_) + offset_; }
+  size_t size() const { return count_; }
 
   void Upload(const std::vector<T>& host) {
     ASSERT_EQ(host.size(), count_);
@@ -335,12 +336,17 @@ HostQuotas RandomQuotas(int num_experts, int num_ranks, std::mt19937_64& rng) {
   return quotas;
 }
 
+// One remap on the GPU against the CPU reference, through `workspace` (zero-filled once by the
+// caller, as remap.h asks; the call must leave it ready for the next).
 template <typename Id>
-void CheckRemap(int64_t num_entries, int num_experts, int num_ranks, const CudaStream& stream) {
+void CheckRemap(int64_t num_entries, int num_experts, int num_ranks,
+                DeviceBuffer<unsigned char>& workspace, const CudaStream& stream) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(::testing::Message()
                << "sizeof(Id) " << sizeof(Id) << " num_entries " << num_entries << " num_experts "
                << num_experts << " num_ranks " << num_ranks << " seed " << seed);
+  ASSERT_GE(static_cast<int64_t>(workspace.size()),
+            gpu::RemapWorkspaceBytes(num_entries, num_experts));
   std::mt19937_64 rng(seed);
   const HostQuotas quotas = RandomQuotas(num_experts, num_ranks, rng);
   const std::vector<Id> ids = RandomIds<Id>(num_entries, num_experts, rng);
@@ -362,12 +368,10 @@ void CheckRemap(int64_t num_entries, int num_experts, int num_ranks, const CudaS
   DeviceBuffer<int32_t> device_slot(num_entries);
   DeviceBuffer<int32_t> device_send_counts(num_ranks);
   DeviceBuffer<int32_t> device_invalid(1);
-  DeviceBuffer<unsigned char> workspace(gpu::RemapWorkspaceBytes(num_entries, num_experts));
   for (unsigned char poison : kPoisons) {
     device_slot.Fill(poison);
     device_send_counts.Fill(poison);
     device_invalid.Fill(poison);
-    workspace.Fill(poison);
     ASSERT_OK(gpu::RemapWithQuotas(device_ids.get(), num_entries, device_table, device_slot.get(),
                                    device_send_counts.get(), device_invalid.get(), workspace.get(),
                                    stream.get()));
@@ -378,14 +382,45 @@ void CheckRemap(int64_t num_entries, int num_experts, int num_ranks, const CudaS
   }
 }
 
+template <typename Id>
+void CheckRemap(int64_t num_entries, int num_experts, int num_ranks, const CudaStream& stream) {
+  DeviceBuffer<unsigned char> workspace(gpu::RemapWorkspaceBytes(num_entries, num_experts));
+  workspace.Fill(0);
+  CheckRemap<Id>(num_entries, num_experts, num_ranks, workspace, stream);
+}
+
 TEST(KernelsGpuTest, RemapWithQuotasMatchesCpu) {
   if (!keel::kernels::GpuAvailable()) GTEST_SKIP() << "no GPU";
   CudaStream stream;
-  // 13000 experts do not fit in shared memory: the running counters stay in the workspace.
-  for (int num_experts : {0, 1, 7, 256, 13000}) {
+  // Up to 1024 experts rank in one launch; 1025 and 13000 take three passes, and 13000 do not fit
+  // in shared memory, so their running counters stay in the workspace.
+  for (int num_experts : {0, 1, 7, 256, 1024, 1025, 13000}) {
     for (int64_t num_entries : {0, 1, 31, 33, 257, 5000, 65543}) {
       CheckRemap<int32_t>(num_entries, num_experts, 64, stream);
       CheckRemap<int64_t>(num_entries, num_experts, 5, stream);
+    }
+  }
+  // More entries than 128 blocks of 2048: each warp of the one launch walks several chunks.
+  CheckRemap<int32_t>(300001, 256, 64, stream);
+}
+
+// One workspace, zero-filled once, serves calls of every size in any order, whichever path each
+// takes: each call leaves it ready for the next.
+TEST(KernelsGpuTest, RemapWorkspaceServesManyCalls) {
+  if (!keel::kernels::GpuAvailable()) GTEST_SKIP() << "no GPU";
+  CudaStream stream;
+  const std::pair<int64_t, int> calls[] = {{65536, 256}, {5000, 256},   {65536, 2000},
+                                           {1, 7},       {300001, 256}, {65536, 256},
+                                           {257, 1024},  {65536, 256}};
+  int64_t bytes = 0;
+  for (const auto& [num_entries, num_experts] : calls) {
+    bytes = std::max(bytes, gpu::RemapWorkspaceBytes(num_entries, num_experts));
+  }
+  DeviceBuffer<unsigned char> workspace(bytes);
+  workspace.Fill(0);
+  for (int round = 0; round < 3; ++round) {
+    for (const auto& [num_entries, num_experts] : calls) {
+      CheckRemap<int32_t>(num_entries, num_experts, 64, workspace, stream);
     }
   }
 }
