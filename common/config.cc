@@ -132,6 +132,12 @@ constexpr ConfigKey kConfigKeys[] = {
             "(keel::RegisterPolicy)."},
     {KEEL_CONFIG_FIELD(policy.replan_interval_steps), .min = 1, .unit = "steps",
      .doc = "Steps between two placement plans."},
+    {KEEL_CONFIG_FIELD(policy.planner_watchdog_seconds), .min = 0, .min_exclusive = true,
+     .unit = "seconds",
+     .doc =
+         "The engine's watchdog: a replan still running after this long is an error on every "
+         "rank (StepEnd returns it), a log line and keel_watchdog_trips_total{what=\"planner\"}; "
+         "the placement in force stays, and the late plan is dropped when it ends."},
     {KEEL_CONFIG_FIELD(policy.eplb.num_groups), .min = 0,
      .doc = "Expert groups for EPLB's hierarchical balancing; 0 means one per node (one in all "
             "when the experts do not divide among the nodes). As in DeepSeek's EPLB: hierarchical "

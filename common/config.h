@@ -85,6 +85,7 @@ struct PolicyConfig {
   // registered policy's name (keel/policy.hpp)
   std::string name = "keel";
   int replan_interval_steps = 1;
+  double planner_watchdog_seconds = 120.0;  // a replan still running after this is an error
   EplbConfig eplb;
   FlexMoeConfig flexmoe;
   SmartMoeConfig smartmoe;

@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "common/sanitizers.h"
+
 namespace keel {
 
 using DoubleQuad = double __attribute__((vector_size(32)));
@@ -27,8 +29,10 @@ using UintOct = std::uint32_t __attribute__((vector_size(32)));  // one AVX regi
 
 // Before a function definition: compile it for AVX2 and for the baseline, and pick one when the
 // program loads (function multi-versioning). Only on x86-64; elsewhere the function is compiled
-// once for the target.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// once for the target. Not under ThreadSanitizer either: the resolver that picks a copy runs while
+// the program is relocated, before the sanitizer's runtime is up, and its instrumented code
+// crashes there.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !KEEL_UNDER_TSAN
 #define KEEL_AVX2_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define KEEL_AVX2_CLONES

@@ -106,6 +106,7 @@ class Engine::Impl {
   Status ResolveMigration(bool& commit);
   Status PushWeights();
   Status AdvancePlanner();
+  Status CheckPlannerWatchdog(double slowest_seconds);
   void StartPlanner();
   Status StartMigration(std::vector<Placement> planned);
   Status RecordStep();
@@ -145,6 +146,9 @@ class Engine::Impl {
   std::thread planner_;
   std::atomic<bool> planner_done_{false};
   bool planning_ = false;
+  std::chrono::steady_clock::time_point planner_started_;
+  int64_t planner_started_step_ = 0;
+  bool planner_overdue_ = false;  // the watchdog tripped on this run: its plan will be dropped
   std::vector<Placement> planned_;
   Status planner_status_;
   double planner_seconds_ = 0;

@@ -3,14 +3,14 @@
 // ResolveMigration lets every rank agree at ReduceGradients whether the epoch commits.
 #include "engine/engine_impl.h"
 
-#include <tbb/parallel_for.h>
-
+#include <cstdio>
 #include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 
 #include "common/log.h"
+#include "common/parallel.h"
 #include "migration/transfer_plan.h"
 
 namespace keel {
@@ -80,6 +80,8 @@ void Engine::Impl::StartPlanner() {
     snapshot->traffic.push_back(estimator.Estimate());
   }
   planning_ = true;
+  planner_started_ = std::chrono::steady_clock::now();
+  planner_started_step_ = stats_.steps;
   planner_done_.store(false, std::memory_order_relaxed);
   planner_ = std::thread([this, snapshot] {
     const auto start = std::chrono::steady_clock::now();
@@ -88,7 +90,7 @@ void Engine::Impl::StartPlanner() {
     std::vector<Status> failed(num_layers);
     // Layers replan in parallel (oneTBB), each with its own policy; the result does not depend
     // on the order, so every rank plans the same.
-    tbb::parallel_for(0, num_layers, [&](int l) {
+    ParallelFor(0, num_layers, [&](int l) {
       Result<StepLoad> traffic =
           StepLoad::FromTraffic(num_ranks_, options_.num_experts, snapshot->traffic[l]);
       if (!traffic.ok()) {
@@ -164,12 +166,26 @@ Status Engine::Impl::StartMigration(std::vector<Placement> planned) {
 // Adopts the planner's result once every rank has it; starts the next run on replan steps.
 Status Engine::Impl::AdvancePlanner() {
   if (planning_) {
-    std::vector<int64_t> done = {planner_done_.load(std::memory_order_acquire) ? 1 : 0};
-    KEEL_RETURN_IF_ERROR(communicator_.AllReduce(done, ReduceOp::kMin));
-    if (done[0] == 0) return Status::Ok();
+    // One minimum over the ranks says whether every rank's planner is done and, negated, how
+    // long the slowest has run, so every rank takes the same decision.
+    std::vector<int64_t> state = {planner_done_.load(std::memory_order_acquire) ? 1 : 0,
+                                  -static_cast<int64_t>(SecondsSince(planner_started_) * 1e3)};
+    KEEL_RETURN_IF_ERROR(communicator_.AllReduce(state, ReduceOp::kMin));
+    if (state[0] == 0) return CheckPlannerWatchdog(static_cast<double>(-state[1]) / 1e3);
     planner_.join();
     planning_ = false;
     if (metrics_ != nullptr) metrics_->RecordPlannerRun(planner_seconds_);
+    if (planner_overdue_) {
+      planner_overdue_ = false;
+      if (aggregating()) {
+        KEEL_LOG_WARN(
+            "planner watchdog: the late replan of step %lld ended after %.1f s; its plan "
+            "is dropped, epoch %lld stays",
+            static_cast<long long>(planner_started_step_), planner_seconds_,
+            static_cast<long long>(stats_.epoch));
+      }
+      return Status::Ok();
+    }
     // The planner is deterministic: every rank reaches the same verdict. A failed plan keeps
     // the placement in force; training goes on.
     if (!planner_status_.ok()) {
@@ -194,6 +210,27 @@ Status Engine::Impl::AdvancePlanner() {
     StartPlanner();
   }
   return Status::Ok();
+}
+
+// The planner's watchdog: a replan that every rank has not finished after
+// policy.planner_watchdog_seconds (on the slowest rank) is an error on every rank, once per run,
+// with a log line and keel_watchdog_trips_total{what="planner"}. Training goes on with the
+// placement in force; the run's plan is dropped when it ends.
+Status Engine::Impl::CheckPlannerWatchdog(double slowest_seconds) {
+  const double limit = config_.policy.planner_watchdog_seconds;
+  if (planner_overdue_ || slowest_seconds <= limit) return Status::Ok();
+  planner_overdue_ = true;
+  ++stats_.watchdog_trips;
+  if (metrics_ != nullptr) metrics_->RecordWatchdogTrip("planner");
+  char message[256];
+  std::snprintf(message, sizeof(message),
+                "planner watchdog: the replan started at step %lld has run %.1f s, more than "
+                "policy.planner_watchdog_seconds (%g); epoch %lld stays in force and the late "
+                "plan will be dropped",
+                static_cast<long long>(planner_started_step_), slowest_seconds, limit,
+                static_cast<long long>(stats_.epoch));
+  if (aggregating()) KEEL_LOG_ERROR("%s", message);
+  return DeadlineExceeded(message);
 }
 
 Status Engine::Impl::StepEnd() {

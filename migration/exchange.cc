@@ -1,5 +1,7 @@
 // RunExchange: one loop per rank that posts chunk sends and receives per peer up to the pipeline
-// depth, copies local moves, verifies checksums, and trades verdicts with every peer.
+// depth, copies local moves, verifies checksums, and trades verdicts with every peer; then the
+// ranks agree on the outcome, so that a rank lost at any point leaves every survivor with the
+// same one.
 #include "migration/exchange.h"
 
 #include <algorithm>
@@ -18,7 +20,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-enum class Kind : uint64_t { kChunk = 1, kChecksum = 2, kVerdict = 3 };
+// Tags of agreement messages carry the round as the item and the sender as the chunk.
+enum class Kind : uint64_t { kAgreement = 0, kChunk = 1, kChecksum = 2, kVerdict = 3 };
 
 uint64_t MakeTag(ExchangeChannel channel, Kind kind, uint64_t epoch, uint64_t item,
                  uint64_t chunk) {
@@ -33,6 +36,17 @@ struct Verdict {
   char message[504] = {};
 };
 static_assert(sizeof(Verdict) == 512);
+
+// A coordinator's view of the outcome: commit, or the error that aborts the epoch.
+struct View {
+  uint32_t commit = 0;
+  Verdict reason;
+};
+
+Status StatusOf(const Verdict& v) {
+  return Status(static_cast<StatusCode>(v.code),
+                std::string(v.message, std::min<size_t>(v.length, sizeof(v.message))));
+}
 
 Verdict MakeVerdict(const Status& status) {
   Verdict v;
@@ -127,9 +141,12 @@ class ExchangeLoop {
       transport_.Progress();
       busy |= Reap();
       if (failure_) break;
-      if (!verdict_sent_ && AllMineFinished()) SendVerdicts(Status::Ok());
+      if (!verdict_sent_ && AllMineFinished()) {
+        Phase(ExchangePhase::kTransfersDone);
+        SendVerdicts(Status::Ok());
+      }
       if (verdict_sent_ && pending_.empty() && AllVerdictsReceived()) break;  // all OK
-      if (run_.cancel != nullptr && run_.cancel->load(std::memory_order_relaxed)) {
+      if (Cancelled()) {
         Fail("cancelled by the caller");
         break;
       }
@@ -137,16 +154,13 @@ class ExchangeLoop {
         Fail(Blame());
         break;
       }
-      if (busy) {
-        idle = 0;
-      } else if (++idle > 64) {
-        std::this_thread::sleep_for(std::chrono::microseconds(20));
-      } else {
-        std::this_thread::yield();
-      }
+      Pause(busy, idle);
     }
     if (failure_) Abort();
     SetInFlight(0);
+    Phase(ExchangePhase::kVotesIn);
+    Agree();
+    Phase(ExchangePhase::kDecided);
     if (!failure_) return Status::Ok();
     return Status(failure_->code(), run_.what + " aborted: " + failure_->message());
   }
@@ -159,6 +173,123 @@ class ExchangeLoop {
 
   uint64_t Tag(Kind kind, uint64_t item, uint64_t chunk) const {
     return MakeTag(run_.channel, kind, run_.epoch, item, chunk);
+  }
+
+  void Pause(bool busy, int& idle) const {
+    if (busy) {
+      idle = 0;
+    } else if (++idle > 64) {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    } else {
+      std::this_thread::yield();
+    }
+  }
+
+  bool Cancelled() const {
+    return run_.cancel != nullptr && run_.cancel->load(std::memory_order_relaxed);
+  }
+
+  void Phase(ExchangePhase phase, int peer = -1) const {
+    if (observer_ != nullptr) observer_->OnExchangePhase(phase, peer);
+  }
+
+  // The verdicts alone leave the ranks with different outcomes when a rank is lost while it
+  // sends its verdict (some peers heard "OK", some did not), so the ranks agree in two rounds.
+  // The two lowest participating ranks coordinate one round each: the coordinator sends its
+  // view (commit, or why not) to every participant, and each adopts the view it receives, or
+  // keeps its own when the coordinator does not answer in time. With one rank lost at any
+  // point, at least one coordinator survives; its round reaches every survivor, and from then on
+  // they all hold the same view. A rank views the epoch as committed only when every
+  // participant said its transfers landed and verified, so adopting "commit" is always safe.
+  // A rank the caller cancels still sends its views but waits for nobody: to the others it is a
+  // lost rank.
+  void Agree() {
+    std::vector<int> coordinators;
+    for (int rank = 0; rank < num_ranks_ && coordinators.size() < 2; ++rank) {
+      if (rank == me_ || Peer(rank)) coordinators.push_back(rank);
+    }
+    if (coordinators.size() < 2) return;  // a rank alone has nobody to agree with
+    // A coordinator may still be waiting out its own verdict deadline; each round waits for it
+    // that long plus a grace.
+    const auto grace = std::chrono::duration_cast<Clock::duration>(
+        std::clamp(options_.deadline * 0.2, std::chrono::duration<double>(0.2),
+                   std::chrono::duration<double>(2.0)));
+    auto round_deadline = std::max(deadline_, Clock::now());
+    for (size_t round = 0; round < coordinators.size(); ++round) {
+      round_deadline += grace;
+      const int coordinator = coordinators[round];
+      if (coordinator == me_) {
+        SendView(round, round_deadline);
+      } else {
+        ReceiveView(round, coordinator, round_deadline);
+      }
+    }
+    if (!failure_ && report_ != nullptr) report_->lost_ranks = lost_;
+  }
+
+  void SendView(size_t round, Clock::time_point deadline) {
+    View view;
+    view.commit = failure_ ? 0 : 1;
+    if (failure_) view.reason = MakeVerdict(*failure_);
+    std::vector<RequestId> sends;
+    for (int peer = 0; peer < num_ranks_; ++peer) {
+      if (!Peer(peer)) continue;
+      Phase(ExchangePhase::kAgreementSend, peer);
+      Result<RequestId> posted =
+          transport_.PostSend(peer, Tag(Kind::kAgreement, round, me_),
+                              reinterpret_cast<const std::byte*>(&view), sizeof(View));
+      if (posted.ok()) sends.push_back(*posted);  // a peer that cannot be told keeps its view
+    }
+    // `view` must outlive the sends: wait for them, then cancel what a lost peer left open.
+    int idle = 0;
+    while (!sends.empty() && Clock::now() < deadline && !Cancelled()) {
+      transport_.Progress();
+      bool busy = false;
+      for (size_t i = 0; i < sends.size();) {
+        if (transport_.Test(sends[i])) {
+          sends[i] = sends.back();
+          sends.pop_back();
+          busy = true;
+        } else {
+          ++i;
+        }
+      }
+      Pause(busy, idle);
+    }
+    for (RequestId id : sends) transport_.Cancel(id);
+  }
+
+  void ReceiveView(size_t round, int coordinator, Clock::time_point deadline) {
+    View view;
+    Result<RequestId> posted =
+        transport_.PostRecv(coordinator, Tag(Kind::kAgreement, round, coordinator),
+                            reinterpret_cast<std::byte*>(&view), sizeof(View));
+    std::optional<Status> done;
+    if (posted.ok()) {
+      int idle = 0;
+      while (!(done = transport_.Test(*posted)) && Clock::now() < deadline && !Cancelled()) {
+        transport_.Progress();
+        Pause(false, idle);
+      }
+      if (!done) transport_.Cancel(*posted);
+    }
+    if (!done || !done->ok()) {
+      lost_.push_back(coordinator);
+      if (failure_ &&
+          failure_->message().find("rank " + std::to_string(coordinator)) == std::string::npos) {
+        failure_ =
+            Status(failure_->code(), failure_->message() + "; rank " + std::to_string(coordinator) +
+                                         " was lost while the ranks agreed");
+      }
+      return;
+    }
+    if (view.commit != 0) {
+      failure_.reset();
+    } else if (!failure_) {
+      const Status reason = StatusOf(view.reason);
+      failure_ = Status(reason.code(), "rank " + std::to_string(coordinator) +
+                                           " saw the epoch fail: " + reason.message());
+    }
   }
 
   Status Prepare() {
@@ -459,9 +590,9 @@ class ExchangeLoop {
       verdict_received_[p.peer] = true;
       const Verdict& v = verdicts_[p.peer];
       if (v.code != 0) {
-        Fail("rank " + std::to_string(p.peer) + " reported: " +
-                 std::string(v.message, std::min<size_t>(v.length, sizeof(v.message))),
-             static_cast<StatusCode>(v.code), /*tell_peers=*/false);
+        const Status reason = StatusOf(v);
+        Fail("rank " + std::to_string(p.peer) + " reported: " + reason.message(), reason.code(),
+             /*tell_peers=*/false);
       }
       return;
     }
@@ -515,6 +646,7 @@ class ExchangeLoop {
     for (int peer = 0; peer < num_ranks_; ++peer) {
       if (!Peer(peer) || verdict_sent_to_[peer]) continue;
       verdict_sent_to_[peer] = true;
+      Phase(ExchangePhase::kVerdictSend, peer);
       Result<RequestId> posted =
           transport_.PostSend(peer, Tag(Kind::kVerdict, me_, 0),
                               reinterpret_cast<const std::byte*>(&my_verdict_), sizeof(Verdict));
@@ -583,8 +715,34 @@ class ExchangeLoop {
         if (!open) break;
       }
     }
+    DrainSends(std::chrono::milliseconds(200));
     for (const Pending& p : pending_) transport_.Cancel(p.id);
     pending_.clear();
+  }
+
+  // Gives the sends already under way a bounded moment to finish before they are cancelled. A
+  // transport may only be able to stop a send halfway by closing the connection under it (UCX
+  // does), and over TCP the next epoch between the same two ranks could then fail once.
+  void DrainSends(std::chrono::milliseconds limit) {
+    const auto until = Clock::now() + limit;
+    int idle = 0;
+    while (Clock::now() < until) {
+      transport_.Progress();
+      bool open = false;
+      bool busy = false;
+      for (size_t i = 0; i < pending_.size();) {
+        if (pending_[i].send && transport_.Test(pending_[i].id)) {
+          pending_[i] = pending_.back();
+          pending_.pop_back();
+          busy = true;
+          continue;
+        }
+        open |= pending_[i].send;
+        ++i;
+      }
+      if (!open) return;
+      Pause(busy, idle);
+    }
   }
 
   void SetInFlight(int n) {
@@ -625,6 +783,7 @@ class ExchangeLoop {
   Verdict my_verdict_;
   bool verdict_sent_ = false;
   std::optional<Status> failure_;
+  std::vector<int> lost_;  // coordinators that did not answer while the ranks agreed
   bool tell_peers_ = true;
 };
 

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
+#include <vector>
 
 #include "keel/status.hpp"
 
@@ -24,7 +25,17 @@ struct MigrationReport {
   size_t bytes_sent = 0;
   size_t bytes_received = 0;
   size_t bytes_copied_locally = 0;
+  // Ranks this rank found lost while the ranks agreed on the outcome (a coordinator that never
+  // sent its view); the outcome holds for every surviving rank all the same.
+  std::vector<int> lost_ranks;
 };
+
+// Points of one rank's exchange, in order, for tracing and for tests that kill a rank at each:
+// its transfers are done and verified, before it tells anyone; before it posts its verdict to
+// `peer`; every verdict is in (or the deadline passed), before the ranks agree; before a
+// coordinator posts its view to `peer`; the outcome is agreed, before the caller commits or
+// discards.
+enum class ExchangePhase { kTransfersDone, kVerdictSend, kVotesIn, kAgreementSend, kDecided };
 
 class MigrationObserver {
  public:
@@ -36,6 +47,8 @@ class MigrationObserver {
   // Chunks this rank has in flight (sends + receives) changed.
   virtual void OnInFlight(int /*chunks*/) {}
   virtual void OnEpochFinished(const MigrationReport& /*report*/) {}
+  // `peer` is the rank a send goes to, else -1.
+  virtual void OnExchangePhase(ExchangePhase /*phase*/, int /*peer*/) {}
 };
 
 }  // namespace keel

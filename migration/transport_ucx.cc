@@ -9,9 +9,11 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "migration/progress_thread.h"
@@ -352,6 +354,57 @@ class UcxTransport final : public Transport {
   std::thread progress_thread_;  // started last, joined first
 };
 
+// Every pair of ranks trades one small message, so that UCX wires up every connection now, while
+// every rank is alive and progressing. UCX connects lazily, at the first message to a peer; over
+// TCP, a first message to a peer that has died in the meantime trips an assertion inside UCX
+// 1.13's wire-up and aborts the sender, instead of failing that peer's endpoint. A rank returns
+// once it has heard from every peer and its own messages have left, so no peer still needs it to
+// progress.
+Status ConnectEveryPeer(Transport& transport, std::chrono::duration<double> limit) {
+  constexpr uint64_t kHandshakeTag = uint64_t{0xF} << 60;  // above every exchange tag
+  const int me = transport.rank();
+  const uint64_t mine = kHandshakeTag | static_cast<uint64_t>(me);
+  std::vector<uint64_t> landed(transport.num_ranks());
+  std::vector<std::pair<RequestId, int>> open;  // request, peer
+  for (int peer = 0; peer < transport.num_ranks(); ++peer) {
+    if (peer == me) continue;
+    KEEL_ASSIGN_OR_RETURN(
+        RequestId send,
+        transport.PostSend(peer, kHandshakeTag | me, reinterpret_cast<const std::byte*>(&mine),
+                           sizeof(mine)));
+    open.emplace_back(send, peer);
+    KEEL_ASSIGN_OR_RETURN(
+        RequestId recv,
+        transport.PostRecv(peer, kHandshakeTag | static_cast<uint64_t>(peer),
+                           reinterpret_cast<std::byte*>(&landed[peer]), sizeof(uint64_t)));
+    open.emplace_back(recv, peer);
+  }
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(limit);
+  Status failure;
+  while (!open.empty() && failure.ok()) {
+    transport.Progress();
+    for (size_t i = 0; i < open.size();) {
+      std::optional<Status> done = transport.Test(open[i].first);
+      if (!done) {
+        ++i;
+        continue;
+      }
+      if (!done->ok()) failure = *done;
+      open[i] = open.back();
+      open.pop_back();
+    }
+    if (failure.ok() && !open.empty() && Clock::now() > deadline) {
+      failure =
+          DeadlineExceeded("ucx transport: rank " + std::to_string(me) +
+                           " could not connect to peer rank " + std::to_string(open[0].second) +
+                           " within " + std::to_string(static_cast<int>(limit.count())) + " s");
+    }
+    if (!open.empty()) std::this_thread::yield();
+  }
+  for (const auto& [request, peer] : open) transport.Cancel(request);
+  return failure;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<Transport>> CreateUcxTransport(Communicator& communicator,
@@ -395,9 +448,10 @@ Result<std::unique_ptr<Transport>> CreateUcxTransport(Communicator& communicator
       std::make_unique<UcxTransport>(communicator.rank(), communicator.size(), std::move(context),
                                      std::move(worker), options, carries_cuda);
   KEEL_RETURN_IF_ERROR(transport->SetPeerAddresses(addresses));
-  // Endpoints are wired up lazily by UCX; the barrier keeps early senders from racing peers that
-  // have not created their worker's endpoints yet.
+  // The barrier keeps early senders from racing peers that have not created their worker's
+  // endpoints yet.
   KEEL_RETURN_IF_ERROR(communicator.Barrier());
+  KEEL_RETURN_IF_ERROR(ConnectEveryPeer(*transport, std::chrono::seconds(30)));
   return std::unique_ptr<Transport>(std::move(transport));
 }
 

@@ -241,6 +241,11 @@ Metrics::Metrics(const MetricsLayout& layout)
                            .Help("Wall time of one planner run over all layers")
                            .Register(registry)
                            .Add({}, kPlannerBuckets);
+  watchdog_trips_ = &BuildCounter()
+                         .Name("keel_watchdog_trips_total")
+                         .Help("Background jobs that ran past their limit, by job (planner)")
+                         .Register(registry);
+  watchdog_trips_->Add({{"what", "planner"}});
   planner_last_run_ = &BuildGauge()
                            .Name("keel_planner_last_run_timestamp_seconds")
                            .Help("Unix time of the last planner run")
@@ -382,6 +387,10 @@ void Metrics::RecordPlannerRun(double seconds) {
   planner_duration_->Observe(seconds);
   const auto now = std::chrono::system_clock::now().time_since_epoch();
   planner_last_run_->Set(std::chrono::duration<double>(now).count());
+}
+
+void Metrics::RecordWatchdogTrip(std::string_view what) {
+  watchdog_trips_->Add({{"what", std::string(what)}}).Increment();
 }
 
 void Metrics::RecordMigration(MigrationOutcome outcome, std::string_view transport, double bytes,

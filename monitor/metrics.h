@@ -105,6 +105,8 @@ class Metrics {
   void RecordPlan(PlanOutcome outcome, std::string_view reason = "none");
   // One planner run (all layers): duration histogram and last-run timestamp (now).
   void RecordPlannerRun(double seconds);
+  // keel_watchdog_trips_total{what}: a background job (what = "planner") ran past its limit.
+  void RecordWatchdogTrip(std::string_view what);
   // A finished migration: outcome count, bytes moved over `transport` (local | ucx | nccl),
   // duration and the seconds training stalled for it.
   void RecordMigration(MigrationOutcome outcome, std::string_view transport, double bytes,
@@ -146,6 +148,7 @@ class Metrics {
   prometheus::Gauge* epoch_ = nullptr;
   // Reasons are open-ended, so their series are added on first use.
   prometheus::Family<prometheus::Counter>* plans_ = nullptr;
+  prometheus::Family<prometheus::Counter>* watchdog_trips_ = nullptr;
   prometheus::Histogram* planner_duration_ = nullptr;
   prometheus::Gauge* planner_last_run_ = nullptr;
   std::vector<prometheus::Counter*> migrations_;  // [MigrationOutcome]

@@ -6,7 +6,6 @@
 
 #include "keel/replay.hpp"
 
-#include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
 #include <algorithm>
@@ -21,6 +20,7 @@
 #include <optional>
 #include <set>
 
+#include "common/parallel.h"
 #include "placement/cost_model.h"
 #include "placement/load.h"
 #include "placement/policy.h"
@@ -250,7 +250,7 @@ Result<PolicyReplay> ReplayPolicy(const ReplayInputs& in, const std::string& nam
     std::vector<Status> failed(num_layers);
     std::atomic<long> layer_steps_done{0};
     std::mutex progress_mutex;
-    tbb::parallel_for(0, num_layers, [&](int layer) {
+    ParallelFor(0, num_layers, [&](int layer) {
       for (int step = 0; step < num_steps; ++step) {
         Result<LayerStepOutcome> outcome = StepLayer(run, layers[layer], step, layer);
         if (!outcome.ok()) {
@@ -431,7 +431,7 @@ Result<ReplayReport> ReplayTrace(const Trace& trace, const KeelConfig& config,
       options.max_threads > 0 ? options.max_threads : tbb::this_task_arena::max_concurrency();
   tbb::task_arena arena(threads);
   arena.execute([&] {
-    tbb::parallel_for(size_t{0}, names.size(), [&](size_t i) {
+    ParallelFor(size_t{0}, names.size(), [&](size_t i) {
       auto progress = [&options, i](int done, int total) {
         if (options.progress) options.progress(static_cast<int>(i), done, total);
       };

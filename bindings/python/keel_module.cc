@@ -318,6 +318,7 @@ class PythonEngine {
     out["epochs_aborted"] = s.epochs_aborted;
     out["plans_unchanged"] = s.plans_unchanged;
     out["plans_failed"] = s.plans_failed;
+    out["watchdog_trips"] = s.watchdog_trips;
     out["migration_in_flight"] = s.migration_in_flight;
     out["bytes_moved"] = s.bytes_moved;
     out["exposed_migration_seconds"] = s.exposed_migration_seconds;

@@ -130,10 +130,11 @@ struct EngineStats {
   int64_t epoch = 0;
   int64_t epochs_committed = 0;
   int64_t epochs_aborted = 0;
-  int64_t plans_unchanged = 0;           // planner runs that kept the placement
-  int64_t plans_failed = 0;              // planner runs that failed (the placement stays)
-  bool migration_in_flight = false;      // an epoch's transfers are running
-  uint64_t bytes_moved = 0;              // migration bytes of all ranks (sent + copied locally)
+  int64_t plans_unchanged = 0;       // planner runs that kept the placement
+  int64_t plans_failed = 0;          // planner runs that failed (the placement stays)
+  int64_t watchdog_trips = 0;        // planner runs past policy.planner_watchdog_seconds (dropped)
+  bool migration_in_flight = false;  // an epoch's transfers are running
+  uint64_t bytes_moved = 0;          // migration bytes of all ranks (sent + copied locally)
   double exposed_migration_seconds = 0;  // ReduceGradients waiting for transfers
   double route_seconds = 0;              // time inside Route (the engine's hot path)
   double control_seconds = 0;            // ReduceGradients + StepEnd, excluding that waiting

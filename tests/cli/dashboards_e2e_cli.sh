@@ -206,7 +206,7 @@ while True:
     _, body = get("/api/v1/rules?type=alert")
     rules = [r for g in json.loads(body)["data"]["groups"] for r in g["rules"]]
     health = {r["name"]: r["health"] for r in rules}
-    if len(rules) == 4 and all(h == "ok" for h in health.values()):
+    if len(rules) == 5 and all(h == "ok" for h in health.values()):
         break
     if time.time() > deadline or any(h == "err" for h in health.values()):
         sys.exit(f"alert rules do not evaluate cleanly: {[(r['name'], r['health'], r.get('lastError')) for r in rules]}")

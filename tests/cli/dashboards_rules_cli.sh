@@ -46,7 +46,7 @@ promtool check rules "$work/dashboard-rules.yml" >"$work/out" 2>&1 ||
 $(cat "$work/out")
 (rules file: $(cat "$work/dashboard-rules.yml"))"
 
-# 3. Alert rules: parse, and the four alerts exist with a severity, a summary and a description.
+# 3. Alert rules: parse, and the five alerts exist with a severity, a summary and a description.
 promtool check rules "$dashboards/prometheus/alerts.yml" >"$work/out" 2>&1 ||
   fail "alerts.yml: $(cat "$work/out")"
 "$python" - "$dashboards/prometheus/alerts.yml" <<'PY' || fail "alerts.yml lacks an alert or a field"
@@ -54,7 +54,7 @@ import sys, yaml
 rules = [r for g in yaml.safe_load(open(sys.argv[1]))["groups"] for r in g["rules"]]
 alerts = {r["alert"]: r for r in rules if "alert" in r}
 for name in ["KeelImbalanceHigh", "KeelMigrationsFailing", "KeelPlannerStalled",
-             "KeelMonitorDroppingSamples"]:
+             "KeelWatchdogTripped", "KeelMonitorDroppingSamples"]:
     rule = alerts[name]
     assert rule["labels"]["severity"] in ("critical", "warning", "info"), (name, rule["labels"])
     assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
@@ -63,12 +63,45 @@ assert "keel_planner_last_run_timestamp_seconds" in alerts["KeelPlannerStalled"]
 assert "keel_steps_total" in alerts["KeelPlannerStalled"]["expr"]
 PY
 
+# 3b. The watchdog's alert fires on one trip of the engine's counter, and only then
+# (promtool test rules, with the shipped rule file).
+cp "$dashboards/prometheus/alerts.yml" "$work/alerts.yml"
+cat >"$work/watchdog_test.yml" <<'YAML'
+rule_files: [alerts.yml]
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      - series: 'keel_watchdog_trips_total{job="train", instance="a", what="planner"}'
+        values: '0 0 0 1 1 1 1 1'
+      - series: 'keel_watchdog_trips_total{job="quiet", instance="b", what="planner"}'
+        values: '0 0 0 0 0 0 0 0'
+    alert_rule_test:
+      - eval_time: 2m
+        alertname: KeelWatchdogTripped
+        exp_alerts: []
+      - eval_time: 5m
+        alertname: KeelWatchdogTripped
+        exp_alerts:
+          - exp_labels: {severity: critical, job: train, what: planner}
+            exp_annotations:
+              summary: "Keel planner of train ran past its watchdog limit"
+              description: >-
+                A planner run of train made no progress within its configured
+                limit (policy.planner_watchdog_seconds), so StepEnd returned an error on every rank and
+                the placement in force stays; the late plan is dropped when it ends. A planner that
+                takes this long is stuck or starved of CPU (a custom policy, a huge layer, an
+                oversubscribed host): check the trainer log for "planner watchdog".
+YAML
+(cd "$work" && promtool test rules watchdog_test.yml) >"$work/out" 2>&1 ||
+  fail "KeelWatchdogTripped does not fire as expected: $(cat "$work/out")"
+
 # 4. The example prometheus.yml, with its rule file beside it as in the repository.
 mkdir "$work/config"
 cp "$dashboards/prometheus/prometheus.yml" "$dashboards/prometheus/alerts.yml" "$work/config/"
 promtool check config "$work/config/prometheus.yml" >"$work/out" 2>&1 ||
   fail "prometheus.yml: $(cat "$work/out")"
-grep -q "SUCCESS: 4 rules found" "$work/out" || fail "prometheus.yml does not load alerts.yml: $(cat "$work/out")"
+grep -q "SUCCESS: 5 rules found" "$work/out" || fail "prometheus.yml does not load alerts.yml: $(cat "$work/out")"
 "$python" - "$work/config/prometheus.yml" <<'PY' || fail "prometheus.yml sets a target label 'rank'"
 import sys, yaml
 config = yaml.safe_load(open(sys.argv[1]))

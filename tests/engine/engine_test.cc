@@ -9,11 +9,15 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <thread>
 
 #include "comm/communicator.h"
+#include "engine/engine_internal.h"
+#include "keel/policy.hpp"
 #include "kernels/device.h"
 #include "kernels/remap.h"
 #include "monitor/metrics.h"
@@ -452,6 +456,123 @@ TEST(EngineTest, AnAggregatingRanksFailureFailsEveryRanksCreation) {
       EXPECT_EQ(status[r].code(), StatusCode::kInvalidArgument) << status[r].ToString();
     }
   }
+}
+
+// A policy whose replans wait until the test lets them go, so the engine's planner thread makes
+// no progress for as long as the test likes. Its plans change nothing.
+struct HeldPlanner {
+  std::mutex mutex;
+  std::condition_variable released_cv;
+  bool released = false;
+  std::atomic<int> replans{0};
+
+  void Release() {
+    std::lock_guard<std::mutex> lock(mutex);
+    released = true;
+    released_cv.notify_all();
+  }
+};
+
+HeldPlanner& Held() {
+  static HeldPlanner held;
+  return held;
+}
+
+class HeldPolicy : public PlacementPolicy {
+ public:
+  Result<std::vector<int>> Replan(const ReplanInput& input) override {
+    ++Held().replans;
+    std::unique_lock<std::mutex> lock(Held().mutex);
+    Held().released_cv.wait(lock, [] { return Held().released; });
+    return std::vector<int>(input.phy2log.begin(), input.phy2log.end());
+  }
+};
+
+// The planner's watchdog: a replan still running after policy.planner_watchdog_seconds is an
+// error from StepEnd on every rank, at the same step, once, with a log line and the counter the
+// KeelWatchdogTripped alert fires on; training goes on with the placement in force, and the late
+// plan is dropped when it ends.
+TEST(EngineTest, PlannerWatchdogFailsEveryRankAtTheSameStepOnce) {
+  static const bool registered =
+      RegisterPolicy({"held-for-watchdog-test",
+                      [](const PolicyShape&) { return std::make_unique<HeldPolicy>(); }})
+          .ok();
+  ASSERT_TRUE(registered);
+  Held().released = false;
+  Held().replans = 0;
+  KeelConfig config = TestConfig("keel");
+  config.policy.name = "held-for-watchdog-test";
+  config.policy.planner_watchdog_seconds = 0.3;
+  auto metrics = Metrics::Create(MetricsLayout::FromConfig(config, 1, kExperts, 2));
+  ASSERT_TRUE(metrics.ok());
+  std::unique_ptr<LocalGroup> group = MakeGroup(kRanks);
+  // Steps of at least 20 ms: the limit passes before step 30, where the plan is let go.
+  constexpr int kSteps = 40;
+  std::vector<std::vector<int>> failed_steps(kRanks);
+  std::vector<double> seconds_to_trip(kRanks);
+  std::vector<std::string> messages(kRanks);
+  std::vector<EngineStats> stats(kRanks);
+  std::vector<Status> status(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      status[r] = [&]() -> Status {
+        KEEL_ASSIGN_OR_RETURN(auto communicator, group->Join(r));
+        EngineOptions options = SmallOptions(config, 1, communicator.get(), group.get());
+        KEEL_ASSIGN_OR_RETURN(auto engine, EngineFactory::Create(options, metrics->get()));
+        std::vector<std::byte> buffer(8);
+        for (int i = 0; i < engine->local_slots(); ++i) {
+          KEEL_RETURN_IF_ERROR(
+              engine->RegisterSlot(0, i, {buffer.data(), buffer.data(), buffer.data()}));
+        }
+        std::chrono::steady_clock::time_point planner_started;
+        for (int step = 0; step < kSteps; ++step) {
+          if (r == 0 && step == kSteps - 10) Held().Release();  // the plan ends late
+          std::vector<int32_t> ids(kTokens * kTopK);
+          for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i + r) % kExperts);
+          KEEL_RETURN_IF_ERROR(engine->Route(0, ids).status());
+          KEEL_RETURN_IF_ERROR(engine->ReduceGradients());
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          Status ended = engine->StepEnd();
+          if (step == 0) planner_started = std::chrono::steady_clock::now();  // at StepEnd 0
+          if (!ended.ok()) {
+            if (ended.code() != StatusCode::kDeadlineExceeded) return ended;
+            failed_steps[r].push_back(step);
+            messages[r] = ended.message();
+            seconds_to_trip[r] =
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - planner_started)
+                    .count();
+          }
+        }
+        stats[r] = engine->stats();
+        return Status::Ok();
+      }();
+    });
+  }
+  for (auto& t : threads) t.join();
+  Held().Release();
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r].ToString();
+    ASSERT_EQ(failed_steps[r].size(), 1u) << "rank " << r << " failed at every step listed";
+    EXPECT_EQ(failed_steps[r], failed_steps[0]) << "rank " << r << " tripped at another step";
+    EXPECT_NE(messages[r].find("planner watchdog: the replan started at step 1 has run"),
+              std::string::npos)
+        << messages[r];
+    EXPECT_NE(messages[r].find("policy.planner_watchdog_seconds (0.3)"), std::string::npos)
+        << messages[r];
+    EXPECT_EQ(stats[r].watchdog_trips, 1);
+    EXPECT_EQ(stats[r].epoch, 0) << "the late plan must be dropped";
+    EXPECT_EQ(stats[r].steps, kSteps);
+    // Ranks start their planners within a step of each other.
+    EXPECT_GE(seconds_to_trip[r], 0.25) << "rank " << r << " tripped early";
+  }
+  EXPECT_LT(failed_steps[0][0], kSteps - 10);
+  // One replan per rank was held; the planner ran again after the late plan ended.
+  EXPECT_GT(Held().replans.load(), kRanks);
+  // Only the aggregating rank exports, once for all.
+  const std::string text = (*metrics)->Serialize();
+  EXPECT_NE(text.find("keel_watchdog_trips_total{what=\"planner\"} 1\n"), std::string::npos)
+      << text;
 }
 
 TEST(EngineTest, RouteCountsRejectsBadCountsNamingThem) {

@@ -4,6 +4,15 @@
 //   killed   rank 1 dies (SIGKILL) mid-transfer: survivors abort within the deadline, keep
 //            their old state, then migrate among themselves
 //   stalled  rank 1 stops answering past the deadline: same expectations
+//   agree    rank --victim dies (SIGKILL) at --phase of an epoch whose transfers all succeed:
+//              transfers-done  its moves landed, before it sent any verdict
+//              mid-verdict     after its verdict went to one peer, before the others
+//              votes-in        every verdict is in, before the ranks agree
+//              mid-agreement   a coordinator (rank 0 or 1) after its view went to one peer
+//              decided         the outcome is agreed, before the switch (commit or discard)
+//            every survivor must end the epoch the same way (the launcher compares), within the
+//            deadline and the agreement's grace, naming the victim when it aborts; then the
+//            survivors migrate among themselves, byte-exact
 // Exit status 0 when every expectation held; the launcher also checks how each child ended.
 // --progress-thread on|off: the UCX transport with or without its own progress thread (default on).
 // --device host|fake|cuda: where the random scenario's experts live. fake: in device memory the
@@ -57,6 +66,8 @@ struct Args {
   int launch = 0;
   int plans = 100;
   double deadline = 2.0;
+  int victim = 1;               // --victim, for the agree scenario
+  std::string phase;            // --phase, for the agree scenario
   bool progress_thread = true;  // the UCX transport's own progress thread
   std::string device = "host";  // --device
   std::vector<std::string> raw;
@@ -166,26 +177,53 @@ FaultSetup MakeFaultSetup(const Topology& topology) {
   }
 }
 
-// A swap between two slots of ranks 0 and 2..3 that needs nothing from rank 1.
+// A swap between two slots on different ranks, neither of them `lost`, that needs nothing from
+// `lost`.
 std::pair<std::vector<Placement>, std::shared_ptr<const TransferPlan>> SurvivorPlan(
-    const FaultSetup& s, const Topology& topology) {
-  const int spr = s.from[0].slots_per_rank();
-  for (int a = 0; a < spr; ++a) {
-    for (int b = 2 * spr; b < s.from[0].num_slots(); ++b) {
-      std::vector<int> phy2log = s.from[0].phy2log();
+    const std::vector<Placement>& from, const ExpertLayout& layout, const Topology& topology,
+    int lost) {
+  const int spr = from[0].slots_per_rank();
+  for (int a = 0; a < from[0].num_slots(); ++a) {
+    for (int b = a + 1; b < from[0].num_slots(); ++b) {
+      if (a / spr == lost || b / spr == lost || a / spr == b / spr) continue;
+      std::vector<int> phy2log = from[0].phy2log();
       if (phy2log[a] == phy2log[b]) continue;
       std::swap(phy2log[a], phy2log[b]);
-      auto swapped = Placement::CreateKeepingHomes(s.from[0], phy2log);
+      auto swapped = Placement::CreateKeepingHomes(from[0], phy2log);
       if (!swapped.ok()) continue;
       std::vector<Placement> to{*swapped};
       auto plan =
-          std::make_shared<TransferPlan>(ValueOrDie(PlanTransfers(s.from, to, topology, s.layout)));
+          std::make_shared<TransferPlan>(ValueOrDie(PlanTransfers(from, to, topology, layout)));
       bool touches = plan->transfers.empty();
-      for (const Transfer& t : plan->transfers) touches |= t.src_rank == 1 || t.dst_rank == 1;
+      for (const Transfer& t : plan->transfers) touches |= t.src_rank == lost || t.dst_rank == lost;
       if (!touches) return {to, plan};
     }
   }
   return {{}, nullptr};
+}
+
+// The survivors of `lost` keep working: a new epoch among themselves, byte-exact.
+void RunSurvivorEpoch(Transport& transport, ExpertStore& store, const std::vector<Placement>& from,
+                      const ExpertLayout& layout, const Topology& topology, int lost,
+                      uint64_t epoch) {
+  const int me = transport.rank();
+  auto [to, plan] = SurvivorPlan(from, layout, topology, lost);
+  Check(plan != nullptr, "a survivor plan exists", me);
+  if (plan == nullptr) return;
+  std::vector<bool> survivors(transport.num_ranks(), true);
+  survivors[lost] = false;
+  MigrationConfig fast;
+  fast.deadline_seconds = 20;
+  auto next = ValueOrDie(Migrator::Create(transport, store, fast));
+  Status status = next->Start(epoch, plan, survivors);
+  if (status.ok()) status = next->Wait();
+  Check(status.ok(), "survivor epoch: " + status.ToString(), me);
+  if (!status.ok()) return;
+  Check(next->Commit(to).ok(), "survivor commit", me);
+  const std::string diff = CheckStore(store, to);
+  Check(diff.empty(), "survivor epoch: " + diff, me);
+  std::printf("rank %d: survivor epoch %llu committed, %zu bytes planned, byte-exact\n", me,
+              static_cast<unsigned long long>(epoch), plan->total_bytes());
 }
 
 int RunFault(Transport& transport, const Args& args) {
@@ -227,27 +265,103 @@ int RunFault(Transport& transport, const Args& args) {
   Check(!store.has_staged(), "staged buffers discarded", me);
   Check(LiveChecksum(store) == before, "old state intact", me);
 
-  // The survivors keep working: a new epoch among themselves, byte-exact.
-  auto [to, plan] = SurvivorPlan(setup, topology);
-  Check(plan != nullptr, "a survivor plan exists", me);
-  if (plan == nullptr) return 1;
-  std::vector<bool> survivors(transport.num_ranks(), true);
-  survivors[1] = false;
-  MigrationConfig fast = config;
-  fast.bandwidth_cap_gb_per_s = 0;
-  fast.deadline_seconds = 20;
-  auto next = ValueOrDie(Migrator::Create(transport, store, fast));
-  status = next->Start(2, plan, survivors);
-  if (status.ok()) status = next->Wait();
-  Check(status.ok(), "survivor epoch: " + status.ToString(), me);
-  if (status.ok()) {
-    Check(next->Commit(to).ok(), "survivor commit", me);
-    const std::string diff = CheckStore(store, to);
-    Check(diff.empty(), "survivor epoch: " + diff, me);
-    std::printf("rank %d: survivor epoch 2 committed, %zu bytes planned, byte-exact\n", me,
-                plan->total_bytes());
-  }
+  RunSurvivorEpoch(transport, store, setup.from, setup.layout, topology, /*lost=*/1, 2);
   return failures == 0 ? 0 : 1;
+}
+
+// Kills this process at the `nth` time its exchange reaches `phase`.
+class KillAt : public MigrationObserver {
+ public:
+  KillAt(ExchangePhase phase, int nth) : phase_(phase), nth_(nth) {}
+  void OnExchangePhase(ExchangePhase phase, int /*peer*/) override {
+    if (phase != phase_ || ++seen_ != nth_) return;
+    std::fflush(stdout);
+    raise(SIGKILL);
+  }
+
+ private:
+  ExchangePhase phase_;
+  int nth_;
+  int seen_ = 0;
+};
+
+std::optional<KillAt> KillPoint(const std::string& phase) {
+  if (phase == "transfers-done") return KillAt(ExchangePhase::kTransfersDone, 1);
+  if (phase == "mid-verdict") return KillAt(ExchangePhase::kVerdictSend, 2);
+  if (phase == "votes-in") return KillAt(ExchangePhase::kVotesIn, 1);
+  if (phase == "mid-agreement") return KillAt(ExchangePhase::kAgreementSend, 2);
+  if (phase == "decided") return KillAt(ExchangePhase::kDecided, 1);
+  return std::nullopt;
+}
+
+int RunAgree(Transport& transport, const Args& args) {
+  const int me = transport.rank();
+  const Topology topology = MakeTopology(transport.num_ranks());
+  FaultSetup setup = MakeFaultSetup(topology);
+  ExpertStore store = ValueOrDie(ExpertStore::Create(me, setup.from, setup.layout));
+  FillStore(store, setup.from);
+  MigrationConfig config;
+  config.chunk_bytes = 1 << 20;
+  config.deadline_seconds = args.deadline;
+  std::optional<KillAt> kill;
+  if (me == args.victim) kill = KillPoint(args.phase);
+  auto migrator = ValueOrDie(Migrator::Create(transport, store, config, kill ? &*kill : nullptr));
+  const auto start = Clock::now();
+  Status status = migrator->Start(1, setup.plan);
+  if (status.ok()) status = migrator->Wait();
+  const double seconds = Since(start);
+  const MigrationReport report = migrator->last_report();
+  if (me == args.victim) {  // its phase never came (e.g. mid-agreement on a non-coordinator)
+    Check(false, "rank " + std::to_string(me) + " was to die at " + args.phase, me);
+    return 1;
+  }
+  const std::string victim = "rank " + std::to_string(args.victim);
+  std::vector<Placement> now = setup.from;
+  if (status.ok()) {
+    Check(migrator->Commit(setup.to).ok(), "commit", me);
+    const std::string diff = CheckStore(store, setup.to);
+    Check(diff.empty(), "committed epoch: " + diff, me);
+    now = setup.to;
+    std::string lost;
+    for (int r : report.lost_ranks) lost += " " + std::to_string(r);
+    std::printf("rank %d committed after %.2f s (lost:%s)\n", me, seconds,
+                lost.empty() ? " none seen" : lost.c_str());
+  } else {
+    std::printf("rank %d aborted after %.2f s: %s\n", me, seconds, status.ToString().c_str());
+    Check(status.message().find(victim) != std::string::npos, "error names " + victim, me);
+    Check(!store.has_staged(), "staged buffers discarded", me);
+    migrator->Discard();
+  }
+  Check(seconds < args.deadline + 1.5, "the epoch took " + std::to_string(seconds) + " s", me);
+  {
+    std::FILE* out = std::fopen((args.dir + "/outcome." + std::to_string(me)).c_str(), "w");
+    Check(out != nullptr, "outcome file", me);
+    if (out != nullptr) {
+      std::fputs(status.ok() ? "commit" : "abort", out);
+      std::fclose(out);
+    }
+  }
+  RunSurvivorEpoch(transport, store, now, setup.layout, topology, args.victim, 2);
+  return failures == 0 ? 0 : 1;
+}
+
+// Every survivor's outcome of the agree scenario, from the files they left in `dir`; empty
+// when they differ or one is missing.
+std::string AgreedOutcome(const std::string& dir, const Args& args) {
+  std::string agreed;
+  for (int r = 0; r < args.launch; ++r) {
+    if (r == args.victim) continue;
+    std::FILE* in = std::fopen((dir + "/outcome." + std::to_string(r)).c_str(), "r");
+    char text[16] = {};
+    if (in != nullptr) {
+      (void)std::fread(text, 1, sizeof(text) - 1, in);
+      std::fclose(in);
+    }
+    std::fprintf(stderr, "launcher: rank %d: %s\n", r, in != nullptr ? text : "no outcome");
+    if (in == nullptr || (!agreed.empty() && agreed != text)) return "";
+    agreed = text;
+  }
+  return agreed;
 }
 
 // Starts `args.launch` copies of this program that meet in a fresh directory; checks that each
@@ -307,10 +421,21 @@ int Launch(const char* self, const Args& args) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
+  if (args.scenario == "agree") {
+    const std::string outcome = AgreedOutcome(dir, args);
+    if (outcome.empty()) {
+      ++failures;
+      std::fprintf(stderr, "launcher: the survivors did not end epoch 1 the same way\n");
+    } else {
+      std::printf("launcher: rank %d killed at %s; every survivor: %s\n", args.victim,
+                  args.phase.c_str(), outcome.c_str());
+    }
+  }
   std::filesystem::remove_all(dir);
   for (int r = 0; r < args.launch; ++r) {
     const int s = statuses[r];
-    const bool expect_killed = args.scenario == "killed" && r == 1;
+    const bool expect_killed =
+        (args.scenario == "killed" && r == 1) || (args.scenario == "agree" && r == args.victim);
     const bool ok = expect_killed ? (WIFSIGNALED(s) && WTERMSIG(s) == SIGKILL)
                                   : (WIFEXITED(s) && WEXITSTATUS(s) == 0);
     if (!ok) {
@@ -351,6 +476,10 @@ Args Parse(int argc, char** argv) {
       args.plans = std::stoi(value);
     } else if (flag == "--deadline") {
       args.deadline = std::stod(value);
+    } else if (flag == "--victim") {
+      args.victim = std::stoi(value);
+    } else if (flag == "--phase" && KillPoint(value)) {
+      args.phase = value;
     } else if (flag == "--progress-thread" && (value == "on" || value == "off")) {
       args.progress_thread = value == "on";
     } else if (flag == "--device" && (value == "host" || value == "fake" || value == "cuda")) {
@@ -399,6 +528,7 @@ int Main(int argc, char** argv) {
   }
   if (args.scenario == "random") return RunRandom(**transport, *comm, args);
   if (args.scenario == "killed" || args.scenario == "stalled") return RunFault(**transport, args);
+  if (args.scenario == "agree") return RunAgree(**transport, args);
   std::fprintf(stderr, "unknown scenario %s\n", args.scenario.c_str());
   return 2;
 }

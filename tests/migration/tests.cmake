@@ -63,6 +63,24 @@ if(KEEL_WITH_MPI AND KEEL_MPIRUN)
       TIMEOUT 180 PROCESSORS 2)
 endif()
 
+# Consensus commit: a rank killed at each phase of an epoch's end (--phase) leaves every survivor
+# with the same outcome. Victims: rank 0 (the first coordinator), rank 1 (the second) and rank 2.
+set(_agree_runs transfers-done:0 transfers-done:2 mid-verdict:0 mid-verdict:2 votes-in:0
+                votes-in:1 votes-in:2 mid-agreement:0 mid-agreement:1 decided:0 decided:2)
+foreach(_tls sm tcp)
+  foreach(_run ${_agree_runs})
+    string(REPLACE ":" ";" _run ${_run})
+    list(GET _run 0 _phase)
+    list(GET _run 1 _victim)
+    set(_name migration.agree_${_phase}_rank${_victim}_${_tls})
+    add_test(NAME ${_name}
+             COMMAND $<TARGET_FILE:keel_migration_multiprocess> --launch 4 --scenario agree
+                     --phase ${_phase} --victim ${_victim} --deadline 2)
+    set_tests_properties(${_name} PROPERTIES
+        ENVIRONMENT "${_mig_${_tls}};${_mig_lsan}" TIMEOUT 120 PROCESSORS 2)
+  endforeach()
+endforeach()
+
 foreach(_tls sm tcp)
   foreach(_scenario killed stalled)
     add_test(NAME migration.fault_${_scenario}_peer_${_tls}
