@@ -56,6 +56,11 @@ class Engine::Impl {
   Status StepEnd();
   std::vector<HomeSlot> HomeSlots(int layer) const;
   bool migrating() const { return migrating_; }
+  // Checkpoints (engine/checkpoint.cc).
+  EngineState SaveState() const;
+  Status RestoreState(const EngineState& state);
+  Status SaveExperts(const std::string& dir) const;
+  Status LoadExperts(const std::string& dir);
   int RankOfPhysical(int slot) const {
     return slot < num_slots() ? slot / slots_per_rank_
                               : (slot - num_slots()) / std::max(1, transient_per_rank_);

@@ -283,6 +283,29 @@ class PythonEngine {
     ThrowIfError(e.StepEnd());
   }
 
+  // Checkpoints: the engine's state as JSON text, and the experts by logical id (engine.hpp).
+  std::string SaveState() { return EngineStateToJson(engine().SaveState()); }
+
+  void RestoreState(const std::string& json) {
+    Result<EngineState> state = EngineStateFromJson(json);
+    ThrowIfError(state.status());
+    Engine& e = engine();
+    py::gil_scoped_release release;
+    ThrowIfError(e.RestoreState(*state));
+  }
+
+  void SaveExperts(const std::string& dir) {
+    Engine& e = engine();
+    py::gil_scoped_release release;
+    ThrowIfError(e.SaveExperts(dir));
+  }
+
+  void LoadExperts(const std::string& dir) {
+    Engine& e = engine();
+    py::gil_scoped_release release;
+    ThrowIfError(e.LoadExperts(dir));
+  }
+
   std::vector<std::pair<int, int>> HomeSlots(int layer) {
     std::vector<std::pair<int, int>> homes;
     for (const HomeSlot& home : engine().HomeSlots(layer)) {
@@ -505,6 +528,10 @@ PYBIND11_MODULE(_keel, m) {
       .def("home_slots", &PythonEngine::HomeSlots, py::arg("layer"))
       .def("placement", &PythonEngine::Placement, py::arg("layer"))
       .def("stats", &PythonEngine::Stats)
+      .def("save_state", &PythonEngine::SaveState)
+      .def("restore_state", &PythonEngine::RestoreState, py::arg("state"))
+      .def("save_experts", &PythonEngine::SaveExperts, py::arg("dir"))
+      .def("load_experts", &PythonEngine::LoadExperts, py::arg("dir"))
       .def("locate_slot", &PythonEngine::LocateSlot, py::arg("slot"))
       .def_property_readonly("rank", [](PythonEngine& e) { return e.engine().rank(); })
       .def_property_readonly("num_ranks", [](PythonEngine& e) { return e.engine().num_ranks(); })

@@ -10,6 +10,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "keel/communicator.hpp"
@@ -142,6 +143,19 @@ struct EngineStats {
   Status last_plan_error;                // why the last failed planner run failed
 };
 
+// The engine's own state, for a checkpoint: the placement in force of every layer with its
+// homes, and the epoch. A migration in flight is not part of it: its epoch has not committed, and
+// a restored engine plans again. The load estimates start over.
+struct EngineState {
+  int64_t epoch = 0;
+  std::vector<std::vector<int32_t>> phy2log;  // [layer][num_ranks * slots_per_rank], -1 = empty
+  std::vector<std::vector<int32_t>> home;     // [layer][num_experts]: the rank of each home
+};
+
+// A state as JSON text, and back (errors name the field and the value).
+std::string EngineStateToJson(const EngineState& state);
+Result<EngineState> EngineStateFromJson(std::string_view text);
+
 class Engine {
  public:
   // Collective: every rank creates its engine with the same config and shapes. Fails with a
@@ -205,6 +219,26 @@ class Engine {
   LayerPlacement placement(int layer) const;
   int64_t epoch() const;
   EngineStats stats() const;
+
+  // ---- Checkpoints (docs/integration.md, "Checkpoints")
+  // The placement in force and the epoch; the same on every rank. A migration in flight does not
+  // change it.
+  EngineState SaveState() const;
+  // Collective, before the first Route and before the trainer fills its slots: replaces the
+  // placement of every layer and the epoch with `state`, saved by a job with the same number of
+  // ranks, slots per rank, layers and experts. Every rank passes the same state.
+  Status RestoreState(const EngineState& state);
+  // Writes every expert whose home is on this rank, by logical id and independent of the
+  // placement: `dir`/layer-<l>/expert-<e>.bin holds its weights, then its optimizer state (each
+  // file written whole, then renamed into place). Every rank calls it at the same point, after
+  // StepEnd (the registered slots are read through the engine's device memory, so GPU buffers
+  // work too); a migration in flight does not change what it writes.
+  Status SaveExperts(const std::string& dir) const;
+  // Fills this rank's registered persistent slots from a SaveExperts folder under the placement
+  // in force: every copy gets its expert's weights, every home slot also its optimizer state. The
+  // folder may come from a job with another placement or another number of ranks. Call it after
+  // RegisterSlot (and RestoreState), before the first Route.
+  Status LoadExperts(const std::string& dir);
 
  private:
   class Impl;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -172,12 +173,24 @@ inline Result<Placement> ToPlacement(const LayerPlacement& p) {
                            std::vector<int>(p.home.begin(), p.home.end()));
 }
 
-// Trains `steps` steps of the toy model on this rank; `fabric` is null unless the migration
-// transport is local. With `device`, every slot buffer lives in that device memory; `mine` gets
-// their final contents.
+// Where a run starts and what it does around its steps, for the checkpoint tests: RunRank
+// calls `before_fill` after creating the engine (RestoreState goes there), `after_register` once
+// the slots are filled and registered (LoadExperts), and `after_step` after each StepEnd (true:
+// stop after this step).
+struct RunHooks {
+  int first_step = 0;
+  std::function<Status(Engine&)> before_fill;
+  std::function<Status(Engine&)> after_register;
+  std::function<Result<bool>(Engine&, int step)> after_step;
+};
+
+// Trains steps [hooks.first_step, steps) of the toy model on this rank; `fabric` is null unless
+// the migration transport is local. With `device`, every slot buffer lives in that device memory;
+// `mine` gets their final contents.
 inline Status RunRank(const KeelConfig& config, int steps, Communicator& communicator,
                       LocalFabric* fabric, RankBuffers& mine, RankRecord& record,
-                      Metrics* metrics = nullptr, std::shared_ptr<DeviceMemory> device = nullptr) {
+                      Metrics* metrics = nullptr, std::shared_ptr<DeviceMemory> device = nullptr,
+                      const RunHooks& hooks = {}) {
   const int rank = communicator.rank();
   // The transport outlives the engine, which is declared after it.
   std::unique_ptr<Transport> transport = fabric != nullptr ? fabric->Connect(rank) : nullptr;
@@ -197,6 +210,7 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
   // Declared before the engine, which it outlives.
   SlotMemory slots(device, mine);
   KEEL_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, EngineFactory::Create(options, metrics));
+  if (hooks.before_fill) KEEL_RETURN_IF_ERROR(hooks.before_fill(*engine));
   const int local_slots = engine->local_slots();
   const int slots_per_rank = engine->slots_per_rank();
   record.local_slots = local_slots;
@@ -219,9 +233,15 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
       KEEL_RETURN_IF_ERROR(engine->RegisterSlot(l, i, slot));
     }
   }
+  if (hooks.after_register) {
+    KEEL_RETURN_IF_ERROR(hooks.after_register(*engine));
+    for (size_t index = 0; index < regions; ++index) {
+      KEEL_RETURN_IF_ERROR(slots.Download(index, true, false, true));
+    }
+  }
   record.sent.resize(steps);
   record.recv.resize(steps);
-  for (int step = 0; step < steps; ++step) {
+  for (int step = hooks.first_step; step < steps; ++step) {
     for (auto& g : mine.gradients) std::fill(g.begin(), g.end(), 0);
     for (int l = 0; l < kLayers; ++l) {
       const std::vector<int32_t> ids = RouterIds(step, rank, l);
@@ -279,6 +299,10 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
     }
     KEEL_RETURN_IF_ERROR(engine->StepEnd());
     record.epoch_after_step.push_back(engine->epoch());
+    if (hooks.after_step) {
+      KEEL_ASSIGN_OR_RETURN(const bool stop, hooks.after_step(*engine, step));
+      if (stop) break;
+    }
   }
   for (int l = 0; l < kLayers; ++l) {
     KEEL_ASSIGN_OR_RETURN(Placement placement, ToPlacement(engine->placement(l)));

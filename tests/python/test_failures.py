@@ -1,6 +1,7 @@
-"""What keel.torch does with bad input and with a lost rank: bad tensors, ids, configs and groups
-raise an exception naming the argument and its value; a rank that dies mid-step makes the others
-raise within the collective deadline instead of hanging."""
+"""What keel.torch does with bad input, with a lost rank, and across a checkpoint: bad tensors,
+ids, configs and groups raise an exception naming the argument and its value; a rank that dies
+mid-step makes the others raise within the collective deadline instead of hanging; a checkpoint of
+the engine state and the experts loads into a new engine."""
 
 from __future__ import annotations
 
@@ -129,3 +130,52 @@ def test_a_lost_rank_is_an_error_within_the_deadline(how: str) -> None:
         if how == "stalls":
             assert "TimeoutError" in result["bases"], result  # keel.DeadlineExceededError
         assert result["seconds"] < 3 * DEADLINE, f"rank {rank} took {result['seconds']:.1f} s"
+
+
+def checkpoint_round_trip(rank: int, world: int, folder: str) -> Dict[str, Any]:
+    """Trains 3 steps, checkpoints the engine state and the experts, then loads them into a new
+    KeelMoE with other initial weights; returns what matched and what a bad state raised."""
+    import torch
+    import keel
+    import keel.torch as kt
+
+    config = {"topology": {"num_nodes": 1, "gpus_per_node": world},
+              "slots": {"persistent_per_rank": 4, "transient_per_rank": 0},
+              "policy": {"name": "static"}, "migration": {"transport": "ucx"}}
+    moe = kt.KeelMoE(kt.ffn_expert(8, 16), num_layers=1, num_experts=4, top_k=2, config=config)
+    optimizer = torch.optim.Adam(moe.parameters(), lr=1e-2)
+    moe.attach(optimizer)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randn(16, 8, generator=generator)
+        ids = torch.randint(0, 4, (16, 2), generator=generator)
+        moe.layer(0)(x, ids, torch.full((16, 2), 0.5)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state = moe.engine.save_state()
+    moe.engine.save_experts(folder)
+    trained = [p.detach().clone() for p in moe.parameters()]
+    moe.close()
+
+    fresh = kt.KeelMoE(kt.ffn_expert(8, 16), num_layers=1, num_experts=4, top_k=2,
+                       config=config, seed=12345)
+    differed = any(not torch.equal(a, b) for a, b in zip(trained, fresh.parameters()))
+    fresh.engine.restore_state(state)
+    fresh.engine.load_experts(folder)
+    loaded = all(torch.equal(a, b) for a, b in zip(trained, fresh.parameters()))
+    try:
+        fresh.engine.restore_state('{"keel_engine_state": 1, "epoch": -1}')
+        bad = "NO ERROR"
+    except keel.InvalidArgumentError as error:
+        bad = str(error)
+    fresh.close()
+    return {"differed": differed, "loaded": loaded, "bad": bad,
+            "state_epoch": __import__("json").loads(state)["epoch"]}
+
+
+def test_a_checkpoint_loads_the_trained_experts_into_a_new_engine(tmp_path) -> None:
+    answer = values(run_ranks(checkpoint_round_trip, 1, str(tmp_path / "experts")))[0]
+    assert answer["differed"], "the new engine started from the trained weights already"
+    assert answer["loaded"], "load_experts did not bring back the trained weights"
+    assert answer["state_epoch"] == 0
+    assert "epoch must be an integer >= 0, got -1" in answer["bad"], answer["bad"]

@@ -248,6 +248,29 @@ class Engine:
         moved, seconds in route and control, the last abort's reason."""
         return dict(self._native.stats())
 
+    # --- checkpoints (docs/integration.md, "Checkpoints") ----------------------------------------
+    def save_state(self) -> str:
+        """The placement in force of every layer, every expert's home and the epoch, as JSON
+        text; the same on every rank. A migration in flight is not part of it."""
+        return self._native.save_state()
+
+    def restore_state(self, state: str) -> None:
+        """Collective, before the first route and before filling the slots: the placement and
+        epoch of :meth:`save_state`'s text, from a job of the same shape (same on every rank)."""
+        self._native.restore_state(state)
+
+    def save_experts(self, dir: str) -> None:
+        """Writes every expert whose home is on this rank, by logical id, to
+        ``dir/layer-<l>/expert-<e>.bin`` (weights, then optimizer state). Call it on every rank
+        right after :meth:`step_end`."""
+        self._native.save_experts(dir)
+
+    def load_experts(self, dir: str) -> None:
+        """Fills this rank's registered slots from a :meth:`save_experts` folder under the
+        placement in force: every copy its weights, every home its optimizer state. The folder
+        may come from another placement or number of ranks. Before the first route."""
+        self._native.load_experts(dir)
+
     def close(self) -> None:
         """Cancels a running migration, stops the planner thread and releases the buffers."""
         self._native.close()

@@ -1,0 +1,224 @@
+// Engine checkpoints: the engine's state (placement in force, homes, epoch) as JSON, and every
+// expert's weights and optimizer state by logical id, one file each, so that a checkpoint loads
+// into any placement and any number of ranks.
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "common/file.h"
+#include "engine/engine_impl.h"
+
+namespace keel {
+namespace {
+
+// An expert file: this header, then weight_bytes of weights and optimizer_bytes of optimizer
+// state.
+struct ExpertFileHeader {
+  char magic[8] = {'K', 'E', 'E', 'L', 'E', 'X', 'P', '1'};
+  uint64_t weight_bytes = 0;
+  uint64_t optimizer_bytes = 0;
+};
+static_assert(sizeof(ExpertFileHeader) == 24);
+
+std::string ExpertPath(const std::string& dir, int layer, int expert) {
+  return dir + "/layer-" + std::to_string(layer) + "/expert-" + std::to_string(expert) + ".bin";
+}
+
+Result<std::vector<int32_t>> IntArray(const nlohmann::json& value, const std::string& where) {
+  if (!value.is_array()) return InvalidArgument(where + " must be an array of integers");
+  std::vector<int32_t> out;
+  for (size_t i = 0; i < value.size(); ++i) {
+    const nlohmann::json& v = value[i];
+    if (!v.is_number_integer() || v.get<int64_t>() < -1 || v.get<int64_t>() > INT32_MAX) {
+      return InvalidArgument(where + "[" + std::to_string(i) + "] must be an integer >= -1, got " +
+                             v.dump());
+    }
+    out.push_back(v.get<int32_t>());
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string EngineStateToJson(const EngineState& state) {
+  nlohmann::json out;
+  out["keel_engine_state"] = 1;
+  out["epoch"] = state.epoch;
+  out["phy2log"] = state.phy2log;
+  out["home"] = state.home;
+  return out.dump() + "\n";
+}
+
+Result<EngineState> EngineStateFromJson(std::string_view text) {
+  const nlohmann::json in = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (in.is_discarded() || !in.is_object()) {
+    return InvalidArgument("engine state: not a JSON object");
+  }
+  if (!in.contains("keel_engine_state") || in["keel_engine_state"] != 1) {
+    return InvalidArgument("engine state: keel_engine_state must be 1");
+  }
+  EngineState state;
+  if (!in.contains("epoch") || !in["epoch"].is_number_integer() || in["epoch"].get<int64_t>() < 0) {
+    return InvalidArgument("engine state: epoch must be an integer >= 0, got " +
+                           (in.contains("epoch") ? in["epoch"].dump() : std::string("nothing")));
+  }
+  state.epoch = in["epoch"].get<int64_t>();
+  for (const char* key : {"phy2log", "home"}) {
+    if (!in.contains(key) || !in[key].is_array()) {
+      return InvalidArgument(std::string("engine state: ") + key + " must be an array per layer");
+    }
+  }
+  if (in["phy2log"].size() != in["home"].size()) {
+    return InvalidArgument("engine state: phy2log has " + std::to_string(in["phy2log"].size()) +
+                           " layers, home " + std::to_string(in["home"].size()));
+  }
+  for (size_t l = 0; l < in["phy2log"].size(); ++l) {
+    const std::string layer = "[" + std::to_string(l) + "]";
+    KEEL_ASSIGN_OR_RETURN(std::vector<int32_t> phy2log,
+                          IntArray(in["phy2log"][l], "engine state: phy2log" + layer));
+    KEEL_ASSIGN_OR_RETURN(std::vector<int32_t> home,
+                          IntArray(in["home"][l], "engine state: home" + layer));
+    state.phy2log.push_back(std::move(phy2log));
+    state.home.push_back(std::move(home));
+  }
+  return state;
+}
+
+EngineState Engine::Impl::SaveState() const {
+  EngineState state;
+  state.epoch = stats_.epoch;
+  for (const Placement& p : placements_) {
+    state.phy2log.emplace_back(p.phy2log().begin(), p.phy2log().end());
+    state.home.emplace_back(p.home().begin(), p.home().end());
+  }
+  return state;
+}
+
+Status Engine::Impl::RestoreState(const EngineState& state) {
+  if (stats_.steps > 0 || std::find(routed_.begin(), routed_.end(), true) != routed_.end()) {
+    return FailedPrecondition("RestoreState must come before the first Route");
+  }
+  const int layers = options_.num_layers;
+  if (static_cast<int>(state.phy2log.size()) != layers ||
+      static_cast<int>(state.home.size()) != layers) {
+    return InvalidArgument("engine state has " + std::to_string(state.phy2log.size()) +
+                           " layers of phy2log and " + std::to_string(state.home.size()) +
+                           " of home; this engine has " + std::to_string(layers));
+  }
+  std::vector<Placement> restored;
+  for (int l = 0; l < layers; ++l) {
+    const std::string where = "engine state layer " + std::to_string(l) + ": ";
+    if (static_cast<int>(state.phy2log[l].size()) != num_slots()) {
+      return InvalidArgument(where + "phy2log has " + std::to_string(state.phy2log[l].size()) +
+                             " slots; this engine has " + std::to_string(num_slots()) + " (" +
+                             std::to_string(num_ranks_) + " ranks x " +
+                             std::to_string(slots_per_rank_) +
+                             " slots): restore a state into a job of the same shape, or load "
+                             "only the experts (LoadExperts)");
+    }
+    Result<Placement> p =
+        Placement::Create(options_.num_experts, num_ranks_,
+                          std::vector<int>(state.phy2log[l].begin(), state.phy2log[l].end()),
+                          std::vector<int>(state.home[l].begin(), state.home[l].end()));
+    if (!p.ok()) return InvalidArgument(where + p.status().message());
+    restored.push_back(std::move(*p));
+  }
+  // Every rank must restore the same state, or their placements would diverge.
+  KEEL_ASSIGN_OR_RETURN(std::vector<std::string> states,
+                        communicator_.AllGather(EngineStateToJson(state)));
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (states[r] != states[0]) {
+      return InvalidArgument("rank " + std::to_string(r) +
+                             " restores another engine state than rank 0");
+    }
+  }
+  placements_ = std::move(restored);
+  stats_.epoch = state.epoch;
+  if (metrics_ != nullptr) metrics_->SetEpoch(stats_.epoch);
+  return Status::Ok();
+}
+
+Status Engine::Impl::SaveExperts(const std::string& dir) const {
+  const size_t weight_bytes = options_.shape.weight_bytes;
+  const size_t optimizer_bytes = options_.shape.optimizer_bytes;
+  std::string contents(sizeof(ExpertFileHeader) + weight_bytes + optimizer_bytes, '\0');
+  ExpertFileHeader header;
+  header.weight_bytes = weight_bytes;
+  header.optimizer_bytes = optimizer_bytes;
+  std::memcpy(contents.data(), &header, sizeof(header));
+  auto* data = reinterpret_cast<std::byte*>(contents.data() + sizeof(header));
+  for (int l = 0; l < options_.num_layers; ++l) {
+    std::error_code error;
+    const std::string folder = dir + "/layer-" + std::to_string(l);
+    std::filesystem::create_directories(folder, error);
+    if (error) return IoError("cannot create " + folder + ": " + error.message());
+    for (const HomeSlot& home : HomeSlots(l)) {
+      if (!is_registered_[static_cast<size_t>(l) * local_slots() + home.local_slot]) {
+        return FailedPrecondition("SaveExperts: layer " + std::to_string(l) + " slot " +
+                                  std::to_string(home.local_slot) + " is not registered");
+      }
+      const SlotBuffers& b = Buffers(l, home.local_slot);
+      KEEL_RETURN_IF_ERROR(
+          memory_->Copy(data, static_cast<const std::byte*>(b.weights), weight_bytes));
+      if (optimizer_bytes > 0) {
+        KEEL_RETURN_IF_ERROR(memory_->Copy(
+            data + weight_bytes, static_cast<const std::byte*>(b.optimizer), optimizer_bytes));
+      }
+      KEEL_RETURN_IF_ERROR(WriteFileAtomically(ExpertPath(dir, l, home.expert), contents));
+    }
+  }
+  return Status::Ok();
+}
+
+Status Engine::Impl::LoadExperts(const std::string& dir) {
+  if (stats_.steps > 0 || std::find(routed_.begin(), routed_.end(), true) != routed_.end()) {
+    return FailedPrecondition("LoadExperts must come before the first Route");
+  }
+  const size_t weight_bytes = options_.shape.weight_bytes;
+  const size_t optimizer_bytes = options_.shape.optimizer_bytes;
+  for (int l = 0; l < options_.num_layers; ++l) {
+    const Placement& p = placements_[l];
+    for (int i = 0; i < slots_per_rank_; ++i) {
+      const int slot = rank_ * slots_per_rank_ + i;
+      const int expert = p.expert_at(slot);
+      if (expert < 0) continue;
+      if (!is_registered_[static_cast<size_t>(l) * local_slots() + i]) {
+        return FailedPrecondition("LoadExperts: layer " + std::to_string(l) + " slot " +
+                                  std::to_string(i) + " is not registered");
+      }
+      const std::string path = ExpertPath(dir, l, expert);
+      KEEL_ASSIGN_OR_RETURN(std::string contents, ReadFile(path));
+      ExpertFileHeader header;
+      if (contents.size() >= sizeof(header)) std::memcpy(&header, contents.data(), sizeof(header));
+      if (contents.size() < sizeof(header) ||
+          std::memcmp(header.magic, ExpertFileHeader{}.magic, sizeof(header.magic)) != 0) {
+        return InvalidArgument(path + ": not a Keel expert file");
+      }
+      if (header.weight_bytes != weight_bytes || header.optimizer_bytes != optimizer_bytes ||
+          contents.size() != sizeof(header) + weight_bytes + optimizer_bytes) {
+        return InvalidArgument(path + ": holds " + std::to_string(header.weight_bytes) +
+                               " bytes of weights and " + std::to_string(header.optimizer_bytes) +
+                               " of optimizer state in " + std::to_string(contents.size()) +
+                               " bytes; this engine's shape has " + std::to_string(weight_bytes) +
+                               " and " + std::to_string(optimizer_bytes));
+      }
+      const auto* data = reinterpret_cast<const std::byte*>(contents.data() + sizeof(header));
+      const SlotBuffers& b = Buffers(l, i);
+      KEEL_RETURN_IF_ERROR(memory_->Copy(static_cast<std::byte*>(b.weights), data, weight_bytes));
+      if (optimizer_bytes > 0 && p.home_slot(expert) == slot) {
+        KEEL_RETURN_IF_ERROR(memory_->Copy(static_cast<std::byte*>(b.optimizer),
+                                           data + weight_bytes, optimizer_bytes));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+EngineState Engine::SaveState() const { return impl_->SaveState(); }
+Status Engine::RestoreState(const EngineState& state) { return impl_->RestoreState(state); }
+Status Engine::SaveExperts(const std::string& dir) const { return impl_->SaveExperts(dir); }
+Status Engine::LoadExperts(const std::string& dir) { return impl_->LoadExperts(dir); }
+
+}  // namespace keel
