@@ -102,6 +102,7 @@ class Engine::Impl {
     return copy < num_slots() ? copy : transient_slot[copy - num_slots()];
   }
   std::vector<int> TransientSlots(const StepRouting& routing) const;
+  Status CheckAllRegistered() const;
   Status CheckRoutable(int layer) const;
   // Route's collective part: all-reduces the counts (`mine`: [num_experts] this rank's), plans
   // the quotas and transients, fills transient slots; returns all but `slot` and `send_counts`.

@@ -234,6 +234,7 @@ Status Engine::Impl::CheckPlannerWatchdog(double slowest_seconds) {
 }
 
 Status Engine::Impl::StepEnd() {
+  KEEL_RETURN_IF_ERROR(CheckAllRegistered());
   const auto start = std::chrono::steady_clock::now();
   KEEL_RETURN_IF_ERROR(PushWeights());
   KEEL_RETURN_IF_ERROR(RecordStep());

@@ -12,6 +12,7 @@
 namespace keel {
 
 Status Engine::Impl::ReduceGradients() {
+  KEEL_RETURN_IF_ERROR(CheckAllRegistered());
   const auto start = std::chrono::steady_clock::now();
   bool commit = false;
   KEEL_RETURN_IF_ERROR(ResolveMigration(commit));

@@ -40,16 +40,22 @@ std::vector<int> Engine::Impl::TransientSlots(const StepRouting& routing) const 
   return slot;
 }
 
-Status Engine::Impl::CheckRoutable(int layer) const {
-  if (layer < 0 || layer >= options_.num_layers) {
-    return InvalidArgument("layer = " + std::to_string(layer) + " is not in [0, " +
-                           std::to_string(options_.num_layers) + ")");
-  }
+// Route, ReduceGradients and StepEnd read and write every slot's buffers.
+Status Engine::Impl::CheckAllRegistered() const {
   if (registered_ != static_cast<int>(buffers_.size())) {
     return FailedPrecondition("only " + std::to_string(registered_) + " of " +
                               std::to_string(buffers_.size()) +
                               " slots are registered; register every slot of every layer first");
   }
+  return Status::Ok();
+}
+
+Status Engine::Impl::CheckRoutable(int layer) const {
+  if (layer < 0 || layer >= options_.num_layers) {
+    return InvalidArgument("layer = " + std::to_string(layer) + " is not in [0, " +
+                           std::to_string(options_.num_layers) + ")");
+  }
+  KEEL_RETURN_IF_ERROR(CheckAllRegistered());
   if (routed_[layer]) {
     return FailedPrecondition("layer " + std::to_string(layer) +
                               " was already routed this step; call StepEnd first");

@@ -575,6 +575,27 @@ TEST(EngineTest, PlannerWatchdogFailsEveryRankAtTheSameStepOnce) {
       << text;
 }
 
+// Found by the C API fuzzer: StepEnd before every slot was registered copied replica weights
+// from a null pointer. ReduceGradients and StepEnd now refuse, like Route.
+TEST(EngineTest, StepsRefuseSlotsThatAreNotRegistered) {
+  std::unique_ptr<LocalGroup> group = MakeGroup(1);
+  auto communicator = testing::ValueOrDie(group->Join(0));
+  KeelConfig config = OneRankStaticConfig();
+  config.policy.name = "velb";  // replicas from the start: StepEnd pushes weights
+  config.slots.persistent_per_rank = kExperts + 2;
+  auto engine =
+      testing::ValueOrDie(Engine::Create(SmallOptions(config, 1, communicator.get(), group.get())));
+  std::vector<std::byte> buffer(8);
+  ASSERT_TRUE(engine->RegisterSlot(0, 0, {buffer.data(), buffer.data(), buffer.data()}).ok());
+  for (const Status& status : {engine->StepEnd(), engine->ReduceGradients()}) {
+    EXPECT_EQ(status.code(), StatusCode::kFailedPrecondition) << status.ToString();
+    EXPECT_NE(status.message().find("only 1 of " + std::to_string(kExperts + 2) +
+                                    " slots are registered"),
+              std::string::npos)
+        << status.ToString();
+  }
+}
+
 TEST(EngineTest, RouteCountsRejectsBadCountsNamingThem) {
   std::unique_ptr<LocalGroup> group = MakeGroup(1);
   auto communicator = testing::ValueOrDie(group->Join(0));

@@ -3,14 +3,15 @@
 # (tests/fuzz/seeds/<target>, and configs/ for the config loader). New inputs go to a scratch
 # corpus that is removed afterwards; a crash, hang or sanitizer report is saved as
 # BUILD/fuzz/artifacts/<target>-crash-* (reproduce: BUILD/fuzz/<target>_fuzz FILE) and fails the run.
-# Usage: tests/fuzz/run.sh BUILD [SECONDS] [TARGET...]   (default 30 s; targets config trace plan)
+# Usage: tests/fuzz/run.sh BUILD [SECONDS] [TARGET...]   (default 30 s; targets config trace plan
+#        c_api)
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=${1:?usage: tests/fuzz/run.sh BUILD [SECONDS] [TARGET...]}
 seconds=${2:-30}
 shift $(($# < 2 ? $# : 2))
 targets=("$@")
-[ ${#targets[@]} -eq 0 ] && targets=(config trace plan)
+[ ${#targets[@]} -eq 0 ] && targets=(config trace plan c_api)
 mkdir -p "$build/fuzz/artifacts"
 status=0
 for target in "${targets[@]}"; do
