@@ -240,9 +240,11 @@ class ExchangeLoop {
                               reinterpret_cast<const std::byte*>(&view), sizeof(View));
       if (posted.ok()) sends.push_back(*posted);  // a peer that cannot be told keeps its view
     }
-    // `view` must outlive the sends: wait for them, then cancel what a lost peer left open.
+    // `view` must outlive the sends: wait for them (small messages leave at once; a peer that
+    // is gone or cut off never takes them), then cancel what is left.
+    const auto sent_by = std::min(deadline, Clock::now() + std::chrono::milliseconds(100));
     int idle = 0;
-    while (!sends.empty() && Clock::now() < deadline && !Cancelled()) {
+    while (!sends.empty() && Clock::now() < sent_by && !Cancelled()) {
       transport_.Progress();
       bool busy = false;
       for (size_t i = 0; i < sends.size();) {

@@ -10,6 +10,12 @@
 //              votes-in        every verdict is in, before the ranks agree
 //              mid-agreement   a coordinator (rank 0 or 1) after its view went to one peer
 //              decided         the outcome is agreed, before the switch (commit or discard)
+//   linkcut  --plans epochs in a row over one store, each from the placement in force to a
+//            random one, slowed by a bandwidth cap; an outside script cuts a rank's network link
+//            mid-run and restores it (tests/migration/netns_hosts.sh). Every rank writes each
+//            epoch's outcome to --dir/outcomes.<rank>; epochs must agree everywhere, the last
+//            ones must commit, and the slots must end byte-exact for the last placement
+//   agree    (below)
 //            every survivor must end the epoch the same way (the launcher compares), within the
 //            deadline and the agreement's grace, naming the victim when it aborts; then the
 //            survivors migrate among themselves, byte-exact
@@ -266,6 +272,65 @@ int RunFault(Transport& transport, const Args& args) {
   Check(LiveChecksum(store) == before, "old state intact", me);
 
   RunSurvivorEpoch(transport, store, setup.from, setup.layout, topology, /*lost=*/1, 2);
+  return failures == 0 ? 0 : 1;
+}
+
+// The linkcut scenario: epochs over one store until --plans ran; an epoch that aborts keeps
+// the placement in force, one that commits moves to its target. The rank announces each epoch's
+// start in `dir` (started.<epoch>) so that the script can cut a link mid-run.
+int RunLinkCut(Transport& transport, const Args& args) {
+  const int me = transport.rank();
+  const Topology topology = MakeTopology(transport.num_ranks());
+  std::mt19937_64 rng(99);  // the same on every rank: the plans agree
+  const ExpertLayout layout{.weight_bytes = 1 << 20, .optimizer_bytes = 1 << 20};
+  std::vector<Placement> now = {RandomPlacement(rng, 8, transport.num_ranks(), 3)};
+  ExpertStore store = ValueOrDie(ExpertStore::Create(me, now, layout));
+  FillStore(store, now);
+  MigrationConfig config;
+  config.chunk_bytes = 256 << 10;
+  config.bandwidth_cap_gb_per_s = 0.02;  // about 0.2 s per epoch
+  config.deadline_seconds = args.deadline;
+  std::FILE* outcomes = std::fopen((args.dir + "/outcomes." + std::to_string(me)).c_str(), "w");
+  Check(outcomes != nullptr, "outcomes file", me);
+  if (outcomes == nullptr) return 1;
+  int trailing_commits = 0;
+  for (int epoch = 1; epoch <= args.plans; ++epoch) {
+    std::vector<Placement> to = {RandomPlacement(rng, 8, transport.num_ranks(), 3)};
+    auto plan =
+        std::make_shared<TransferPlan>(ValueOrDie(PlanTransfers(now, to, topology, layout)));
+    if (me == 0) {
+      std::FILE* started =
+          std::fopen((args.dir + "/started." + std::to_string(epoch)).c_str(), "w");
+      if (started != nullptr) std::fclose(started);
+    }
+    auto migrator = ValueOrDie(Migrator::Create(transport, store, config));
+    const auto start = Clock::now();
+    Status status = migrator->Start(static_cast<uint64_t>(epoch), plan);
+    if (status.ok()) status = migrator->Wait();
+    const double seconds = Since(start);
+    // The deadline, the agreement's two graces (2 x 0.4 s at a 2 s deadline), and up to a second
+    // more on the cut-off rank: UCX takes that long to post a send to a host it cannot reach.
+    Check(seconds < args.deadline + 2.0,
+          "epoch " + std::to_string(epoch) + " took " + std::to_string(seconds) + " s", me);
+    if (status.ok()) {
+      Check(migrator->Commit(to).ok(), "commit", me);
+      now = to;
+      ++trailing_commits;
+    } else {
+      trailing_commits = 0;
+      Check(CheckStore(store, now).empty(), "an aborted epoch changed the slots", me);
+    }
+    std::fprintf(outcomes, "%d %s %.2f %s\n", epoch, status.ok() ? "commit" : "abort", seconds,
+                 status.ok() ? "" : status.message().c_str());
+    std::fflush(outcomes);
+    // Let the network settle between epochs, as training steps would.
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  std::fclose(outcomes);
+  const std::string diff = CheckStore(store, now);
+  Check(diff.empty(), "final slots: " + diff, me);
+  Check(trailing_commits >= 3,
+        "the last 3 epochs must commit, " + std::to_string(trailing_commits) + " did", me);
   return failures == 0 ? 0 : 1;
 }
 
@@ -529,6 +594,7 @@ int Main(int argc, char** argv) {
   if (args.scenario == "random") return RunRandom(**transport, *comm, args);
   if (args.scenario == "killed" || args.scenario == "stalled") return RunFault(**transport, args);
   if (args.scenario == "agree") return RunAgree(**transport, args);
+  if (args.scenario == "linkcut") return RunLinkCut(**transport, args);
   std::fprintf(stderr, "unknown scenario %s\n", args.scenario.c_str());
   return 2;
 }

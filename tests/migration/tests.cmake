@@ -81,6 +81,14 @@ foreach(_tls sm tcp)
   endforeach()
 endforeach()
 
+# Four hosts in network namespaces joined by veth pairs, a link cut mid-migration and restored
+# (needs root; skips otherwise).
+add_test(NAME migration.netns_link_cut
+         COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/netns_hosts.sh
+                 $<TARGET_FILE:keel_migration_multiprocess>)
+set_tests_properties(migration.netns_link_cut PROPERTIES
+    ENVIRONMENT "${_mig_lsan}" SKIP_RETURN_CODE 77 TIMEOUT 120 PROCESSORS 2)
+
 foreach(_tls sm tcp)
   foreach(_scenario killed stalled)
     add_test(NAME migration.fault_${_scenario}_peer_${_tls}
