@@ -3,10 +3,21 @@
 // the same steps, every row sent where its owner expected it, every copy and home exactly the
 // reference. Exit status 0 only when every check passed on this rank. With "guarded" as the third
 // argument every slot buffer lives in guarded device memory (CreateGuardedHostMemory).
+//
+// Flags after the three arguments, for the multi-host test (tests/engine/netns_engine.sh):
+//   --deadline S       migration.deadline_seconds (default 10)
+//   --step-seconds S   sleep after each StepEnd, as a real step's compute would take
+//   --marks DIR        rank 0 creates DIR/step.<step> after each StepEnd, for a script that
+//                      cuts a link at a given step
+//   --expect-abort     at least one epoch must abort, and a later one commit
 #include <mpi.h>
 
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
+#include <thread>
 
 #include "tests/engine/toy_trainer.h"
 
@@ -23,7 +34,14 @@ std::vector<int64_t> FromBytes(const std::string& bytes) {
   return values;
 }
 
-Status Main(const std::string& policy, int steps, const std::string& memory) {
+struct Flags {
+  double deadline = 10;
+  double step_seconds = 0;
+  std::string marks;
+  bool expect_abort = false;
+};
+
+Status Main(const std::string& policy, int steps, const std::string& memory, const Flags& flags) {
   KEEL_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> communicator, CreateMpiCommunicator());
   if (communicator->size() != kRanks) {
     return InvalidArgument("run with mpirun -np " + std::to_string(kRanks));
@@ -31,6 +49,7 @@ Status Main(const std::string& policy, int steps, const std::string& memory) {
   const int rank = communicator->rank();
   KeelConfig config = TestConfig(policy);
   config.migration.transport = "ucx";
+  config.migration.deadline_seconds = flags.deadline;
   std::shared_ptr<DeviceMemory> device;
   if (memory == "guarded") {
     KEEL_ASSIGN_OR_RETURN(device, CreateGuardedHostMemory());
@@ -39,8 +58,22 @@ Status Main(const std::string& policy, int steps, const std::string& memory) {
   }
   RankBuffers buffers;
   RankRecord record;
+  RunHooks hooks;
+  std::optional<int64_t> committed_at_abort;  // epochs committed when the first one aborted
+  hooks.after_step = [&](Engine& engine, int step) -> Result<bool> {
+    const EngineStats stats = engine.stats();
+    if (rank == 0 && !flags.marks.empty()) {
+      std::FILE* mark = std::fopen((flags.marks + "/step." + std::to_string(step)).c_str(), "w");
+      if (mark != nullptr) std::fclose(mark);
+    }
+    if (stats.epochs_aborted > 0 && !committed_at_abort) {
+      committed_at_abort = stats.epochs_committed;
+    }
+    std::this_thread::sleep_for(std::chrono::duration<double>(flags.step_seconds));
+    return false;
+  };
   KEEL_RETURN_IF_ERROR(
-      RunRank(config, steps, *communicator, nullptr, buffers, record, nullptr, device));
+      RunRank(config, steps, *communicator, nullptr, buffers, record, nullptr, device, hooks));
   KEEL_RETURN_IF_ERROR(CheckAgainstReference(rank, buffers, record, ComputeReference(steps)));
 
   KEEL_ASSIGN_OR_RETURN(std::vector<std::string> epochs,
@@ -57,6 +90,12 @@ Status Main(const std::string& policy, int steps, const std::string& memory) {
   }
   if (policy == "keel" && record.stats.epochs_committed < 1) {
     return Internal("the keel policy committed no epoch on the skewed load");
+  }
+  if (flags.expect_abort) {
+    if (record.stats.epochs_aborted < 1) return Internal("no epoch aborted");
+    if (record.stats.epochs_committed <= committed_at_abort.value_or(0)) {
+      return Internal("no epoch committed after the aborted one");
+    }
   }
   std::printf(
       "rank %d (%s memory): %d steps, epoch %lld, %lld committed, %lld aborted, %llu bytes moved\n",
@@ -75,7 +114,28 @@ int main(int argc, char** argv) {
   const std::string policy = argc > 1 ? argv[1] : "keel";
   const int steps = argc > 2 ? std::atoi(argv[2]) : 24;
   const std::string memory = argc > 3 ? argv[3] : "host";
-  const keel::Status status = keel::toy::Main(policy, steps, memory);
+  keel::toy::Flags flags;
+  for (int i = 4; i < argc; ++i) {
+    const std::string flag = argv[i];
+    const char* value = i + 1 < argc ? argv[i + 1] : "";
+    if (flag == "--expect-abort") {
+      flags.expect_abort = true;
+      continue;
+    }
+    if (flag == "--deadline") {
+      flags.deadline = std::atof(value);
+    } else if (flag == "--step-seconds") {
+      flags.step_seconds = std::atof(value);
+    } else if (flag == "--marks") {
+      flags.marks = value;
+    } else {
+      std::fprintf(stderr, "engine_mpi: unknown flag %s\n", flag.c_str());
+      MPI_Finalize();
+      return 2;
+    }
+    ++i;
+  }
+  const keel::Status status = keel::toy::Main(policy, steps, memory, flags);
   if (!status.ok()) std::fprintf(stderr, "engine_mpi: %s\n", status.ToString().c_str());
   MPI_Finalize();
   return status.ok() ? 0 : 1;

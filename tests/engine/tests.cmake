@@ -45,4 +45,10 @@ if(KEEL_WITH_MPI AND KEEL_WITH_UCX AND KEEL_MPIRUN)
           TIMEOUT 180 PROCESSORS 2)
     endforeach()
   endforeach()
+  # Four hosts in network namespaces (MPI on a management network, UCX on a data network whose
+  # link to host 1 is cut for 3 s mid-training); needs root, skips otherwise.
+  add_test(NAME engine.netns_data_link_cut
+           COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/netns_engine.sh $<TARGET_FILE:keel_engine_mpi>)
+  set_tests_properties(engine.netns_data_link_cut PROPERTIES
+      ENVIRONMENT "${_engine_lsan}" SKIP_RETURN_CODE 77 TIMEOUT 180 PROCESSORS 2)
 endif()

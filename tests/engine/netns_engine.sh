@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The engine across 4 "hosts" on one machine: network namespaces, each with two links to two
+# bridges in a fifth namespace: a data network (10.77.<n>.1-4, UCX, which moves the experts) and
+# a management network (10.78.<n>.1-4, MPI and its launcher, which also has a leg there, .100).
+# mpirun starts one rank of keel_engine_mpi in each host (its rsh agent is `ip netns exec`, not
+# ssh). The ranks train the toy model; from step 6 on, host 1's data link goes down for 3 s and
+# comes back, while MPI keeps the steps going. The program then checks, on every rank: an epoch
+# aborted and a later one committed; epochs switched at the same steps everywhere; every row
+# went where its owner expected; every copy and home equals the engine-free reference, i.e. the
+# fault-free run, bit for bit.
+# $1: keel_engine_mpi. Exit 77 (skip) without root, namespaces or mpirun.
+set -uo pipefail
+name=netns_engine
+program=${1:?usage: netns_engine.sh KEEL_ENGINE_MPI}
+skip() { echo "$name: skipped: $*" >&2; exit 77; }
+[ "$(id -u)" -eq 0 ] || skip "needs root to create network namespaces"
+command -v ip >/dev/null || skip "no ip(8) (iproute2)"
+command -v mpirun >/dev/null || skip "no mpirun"
+prefix=keelmpi$$
+subnet=$(( $$ % 200 + 20 ))
+ip netns add "${prefix}sw" 2>/dev/null || skip "cannot create a network namespace"
+work=$(mktemp -d "${TMPDIR:-/tmp}/keel-netns-engine-XXXXXX")
+launcher=
+cleanup() {
+  [ -n "$launcher" ] && kill -9 "$launcher" 2>/dev/null
+  ip link del "r${prefix}" 2>/dev/null
+  for h in 0 1 2 3; do ip netns del "${prefix}h$h" 2>/dev/null; done
+  ip netns del "${prefix}sw" 2>/dev/null
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+set -e
+for bridge in data mgmt; do
+  ip -n "${prefix}sw" link add "$bridge" type bridge
+  ip -n "${prefix}sw" link set "$bridge" up
+done
+for h in 0 1 2 3; do
+  ip netns add "${prefix}h$h"
+  ip -n "${prefix}h$h" link set lo up
+  for leg in data:77:eth0 mgmt:78:mgmt0; do
+    IFS=: read -r bridge net device <<<"$leg"
+    ip link add "${bridge:0:1}${prefix}h$h" type veth peer name "$device" netns "${prefix}h$h"
+    ip link set "${bridge:0:1}${prefix}h$h" netns "${prefix}sw"
+    ip -n "${prefix}sw" link set "${bridge:0:1}${prefix}h$h" master "$bridge" up
+    ip -n "${prefix}h$h" addr add "10.$net.$subnet.$((h + 1))/24" dev "$device"
+    ip -n "${prefix}h$h" link set "$device" up
+  done
+done
+ip link add "r${prefix}" type veth peer name launcher netns "${prefix}sw"
+ip -n "${prefix}sw" link set launcher master mgmt up
+ip addr add "10.78.$subnet.100/24" dev "r${prefix}"
+ip link set "r${prefix}" up
+set +e
+
+# mpirun's "ssh": host 10.77.S.N runs the command in namespace h(N-1).
+cat >"$work/agent.sh" <<AGENT
+#!/bin/sh
+host=\$1; shift
+exec ip netns exec "${prefix}h\$((\${host##*.} - 1))" /bin/sh -c "\$*"
+AGENT
+chmod +x "$work/agent.sh"
+net="10.78.$subnet.0/24"
+hosts="10.78.$subnet.1,10.78.$subnet.2,10.78.$subnet.3,10.78.$subnet.4"
+OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+  mpirun -np 4 -H "$hosts" --mca plm_rsh_agent "$work/agent.sh" --mca plm_rsh_no_tree_spawn 1 \
+  --mca routed direct --mca oob_tcp_if_include "$net" --mca btl self,tcp \
+  --mca btl_tcp_if_include "$net" --mca pml ob1 -x UCX_TLS=tcp -x UCX_NET_DEVICES=eth0 \
+  -x LSAN_OPTIONS -x ASAN_OPTIONS \
+  "$program" keel 40 host --deadline 2 --step-seconds 0.1 --marks "$work" \
+  --expect-abort >"$work/run.log" 2>&1 &
+launcher=$!
+for _ in $(seq 1200); do
+  [ -e "$work/step.6" ] && break
+  kill -0 "$launcher" 2>/dev/null || break
+  sleep 0.05
+done
+if [ -e "$work/step.6" ]; then
+  ip -n "${prefix}sw" link set "d${prefix}h1" down
+  echo "$name: host 1's data link cut after step 6"
+  sleep 3
+  ip -n "${prefix}sw" link set "d${prefix}h1" up
+  echo "$name: host 1's data link restored"
+else
+  echo "$name: the ranks never reached step 6" >&2
+fi
+wait "$launcher"
+status=$?
+launcher=
+grep -v "UCX  WARN\|UCX  ERROR" "$work/run.log" | tail -n 12
+[ "$status" -eq 0 ] && echo "$name: ok" || echo "$name: FAILED (mpirun exit $status)" >&2
+exit "$status"
