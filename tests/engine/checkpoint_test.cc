@@ -195,16 +195,7 @@ TEST(CheckpointTest, LoadsIntoAnotherRankCountAndPlacement) {
     threads.emplace_back([&, r] {
       status[r] = [&]() -> Status {
         KEEL_ASSIGN_OR_RETURN(auto communicator, group->Join(r));
-        EngineOptions options;
-        options.config = MakeConfig(config);
-        options.num_layers = kLayers;
-        options.num_experts = kExperts;
-        options.top_k = kTopK;
-        options.shape.weight_bytes = kWeightWords * sizeof(float);
-        options.shape.gradient_bytes = kWeightWords * sizeof(int64_t);
-        options.shape.optimizer_bytes = kWeightWords * sizeof(double);
-        options.shape.gradient_type = GradientType::kFixedInt64;
-        options.communicator = communicator.get();
+        EngineOptions options = ToyOptions(config, *communicator);
         options.local_group = group.get();
         KEEL_ASSIGN_OR_RETURN(auto engine, Engine::Create(options));
         // A restored state of another shape is refused by name.

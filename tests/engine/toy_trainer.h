@@ -173,6 +173,21 @@ inline Result<Placement> ToPlacement(const LayerPlacement& p) {
                            std::vector<int>(p.home.begin(), p.home.end()));
 }
 
+// The toy model's engine options for this rank: its layers, experts and slot regions.
+inline EngineOptions ToyOptions(const KeelConfig& config, Communicator& communicator) {
+  EngineOptions options;
+  options.config = MakeConfig(config);
+  options.num_layers = kLayers;
+  options.num_experts = kExperts;
+  options.top_k = kTopK;
+  options.shape.weight_bytes = kWeightWords * sizeof(float);
+  options.shape.gradient_bytes = kWeightWords * sizeof(int64_t);
+  options.shape.optimizer_bytes = kWeightWords * sizeof(double);
+  options.shape.gradient_type = GradientType::kFixedInt64;
+  options.communicator = &communicator;
+  return options;
+}
+
 // Where a run starts and what it does around its steps, for the checkpoint tests: RunRank
 // calls `before_fill` after creating the engine (RestoreState goes there), `after_register` once
 // the slots are filled and registered (LoadExperts), and `after_step` after each StepEnd (true:
@@ -194,18 +209,9 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
   const int rank = communicator.rank();
   // The transport outlives the engine, which is declared after it.
   std::unique_ptr<Transport> transport = fabric != nullptr ? fabric->Connect(rank) : nullptr;
-  EngineOptions options;
-  options.config = MakeConfig(config);
-  options.num_layers = kLayers;
-  options.num_experts = kExperts;
-  options.top_k = kTopK;
-  options.shape.weight_bytes = kWeightWords * sizeof(float);
-  options.shape.gradient_bytes = kWeightWords * sizeof(int64_t);
-  options.shape.optimizer_bytes = kWeightWords * sizeof(double);
-  options.shape.gradient_type = GradientType::kFixedInt64;
+  EngineOptions options = ToyOptions(config, communicator);
   options.shape.memory = device != nullptr ? MemoryKind::kDevice : MemoryKind::kHost;
   options.device_memory = device;
-  options.communicator = &communicator;
   options.transport = transport.get();
   // Declared before the engine, which it outlives.
   SlotMemory slots(device, mine);

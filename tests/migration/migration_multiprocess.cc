@@ -232,12 +232,18 @@ void RunSurvivorEpoch(Transport& transport, ExpertStore& store, const std::vecto
               static_cast<unsigned long long>(epoch), plan->total_bytes());
 }
 
+// This rank's slots of `setup`'s starting placement, filled.
+ExpertStore FaultStore(int me, const FaultSetup& setup) {
+  ExpertStore store = ValueOrDie(ExpertStore::Create(me, setup.from, setup.layout));
+  FillStore(store, setup.from);
+  return store;
+}
+
 int RunFault(Transport& transport, const Args& args) {
   const int me = transport.rank();
   const Topology topology = MakeTopology(transport.num_ranks());
   FaultSetup setup = MakeFaultSetup(topology);
-  ExpertStore store = ValueOrDie(ExpertStore::Create(me, setup.from, setup.layout));
-  FillStore(store, setup.from);
+  ExpertStore store = FaultStore(me, setup);
   const uint64_t before = LiveChecksum(store);
   MigrationConfig config;
   config.chunk_bytes = 256 << 10;
@@ -363,8 +369,7 @@ int RunAgree(Transport& transport, const Args& args) {
   const int me = transport.rank();
   const Topology topology = MakeTopology(transport.num_ranks());
   FaultSetup setup = MakeFaultSetup(topology);
-  ExpertStore store = ValueOrDie(ExpertStore::Create(me, setup.from, setup.layout));
-  FillStore(store, setup.from);
+  ExpertStore store = FaultStore(me, setup);
   MigrationConfig config;
   config.chunk_bytes = 1 << 20;
   config.deadline_seconds = args.deadline;
