@@ -41,6 +41,10 @@ Status Engine::Impl::ResolveMigration(bool& commit) {
     ++stats_.epochs_aborted;
     stats_.last_abort = status;
     pending_.clear();
+    if (aggregating()) {
+      KEEL_LOG_WARN("%s; training goes on with epoch %lld", status.message().c_str(),
+                    static_cast<long long>(stats_.epoch));
+    }
   }
   if (metrics_ != nullptr) {
     metrics_->RecordMigration(commit ? MigrationOutcome::kOk : MigrationOutcome::kAborted,
