@@ -262,6 +262,10 @@ class ExchangeLoop {
   }
 
   void ReceiveView(size_t round, int coordinator, Clock::time_point deadline) {
+    if (failed_peers_[coordinator]) {  // the transport already said it is gone: no wait
+      lost_.push_back(coordinator);
+      return;
+    }
     View view;
     Result<RequestId> posted =
         transport_.PostRecv(coordinator, Tag(Kind::kAgreement, round, coordinator),
@@ -578,6 +582,7 @@ class ExchangeLoop {
       pending_[i] = pending_.back();
       pending_.pop_back();
       if (!done->ok()) {
+        failed_peers_[finished.peer] = true;
         Fail(Label(finished) + done->message(), done->code());
         break;
       }
@@ -786,6 +791,7 @@ class ExchangeLoop {
   bool verdict_sent_ = false;
   std::optional<Status> failure_;
   std::vector<int> lost_;  // coordinators that did not answer while the ranks agreed
+  std::vector<bool> failed_peers_ = std::vector<bool>(num_ranks_);  // a request with them failed
   bool tell_peers_ = true;
 };
 

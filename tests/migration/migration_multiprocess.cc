@@ -14,7 +14,8 @@
 //            random one, slowed by a bandwidth cap; an outside script cuts a rank's network link
 //            mid-run and restores it (tests/migration/netns_hosts.sh). Every rank writes each
 //            epoch's outcome to --dir/outcomes.<rank>; epochs must agree everywhere, the last
-//            ones must commit, and the slots must end byte-exact for the last placement
+//            ones must commit, and the slots must end byte-exact for the last placement; after
+//            an aborted epoch the ranks wait for --dir/restored before the next one
 //   agree    (below)
 //            every survivor must end the epoch the same way (the launcher compares), within the
 //            deadline and the agreement's grace, naming the victim when it aborts; then the
@@ -325,6 +326,13 @@ int RunLinkCut(Transport& transport, const Args& args) {
     } else {
       trailing_commits = 0;
       Check(CheckStore(store, now).empty(), "an aborted epoch changed the slots", me);
+      // The next epoch waits for the script to bring the link back (it creates `restored`):
+      // UCX 1.13 aborts a process whose TCP connection breaks while it is being wired up
+      // (wireup_ep.c:241, "pending_count == 0"), which a new epoch's reconnect to the cut-off
+      // host could hit while the link comes and goes.
+      for (int i = 0; i < 600 && !std::filesystem::exists(args.dir + "/restored"); ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
     }
     std::fprintf(outcomes, "%d %s %.2f %s\n", epoch, status.ok() ? "commit" : "abort", seconds,
                  status.ok() ? "" : status.message().c_str());
