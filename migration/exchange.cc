@@ -33,7 +33,8 @@ uint64_t MakeTag(ExchangeChannel channel, Kind kind, uint64_t epoch, uint64_t it
 struct Verdict {
   uint32_t code = 0;
   uint32_t length = 0;
-  char message[504] = {};
+  int32_t lost_peer = -1;  // a rank the sender knows is gone, else -1
+  char message[500] = {};
 };
 static_assert(sizeof(Verdict) == 512);
 
@@ -48,8 +49,9 @@ Status StatusOf(const Verdict& v) {
                 std::string(v.message, std::min<size_t>(v.length, sizeof(v.message))));
 }
 
-Verdict MakeVerdict(const Status& status) {
+Verdict MakeVerdict(const Status& status, int lost_peer) {
   Verdict v;
+  v.lost_peer = lost_peer;
   v.code = static_cast<uint32_t>(status.code());
   v.length = static_cast<uint32_t>(std::min(status.message().size(), sizeof(v.message)));
   std::memcpy(v.message, status.message().data(), v.length);
@@ -185,6 +187,21 @@ class ExchangeLoop {
     }
   }
 
+  // A peer this rank knows is gone: one whose request failed here, or one a peer's verdict or
+  // view named. Verdicts and views carry it, so that nobody waits for a lost coordinator.
+  int LostPeer() const {
+    for (int rank = 0; rank < num_ranks_; ++rank) {
+      if (failed_peers_[rank]) return rank;
+    }
+    return -1;
+  }
+
+  void LearnLostPeer(const Verdict& v) {
+    if (v.lost_peer >= 0 && v.lost_peer < num_ranks_ && v.lost_peer != me_) {
+      failed_peers_[v.lost_peer] = true;
+    }
+  }
+
   bool Cancelled() const {
     return run_.cancel != nullptr && run_.cancel->load(std::memory_order_relaxed);
   }
@@ -230,7 +247,7 @@ class ExchangeLoop {
   void SendView(size_t round, Clock::time_point deadline) {
     View view;
     view.commit = failure_ ? 0 : 1;
-    if (failure_) view.reason = MakeVerdict(*failure_);
+    view.reason = MakeVerdict(failure_ ? *failure_ : Status::Ok(), LostPeer());
     std::vector<RequestId> sends;
     for (int peer = 0; peer < num_ranks_; ++peer) {
       if (!Peer(peer)) continue;
@@ -240,11 +257,11 @@ class ExchangeLoop {
                               reinterpret_cast<const std::byte*>(&view), sizeof(View));
       if (posted.ok()) sends.push_back(*posted);  // a peer that cannot be told keeps its view
     }
-    // `view` must outlive the sends: wait for them (small messages leave at once; a peer that
-    // is gone or cut off never takes them), then cancel what is left.
-    const auto sent_by = std::min(deadline, Clock::now() + std::chrono::milliseconds(100));
+    // `view` must outlive the sends: wait for them, then cancel what a lost peer left open. A
+    // transport may hold a send until the peer posts its receive, which a peer still waiting out
+    // its votes does late: the sends stay up as long as the receivers wait.
     int idle = 0;
-    while (!sends.empty() && Clock::now() < sent_by && !Cancelled()) {
+    while (!sends.empty() && Clock::now() < deadline && !Cancelled()) {
       transport_.Progress();
       bool busy = false;
       for (size_t i = 0; i < sends.size();) {
@@ -262,7 +279,7 @@ class ExchangeLoop {
   }
 
   void ReceiveView(size_t round, int coordinator, Clock::time_point deadline) {
-    if (failed_peers_[coordinator]) {  // the transport already said it is gone: no wait
+    if (failed_peers_[coordinator]) {  // known to be gone: no wait
       lost_.push_back(coordinator);
       return;
     }
@@ -289,6 +306,7 @@ class ExchangeLoop {
       }
       return;
     }
+    LearnLostPeer(view.reason);
     if (view.commit != 0) {
       failure_.reset();
     } else if (!failure_) {
@@ -596,6 +614,7 @@ class ExchangeLoop {
       if (p.send) return;
       verdict_received_[p.peer] = true;
       const Verdict& v = verdicts_[p.peer];
+      LearnLostPeer(v);
       if (v.code != 0) {
         const Status reason = StatusOf(v);
         Fail("rank " + std::to_string(p.peer) + " reported: " + reason.message(), reason.code(),
@@ -648,7 +667,7 @@ class ExchangeLoop {
   }
 
   void SendVerdicts(const Status& status) {
-    my_verdict_ = MakeVerdict(status);
+    my_verdict_ = MakeVerdict(status, LostPeer());
     verdict_sent_ = true;
     for (int peer = 0; peer < num_ranks_; ++peer) {
       if (!Peer(peer) || verdict_sent_to_[peer]) continue;
@@ -791,7 +810,8 @@ class ExchangeLoop {
   bool verdict_sent_ = false;
   std::optional<Status> failure_;
   std::vector<int> lost_;  // coordinators that did not answer while the ranks agreed
-  std::vector<bool> failed_peers_ = std::vector<bool>(num_ranks_);  // a request with them failed
+  // [rank] known to be gone: a request with it failed, or a verdict or view named it
+  std::vector<bool> failed_peers_ = std::vector<bool>(num_ranks_);
   bool tell_peers_ = true;
 };
 
