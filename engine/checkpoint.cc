@@ -1,6 +1,7 @@
 // Engine checkpoints: the engine's state (placement in force, homes, epoch) as JSON, and every
 // expert's weights and optimizer state by logical id, one file each, so that a checkpoint loads
 // into any placement and any number of ranks.
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -86,6 +87,14 @@ Result<EngineState> EngineStateFromJson(std::string_view text) {
   return state;
 }
 
+// RestoreState and LoadExperts change what the slots hold: only before training starts.
+Status Engine::Impl::BeforeFirstRoute(const char* what) const {
+  if (stats_.steps > 0 || std::find(routed_.begin(), routed_.end(), true) != routed_.end()) {
+    return FailedPrecondition(std::string(what) + " must come before the first Route");
+  }
+  return Status::Ok();
+}
+
 EngineState Engine::Impl::SaveState() const {
   EngineState state;
   state.epoch = stats_.epoch;
@@ -97,9 +106,7 @@ EngineState Engine::Impl::SaveState() const {
 }
 
 Status Engine::Impl::RestoreState(const EngineState& state) {
-  if (stats_.steps > 0 || std::find(routed_.begin(), routed_.end(), true) != routed_.end()) {
-    return FailedPrecondition("RestoreState must come before the first Route");
-  }
+  KEEL_RETURN_IF_ERROR(BeforeFirstRoute("RestoreState"));
   const int layers = options_.num_layers;
   if (static_cast<int>(state.phy2log.size()) != layers ||
       static_cast<int>(state.home.size()) != layers) {
@@ -173,9 +180,7 @@ Status Engine::Impl::SaveExperts(const std::string& dir) const {
 }
 
 Status Engine::Impl::LoadExperts(const std::string& dir) {
-  if (stats_.steps > 0 || std::find(routed_.begin(), routed_.end(), true) != routed_.end()) {
-    return FailedPrecondition("LoadExperts must come before the first Route");
-  }
+  KEEL_RETURN_IF_ERROR(BeforeFirstRoute("LoadExperts"));
   const size_t weight_bytes = options_.shape.weight_bytes;
   const size_t optimizer_bytes = options_.shape.optimizer_bytes;
   for (int l = 0; l < options_.num_layers; ++l) {

@@ -61,6 +61,7 @@ class Engine::Impl {
   Status RestoreState(const EngineState& state);
   Status SaveExperts(const std::string& dir) const;
   Status LoadExperts(const std::string& dir);
+  Status BeforeFirstRoute(const char* what) const;
   int RankOfPhysical(int slot) const {
     return slot < num_slots() ? slot / slots_per_rank_
                               : (slot - num_slots()) / std::max(1, transient_per_rank_);

@@ -87,7 +87,7 @@ struct ItemState {
 
 struct Pending {
   RequestId id = 0;
-  ItemState* item = nullptr;  // nullptr for verdicts
+  ItemState* item = nullptr;  // nullptr for verdicts and views
   Kind kind = Kind::kChunk;
   bool send = false;
   int peer = 0;
@@ -248,34 +248,24 @@ class ExchangeLoop {
     View view;
     view.commit = failure_ ? 0 : 1;
     view.reason = MakeVerdict(failure_ ? *failure_ : Status::Ok(), LostPeer());
-    std::vector<RequestId> sends;
     for (int peer = 0; peer < num_ranks_; ++peer) {
       if (!Peer(peer)) continue;
       Phase(ExchangePhase::kAgreementSend, peer);
       Result<RequestId> posted =
           transport_.PostSend(peer, Tag(Kind::kAgreement, round, me_),
                               reinterpret_cast<const std::byte*>(&view), sizeof(View));
-      if (posted.ok()) sends.push_back(*posted);  // a peer that cannot be told keeps its view
+      // A peer that cannot be told keeps its view.
+      if (posted.ok()) {
+        pending_.push_back(
+            Pending{.id = *posted, .kind = Kind::kAgreement, .send = true, .peer = peer});
+      }
     }
     // `view` must outlive the sends: wait for them, then cancel what a lost peer left open. A
     // transport may hold a send until the peer posts its receive, which a peer still waiting out
     // its votes does late: the sends stay up as long as the receivers wait.
-    int idle = 0;
-    while (!sends.empty() && Clock::now() < deadline && !Cancelled()) {
-      transport_.Progress();
-      bool busy = false;
-      for (size_t i = 0; i < sends.size();) {
-        if (transport_.Test(sends[i])) {
-          sends[i] = sends.back();
-          sends.pop_back();
-          busy = true;
-        } else {
-          ++i;
-        }
-      }
-      Pause(busy, idle);
-    }
-    for (RequestId id : sends) transport_.Cancel(id);
+    WaitForSends(deadline, /*stop_if_cancelled=*/true);
+    for (const Pending& p : pending_) transport_.Cancel(p.id);
+    pending_.clear();
   }
 
   void ReceiveView(size_t round, int coordinator, Clock::time_point deadline) {
@@ -718,41 +708,22 @@ class ExchangeLoop {
     return "the transport did not finish its requests" + limit;
   }
 
-  // Tells the peers (unless they told us), gives those small sends a moment to leave, then
+  // Tells the peers (unless they told us), gives the sends under way a moment to finish, then
   // cancels every request so no buffer is touched after we return.
   void Abort() {
-    if (tell_peers_ && !verdict_sent_) {
-      SendVerdicts(*failure_);
-      const auto grace = Clock::now() + std::chrono::milliseconds(20);
-      while (Clock::now() < grace) {
-        transport_.Progress();
-        bool open = false;
-        for (size_t i = 0; i < pending_.size();) {
-          if (pending_[i].kind == Kind::kVerdict && pending_[i].send) {
-            if (transport_.Test(pending_[i].id)) {
-              pending_[i] = pending_.back();
-              pending_.pop_back();
-              continue;
-            }
-            open = true;
-          }
-          ++i;
-        }
-        if (!open) break;
-      }
-    }
-    DrainSends(std::chrono::milliseconds(200));
+    if (tell_peers_ && !verdict_sent_) SendVerdicts(*failure_);
+    WaitForSends(Clock::now() + std::chrono::milliseconds(200), /*stop_if_cancelled=*/false);
     for (const Pending& p : pending_) transport_.Cancel(p.id);
     pending_.clear();
   }
 
-  // Gives the sends already under way a bounded moment to finish before they are cancelled. A
-  // transport may only be able to stop a send halfway by closing the connection under it (UCX
-  // does), and over TCP the next epoch between the same two ranks could then fail once.
-  void DrainSends(std::chrono::milliseconds limit) {
-    const auto until = Clock::now() + limit;
+  // Gives the sends in pending_ until `until` to finish (or until the caller cancels, with
+  // stop_if_cancelled), dropping those that did. A transport may only be able to stop a send
+  // halfway by closing the connection under it (UCX does), and over TCP the next epoch between
+  // the same two ranks could then fail once; small sends such as verdicts leave at once.
+  void WaitForSends(Clock::time_point until, bool stop_if_cancelled) {
     int idle = 0;
-    while (Clock::now() < until) {
+    while (Clock::now() < until && !(stop_if_cancelled && Cancelled())) {
       transport_.Progress();
       bool open = false;
       bool busy = false;
