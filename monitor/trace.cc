@@ -82,6 +82,56 @@ Result<int64_t> HeaderInt(const nlohmann::json& header, const char* key, const s
   return value;
 }
 
+// A step line's "sequences": [{"group": "law", "tokens": 64, "layers": [[E counts] x L]}, ...].
+Result<std::vector<TraceSequence>> ParseSequences(const nlohmann::json& list,
+                                                  const std::string& where, const Trace& trace) {
+  if (!list.is_array()) return InvalidArgument(where + ": \"sequences\" is not an array");
+  std::vector<TraceSequence> sequences;
+  sequences.reserve(list.size());
+  for (const nlohmann::json& item : list) {
+    const std::string name = where + ": sequence " + std::to_string(sequences.size());
+    if (!item.is_object()) return InvalidArgument(name + " is not a JSON object");
+    TraceSequence sequence;
+    if (auto group = item.find("group"); group != item.end()) {
+      if (!group->is_string()) return InvalidArgument(name + ": \"group\" is not a string");
+      sequence.group = group->get<std::string>();
+    }
+    auto tokens = item.find("tokens");
+    if (tokens == item.end() || !tokens->is_number_integer() || tokens->get<int64_t>() < 0 ||
+        tokens->get<int64_t>() > static_cast<int64_t>(kMaxTokenCount)) {
+      return InvalidArgument(name + ": \"tokens\" is missing or not an integer in [0, 1e15]" +
+                             (tokens == item.end() ? std::string() : ": " + tokens->dump()));
+    }
+    sequence.tokens = tokens->get<int64_t>();
+    auto layers = item.find("layers");
+    if (layers == item.end() || !layers->is_array() ||
+        static_cast<int>(layers->size()) != trace.num_layers) {
+      return InvalidArgument(name + ": \"layers\" must be an array of num_layers (" +
+                             std::to_string(trace.num_layers) + ") rows");
+    }
+    sequence.counts.reserve(static_cast<size_t>(trace.num_layers) * trace.num_experts);
+    int layer = 0;
+    for (const nlohmann::json& row : *layers) {
+      if (!row.is_array() || static_cast<int>(row.size()) != trace.num_experts) {
+        return InvalidArgument(name + ": layer " + std::to_string(layer) + " must hold " +
+                               std::to_string(trace.num_experts) + " counts (num_experts)");
+      }
+      for (const nlohmann::json& count : row) {
+        const double value = count.is_number() ? count.get<double>() : -1.0;
+        if (!(value >= 0.0 && value <= kMaxTokenCount)) {
+          return InvalidArgument(name + ": layer " + std::to_string(layer) + " expert " +
+                                 std::to_string(sequence.counts.size() % trace.num_experts) +
+                                 " is not a count in [0, 1e15]: " + count.dump());
+        }
+        sequence.counts.push_back(value);
+      }
+      ++layer;
+    }
+    sequences.push_back(std::move(sequence));
+  }
+  return sequences;
+}
+
 // Parses one step line into `trace`. `where` is "path:line".
 Status ParseStepLine(std::string_view line, const std::string& where, Trace& trace) {
   nlohmann::json step;
@@ -139,6 +189,21 @@ Status ParseStepLine(std::string_view line, const std::string& where, Trace& tra
       ++index;
     }
     ++layer;
+  }
+  auto sequences = step.find("sequences");
+  if (sequences != step.end()) {
+    if (!trace.steps.empty() && trace.sequences.empty()) {
+      return InvalidArgument(where +
+                             ": \"sequences\" on this step but not on the steps before "
+                             "(a trace records sequences on every step or on none)");
+    }
+    KEEL_ASSIGN_OR_RETURN(std::vector<TraceSequence> parsed,
+                          ParseSequences(*sequences, where, trace));
+    trace.sequences.push_back(std::move(parsed));
+  } else if (!trace.sequences.empty()) {
+    return InvalidArgument(where +
+                           ": \"sequences\" is missing (the steps before have it; a "
+                           "trace records sequences on every step or on none)");
   }
   trace.step_ids.push_back(id);
   trace.steps.push_back(std::move(values));
@@ -200,6 +265,36 @@ Status Trace::Validate() const {
                                std::to_string(i / row_size()) + " entry " +
                                std::to_string(i % row_size()) + " is not a count in [0, 1e15] (" +
                                std::to_string(value) + ")");
+      }
+    }
+  }
+  if (sequences.empty()) return Status::Ok();
+  if (sequences.size() != steps.size()) {
+    return InvalidArgument("trace: sequences for " + std::to_string(sequences.size()) +
+                           " steps, the trace has " + std::to_string(steps.size()));
+  }
+  const size_t sequence_counts = static_cast<size_t>(num_layers) * num_experts;
+  for (size_t step = 0; step < sequences.size(); ++step) {
+    for (size_t i = 0; i < sequences[step].size(); ++i) {
+      const TraceSequence& sequence = sequences[step][i];
+      const std::string where =
+          "trace: step " + std::to_string(step) + " sequence " + std::to_string(i);
+      if (sequence.tokens < 0 || sequence.tokens > kMaxTokenCount) {
+        return InvalidArgument(where + ": tokens " + std::to_string(sequence.tokens) +
+                               " is not in [0, 1e15]");
+      }
+      if (sequence.counts.size() != sequence_counts) {
+        return InvalidArgument(where + " has " + std::to_string(sequence.counts.size()) +
+                               " counts, expected " + std::to_string(sequence_counts) +
+                               " (num_layers * num_experts)");
+      }
+      for (size_t c = 0; c < sequence_counts; ++c) {
+        const double value = sequence.counts[c];
+        if (!(value >= 0.0 && value <= kMaxTokenCount)) {
+          return InvalidArgument(where + " layer " + std::to_string(c / num_experts) + " expert " +
+                                 std::to_string(c % num_experts) +
+                                 " is not a count in [0, 1e15] (" + std::to_string(value) + ")");
+        }
       }
     }
   }
@@ -326,7 +421,7 @@ Result<std::string> KeelTraceHeaderLine(const Trace& shape) {
 }
 
 void AppendKeelTraceStepLine(const Trace& shape, int64_t step_id, std::span<const double> counts,
-                             std::string& out) {
+                             std::string& out, const std::vector<TraceSequence>* sequences) {
   const size_t row_size = static_cast<size_t>(shape.row_size());
   out += "{\"step\": ";
   char id[24];
@@ -340,7 +435,28 @@ void AppendKeelTraceStepLine(const Trace& shape, int64_t step_id, std::span<cons
     }
     out += ']';
   }
-  out += "]}\n";
+  out += ']';
+  if (sequences != nullptr) {
+    out += ", \"sequences\": [";
+    for (size_t s = 0; s < sequences->size(); ++s) {
+      const TraceSequence& sequence = (*sequences)[s];
+      out += s == 0 ? "{\"group\": " : ", {\"group\": ";
+      out += nlohmann::json(sequence.group)
+                 .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+      out += ", \"tokens\": " + std::to_string(sequence.tokens) + ", \"layers\": [";
+      for (int layer = 0; layer < shape.num_layers; ++layer) {
+        out += layer == 0 ? "[" : ", [";
+        for (int e = 0; e < shape.num_experts; ++e) {
+          if (e > 0) out += ", ";
+          AppendCount(out, sequence.counts[static_cast<size_t>(layer) * shape.num_experts + e]);
+        }
+        out += ']';
+      }
+      out += "]}";
+    }
+    out += ']';
+  }
+  out += "}\n";
 }
 
 Status WriteKeelTrace(const Trace& trace, const std::string& path) {
@@ -349,7 +465,8 @@ Status WriteKeelTrace(const Trace& trace, const std::string& path) {
   if (!header.ok()) return header.status().WithContext(path);
   std::string out = std::move(header).value();
   for (int step = 0; step < trace.num_steps(); ++step) {
-    AppendKeelTraceStepLine(trace, trace.step_ids[step], trace.steps[step], out);
+    AppendKeelTraceStepLine(trace, trace.step_ids[step], trace.steps[step], out,
+                            trace.has_sequences() ? &trace.sequences[step] : nullptr);
   }
   return WriteFileAtomically(path, out);
 }

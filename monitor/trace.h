@@ -27,9 +27,11 @@ Status WriteKeelTrace(const Trace& trace, const std::string& path);
 
 // The two line kinds of a Keel trace, for writers that emit it incrementally (the trace
 // recorder). The header line describes `shape` (its steps are ignored); a step line holds
-// counts: [num_layers * row_size] of `shape`. Both end with '\n'.
+// counts: [num_layers * row_size] of `shape`, and the step's sequences when given. Both end
+// with '\n'.
 Result<std::string> KeelTraceHeaderLine(const Trace& shape);
 void AppendKeelTraceStepLine(const Trace& shape, int64_t step_id, std::span<const double> counts,
-                             std::string& out);
+                             std::string& out,
+                             const std::vector<TraceSequence>* sequences = nullptr);
 
 }  // namespace keel

@@ -379,7 +379,7 @@ Result<Trace> ImportSmartMoeFolder(const std::string& folder, const std::string&
 
 // Adds one sequence's expert ids (before the double tab) into counts[layer * E + id].
 Status ParseEsftLine(std::string_view line, const std::string& where, int num_experts,
-                     double* layer_counts) {
+                     double* layer_counts, size_t* ids_read) {
   size_t split = line.find("\t\t");
   if (split == std::string_view::npos) {
     return InvalidArgument(where + ": expected '<expert ids>\\t\\t<gate weights>'");
@@ -426,7 +426,91 @@ Status ParseEsftLine(std::string_view line, const std::string& where, int num_ex
     return InvalidArgument(where + ": " + std::to_string(num_ids) + " expert ids but " +
                            std::to_string(num_weights) + " gate weights");
   }
+  *ids_read = num_ids;
   return Status::Ok();
+}
+
+// True for a folder that holds expert_weights_1.txt: one ESFT task.
+bool IsEsftTaskFolder(const std::string& path) {
+  std::error_code error;
+  return fs::is_regular_file(fs::path(path) / "expert_weights_1.txt", error);
+}
+
+// The ESFT task folders inside `path` (results/expert_scores/), sorted by name.
+std::vector<FolderEntry> EsftTaskFolders(const std::string& path) {
+  std::vector<FolderEntry> tasks;
+  for (const FolderEntry& entry : ListFolder(path)) {
+    if (entry.is_directory && IsEsftTaskFolder(entry.path)) tasks.push_back(entry);
+  }
+  std::sort(tasks.begin(), tasks.end(),
+            [](const FolderEntry& a, const FolderEntry& b) { return a.name < b.name; });
+  return tasks;
+}
+
+// One ESFT task: every sequence with its counts per (layer, expert) and its tokens.
+Result<std::vector<TraceSequence>> ReadEsftTask(const std::string& path, const std::string& group,
+                                                const EsftImportOptions& options, int* num_layers) {
+  std::map<int64_t, std::string> layer_files;
+  for (const FolderEntry& entry : ListFolder(path)) {
+    KEEL_ASSIGN_OR_RETURN(std::optional<int64_t> layer,
+                          NumberBetween(entry.name, "expert_weights_", ".txt"));
+    if (layer) layer_files[*layer] = entry.path;
+  }
+  if (layer_files.empty()) return NotFound(path + ": no expert_weights_{layer}.txt files");
+  int64_t expected_layer = 1;
+  for (const auto& [layer, file] : layer_files) {
+    if (layer != expected_layer) {
+      return NotFound(path + ": expert_weights_" + std::to_string(expected_layer) +
+                      ".txt is missing (MoE layers must be numbered 1..L without gaps)");
+    }
+    ++expected_layer;
+  }
+  const int layers = static_cast<int>(layer_files.size());
+  if (*num_layers != 0 && *num_layers != layers) {
+    return InvalidArgument(path + ": " + std::to_string(layers) +
+                           " layers, the tasks before have " + std::to_string(*num_layers));
+  }
+  *num_layers = layers;
+  const size_t layer_stride = static_cast<size_t>(options.num_experts);
+  std::vector<TraceSequence> sequences;
+  std::string first_file;
+  for (const auto& [layer, file] : layer_files) {
+    KEEL_ASSIGN_OR_RETURN(std::string text, ReadFile(file));
+    std::vector<std::string_view> lines = SplitLines(text);
+    if (layer == 1) {
+      first_file = file;
+      if (lines.empty()) return InvalidArgument(file + ": no sequences");
+      sequences.resize(lines.size());
+      for (TraceSequence& sequence : sequences) {
+        sequence.group = group;
+        sequence.counts.assign(layer_stride * layers, 0.0);
+      }
+    } else if (lines.size() != sequences.size()) {
+      return InvalidArgument(file + ": " + std::to_string(lines.size()) + " sequences, but " +
+                             first_file + " has " + std::to_string(sequences.size()));
+    }
+    for (size_t i = 0; i < lines.size(); ++i) {
+      const std::string where = file + ":" + std::to_string(i + 1);
+      size_t ids = 0;
+      KEEL_RETURN_IF_ERROR(ParseEsftLine(lines[i], where, options.num_experts,
+                                         sequences[i].counts.data() + (layer - 1) * layer_stride,
+                                         &ids));
+      if (ids % static_cast<size_t>(options.top_k) != 0) {
+        return InvalidArgument(where + ": " + std::to_string(ids) +
+                               " expert ids is not a multiple of top_k " +
+                               std::to_string(options.top_k));
+      }
+      const auto tokens = static_cast<int64_t>(ids / options.top_k);
+      if (layer == 1) {
+        sequences[i].tokens = tokens;
+      } else if (tokens != sequences[i].tokens) {
+        return InvalidArgument(where + ": " + std::to_string(tokens) + " tokens, but " +
+                               first_file + " line " + std::to_string(i + 1) + " has " +
+                               std::to_string(sequences[i].tokens));
+      }
+    }
+  }
+  return sequences;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -567,6 +651,7 @@ Result<TraceFormat> DetectTraceFormat(const std::string& path) {
       if (name == "moe_trace" && entry.is_directory) return TraceFormat::kSmartMoe;
       has_tar |= EndsWith(name, ".tar.xz");
       has_esft |= name.starts_with("expert_weights_") && EndsWith(name, ".txt");
+      has_esft |= entry.is_directory && IsEsftTaskFolder(entry.path);
       has_megatron |= name.starts_with("router_trace_rank") && EndsWith(name, ".jsonl");
       has_olmoe |= name == "expert_counts_derived.json";
     }
@@ -646,59 +731,62 @@ Result<Trace> ImportEsftTrace(const std::string& path, const EsftImportOptions& 
     return InvalidArgument("esft: num_experts " + std::to_string(options.num_experts) +
                            " must be in [1, " + std::to_string(kMaxExperts) + "]");
   }
+  if (options.top_k < 1 || options.top_k > options.num_experts) {
+    return InvalidArgument("esft: top_k " + std::to_string(options.top_k) + " must be in [1, " +
+                           std::to_string(options.num_experts) + "]");
+  }
   if (!IsFolder(path)) {
     return NotFound(path + ": not a folder of expert_weights_{layer}.txt files (ESFT trace)");
   }
-  std::map<int64_t, std::string> layer_files;
-  for (const FolderEntry& entry : ListFolder(path)) {
-    KEEL_ASSIGN_OR_RETURN(std::optional<int64_t> layer,
-                          NumberBetween(entry.name, "expert_weights_", ".txt"));
-    if (layer) layer_files[*layer] = entry.path;
+  // One task's folder, or the folder of every task: then the tasks' sequences are mixed.
+  std::vector<FolderEntry> tasks;
+  const bool mixed = !IsEsftTaskFolder(path) && !EsftTaskFolders(path).empty();
+  if (mixed) {
+    tasks = EsftTaskFolders(path);
+  } else {
+    tasks.push_back({fs::path(path).filename().string(), path, true});
   }
-  if (layer_files.empty()) return NotFound(path + ": no expert_weights_{layer}.txt files");
-  int64_t expected_layer = 1;
-  for (const auto& [layer, file] : layer_files) {
-    if (layer != expected_layer) {
-      return NotFound(path + ": expert_weights_" + std::to_string(expected_layer) +
-                      ".txt is missing (MoE layers must be numbered 1..L without gaps)");
-    }
-    ++expected_layer;
-  }
-
   Trace trace;
-  trace.num_layers = static_cast<int>(layer_files.size());
   trace.num_experts = options.num_experts;
   trace.num_sources = 0;
-  const size_t layer_stride = static_cast<size_t>(options.num_experts);
-  size_t num_sequences = 0;
-  std::string first_file;
-  for (const auto& [layer, file] : layer_files) {
-    KEEL_ASSIGN_OR_RETURN(std::string text, ReadFile(file));
-    std::vector<std::string_view> lines = SplitLines(text);
-    if (layer == 1) {
-      num_sequences = lines.size();
-      first_file = file;
-      if (num_sequences == 0) return InvalidArgument(file + ": no sequences");
-      const size_t num_steps = (num_sequences + options.sequences_per_step - 1) /
-                               static_cast<size_t>(options.sequences_per_step);
-      trace.steps.assign(num_steps, std::vector<double>(layer_stride * trace.num_layers, 0.0));
-      for (size_t step = 0; step < num_steps; ++step) {
-        trace.step_ids.push_back(static_cast<int64_t>(step * options.sequences_per_step));
-      }
-    } else if (lines.size() != num_sequences) {
-      return InvalidArgument(file + ": " + std::to_string(lines.size()) + " sequences, but " +
-                             first_file + " has " + std::to_string(num_sequences));
-    }
-    for (size_t sequence = 0; sequence < lines.size(); ++sequence) {
-      double* counts = trace.steps[sequence / options.sequences_per_step].data() +
-                       static_cast<size_t>(layer - 1) * layer_stride;
-      KEEL_RETURN_IF_ERROR(ParseEsftLine(lines[sequence], file + ":" + std::to_string(sequence + 1),
-                                         options.num_experts, counts));
+  std::vector<TraceSequence> sequences;
+  std::string names;
+  for (const FolderEntry& task : tasks) {
+    KEEL_ASSIGN_OR_RETURN(std::vector<TraceSequence> read,
+                          ReadEsftTask(task.path, task.name, options, &trace.num_layers));
+    names += (names.empty() ? "" : ", ") + task.name + " " + std::to_string(read.size());
+    for (TraceSequence& sequence : read) sequences.push_back(std::move(sequence));
+  }
+  if (mixed) {
+    // Real batches mix tasks: a seeded Fisher-Yates shuffle (splitmix64), the same everywhere.
+    uint64_t state = options.mix_seed;
+    for (size_t i = sequences.size(); i > 1; --i) {
+      state += 0x9e3779b97f4a7c15ULL;
+      uint64_t z = state;
+      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+      z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+      z ^= z >> 31;
+      std::swap(sequences[i - 1], sequences[z % i]);
     }
   }
-  trace.description = "esft: " + path + " (" + std::to_string(num_sequences) + " sequences, " +
-                      std::to_string(options.sequences_per_step) +
-                      " per step; layer l = MoE layer l+1)";
+  const size_t per_step = static_cast<size_t>(options.sequences_per_step);
+  const size_t row = static_cast<size_t>(trace.num_layers) * trace.num_experts;
+  for (size_t first = 0; first < sequences.size(); first += per_step) {
+    std::vector<double> counts(row, 0.0);
+    std::vector<TraceSequence> step;
+    for (size_t i = first; i < std::min(sequences.size(), first + per_step); ++i) {
+      for (size_t c = 0; c < row; ++c) counts[c] += sequences[i].counts[c];
+      step.push_back(std::move(sequences[i]));
+    }
+    trace.step_ids.push_back(static_cast<int64_t>(first));
+    trace.steps.push_back(std::move(counts));
+    if (options.keep_sequences) trace.sequences.push_back(std::move(step));
+  }
+  trace.description =
+      "esft: " + path + " (" + std::to_string(sequences.size()) + " sequences" +
+      (mixed ? " of " + names + ", mixed with seed " + std::to_string(options.mix_seed)
+             : std::string()) +
+      ", " + std::to_string(options.sequences_per_step) + " per step; layer l = MoE layer l+1)";
   KEEL_RETURN_IF_ERROR(trace.Validate());
   return trace;
 }

@@ -30,12 +30,18 @@ Result<Trace> ImportSmartMoeTrace(const std::string& path,
                                   const SmartMoeImportOptions& options = {});
 
 // ESFT expert scores (deepseek-ai/ESFT, results/expert_scores/<task>/): `path` is one task's
-// folder of expert_weights_{1..L}.txt. Line i of every file is sequence i; file N is MoE layer N,
-// stored as layer N-1. A step groups `sequences_per_step` consecutive sequences (the last step
-// may hold fewer; step_ids = index of its first sequence). Counts are expert ids per expert.
+// folder of expert_weights_{1..L}.txt, or the folder of several tasks' folders. Line i of every
+// file is sequence i; file N is MoE layer N, stored as layer N-1. A step groups
+// `sequences_per_step` consecutive sequences (the last step may hold fewer; step_ids = index of
+// its first sequence). Counts are expert ids per expert. Every step keeps its sequences
+// (Trace::sequences: the task as group, ids / top_k tokens). Several tasks are mixed, as real
+// batches are: their sequences (tasks in name order) are shuffled with `mix_seed`.
 struct EsftImportOptions {
   int sequences_per_step = 1;
   int num_experts = 64;  // DeepSeek-V2-Lite routes over 64 experts; larger ids are an error
+  int top_k = 6;         // ids per token; a line whose ids are not a multiple is an error
+  bool keep_sequences = true;
+  uint64_t mix_seed = 1;
 };
 Result<Trace> ImportEsftTrace(const std::string& path, const EsftImportOptions& options = {});
 

@@ -245,6 +245,15 @@ LayerCost CostModel::EstimateFromPeaks(const Placement& placement, double max_ra
   return cost;
 }
 
+double CostModel::TransferSeconds(std::span<const double> bytes) const {
+  assert(bytes.size() ==
+         static_cast<size_t>(topology_.num_ranks()) * static_cast<size_t>(topology_.num_ranks()));
+  const LinkPeaks peaks =
+      AllToAllPeaks(topology_, rank_node_, bytes.data(), topology_.num_ranks(), 1.0);
+  return std::max({0.0, peaks.intra_bytes / topology_.intra_node_bytes_per_second(),
+                   peaks.inter_bytes / topology_.inter_node_bytes_per_second()});
+}
+
 double CostModel::ReplicaSyncSeconds(const Placement& placement) const {
   // The copies of an expert form a ring over their distinct ranks (ascending, so node-local
   // neighbours): gradients reduce into the home and new weights return along it, each edge

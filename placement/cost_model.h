@@ -88,6 +88,11 @@ class CostModel {
 
   MigrationCost Migration(const Placement& from, const Placement& to) const;
 
+  // Seconds of one all-to-all of `bytes` [num_ranks * num_ranks] (rows by source): the slowest
+  // rank's sends or receives over each link class, as one pass of Estimate's all-to-all. Prices
+  // traffic that is not token rows, such as the sequences a sequence plan moves.
+  double TransferSeconds(std::span<const double> bytes) const;
+
   // The replica_sync_seconds term of Estimate alone: it depends only on the placement.
   double ReplicaSyncSeconds(const Placement& placement) const;
 

@@ -21,6 +21,7 @@
 #include "tools/flags.h"
 #include "tools/progress.h"
 #include "tools/replay.h"
+#include "tools/sequence_replay.h"
 #include "tools/svg_plot.h"
 
 namespace keel::tools {
@@ -71,6 +72,34 @@ Status WriteOutputs(const ReplayReport& report, const std::string& report_path,
   if (!plot_path.empty()) std::printf("plot:   %s\n", plot_path.c_str());
   std::fflush(stdout);
   return Status::Ok();
+}
+
+// `--sequence-migration`: the sequence replay instead of the policy replay.
+int RunSequenceReplay(const Trace& trace, const KeelConfig& config,
+                      const SequenceReplayOptions& base, const std::string& report_path,
+                      bool quiet) {
+  SequenceReplayOptions options = base;
+  std::unique_ptr<ProgressBar> progress;
+  if (!quiet) {
+    progress = std::make_unique<ProgressBar>(
+        "sequence replay", std::vector<std::string>{"steps"},
+        std::vector<long>{SequenceReplaySteps(trace, options.batch_sequences)});
+    options.progress = [bar = progress.get()](int done, int) { bar->Update(0, done); };
+  }
+  Result<SequenceReplayReport> report = ReplaySequenceMigration(trace, config, options);
+  if (progress) progress->Finish();
+  if (!report.ok()) return Fail(report.status());
+  if (!report_path.empty()) {
+    nlohmann::json json;
+    json["sequence_migration"] = SequenceReplayReportToJson(*report);
+    if (Status status = WriteFileAtomically(report_path, json.dump(2) + "\n"); !status.ok()) {
+      return Fail(status);
+    }
+  }
+  std::printf("\n%s\n%s", trace.description.c_str(), FormatSequenceReplayTable(*report).c_str());
+  if (!report_path.empty()) std::printf("report: %s\n", report_path.c_str());
+  std::fflush(stdout);
+  return 0;
 }
 
 using Clock = std::chrono::steady_clock;
@@ -234,6 +263,8 @@ int RunReplay(int argc, char** argv) {
   double pace_seconds = 0;
   double serve_seconds = 0;
   bool loop = false;
+  bool sequence_migration = false;
+  SequenceReplayOptions sequence_options;
   for (const std::string& name : PolicyNames()) {
     policy_list += (policy_list.empty() ? "" : ",") + name;
   }
@@ -273,12 +304,24 @@ int RunReplay(int argc, char** argv) {
             "with --serve-metrics: exit N seconds after serving started (0 = on SIGINT/SIGTERM "
             "only; at most 1e9); the exporter stays up after the trace ends until then");
   flags.AddBool("loop", &loop, "with --serve-metrics: replay the trace again when it ends");
+  flags.AddBool("sequence-migration", &sequence_migration,
+                "instead of the policies, measure Luffy's sequence migration on a trace with "
+                "per-sequence routing (an ESFT folder; docs/luffy.md): rows off rank and off "
+                "node, bytes moved and the simulated step, with and without it");
+  flags.Add("batch-sequences", "N", &sequence_options.batch_sequences,
+            "with --sequence-migration: regroup the trace's sequences into steps of N (0 = the "
+            "trace's own steps)");
+  flags.Add("max-token-imbalance", "X", &sequence_options.max_token_imbalance,
+            "with --sequence-migration: no rank ends with more than X times the mean tokens "
+            "(>= 1; default 1.1)");
   flags.SetEpilogue(
       "Metrics are defined in docs/replay.md, the exported ones in docs/monitor.md. Config keys: "
       "keel config --markdown\n"
       "Example: keel replay --trace synthetic --report report.json --plot replay.svg\n"
       "Live:    keel replay --trace synthetic --policy keel --serve-metrics 9400 --pace 0.5 "
-      "--loop");
+      "--loop\n"
+      "Luffy:   keel replay --trace ../shared/traces/esft-dsv2lite --sequence-migration "
+      "--batch-sequences 16 --config configs/esft-dsv2lite-2x4.yaml");
   if (Status status = flags.Parse(argc, argv); !status.ok()) return Fail(status);
   if (flags.help_requested()) {
     std::fputs(flags.HelpText().c_str(), stdout);
@@ -327,6 +370,38 @@ int RunReplay(int argc, char** argv) {
     }
   }
 
+  if (sequence_migration) {
+    for (const char* other : {"policy", "oracle", "plot", "serve-metrics", "pace", "heatmap-layer",
+                              "threads", "synthetic"}) {
+      if (flags.IsSet(other)) {
+        return Fail(InvalidArgument(std::string("--") + other +
+                                    " belongs to the policy replay; --sequence-migration replays "
+                                    "sequence placement only"));
+      }
+    }
+    if (synthetic) {
+      return Fail(
+          InvalidArgument("--sequence-migration needs a trace that records routing per sequence; "
+                          "the synthetic trace has none"));
+    }
+  } else {
+    for (const char* own : {"batch-sequences", "max-token-imbalance"}) {
+      if (flags.IsSet(own)) {
+        return Fail(InvalidArgument(std::string("--") + own +
+                                    " is only meaningful with --sequence-migration"));
+      }
+    }
+  }
+  if (sequence_options.batch_sequences < 0) {
+    return Fail(InvalidArgument("--batch-sequences must be >= 0, got " +
+                                std::to_string(sequence_options.batch_sequences)));
+  }
+  if (!(sequence_options.max_token_imbalance >= 1.0 &&
+        sequence_options.max_token_imbalance <= 1e6)) {
+    return Fail(InvalidArgument("--max-token-imbalance must be in [1, 1e6], got " +
+                                std::to_string(sequence_options.max_token_imbalance)));
+  }
+
   ReplayOptions options;
   options.policies = SplitCommaList(policy_list);
   options.oracle = oracle;
@@ -367,6 +442,9 @@ int RunReplay(int argc, char** argv) {
     }
   }
 
+  if (sequence_migration) {
+    return RunSequenceReplay(*trace, config, sequence_options, report_path, quiet);
+  }
   if (serve) {
     // The exported metrics describe one engine, so one policy: an explicit single --policy, or
     // the config's.

@@ -38,7 +38,8 @@ constexpr const char* kFormatsEpilogue = R"(Formats (--format; auto guesses from
   keel      .jsonl whose first line is a Keel header
   smartmoe  folder of table_iter{N}_rank{R}.log, a folder holding moe_trace/ or a .tar.xz of
             it, or the .tar.xz itself (extracted to a temporary folder, removed afterwards)
-  esft      one task folder of expert_weights_{1..L}.txt
+  esft      one task folder of expert_weights_{1..L}.txt, or the folder of several task
+            folders (their sequences mixed; every step keeps its sequences)
   olmoe     expert_counts_derived.json (or its folder)
   megatron  router_trace_rank{R}.jsonl of Megatron-LM's router tracer, or the folder of them
 See docs/traces.md for how each maps to steps, layers, experts and sources.)";
@@ -146,6 +147,11 @@ int RunConvert(int argc, char** argv) {
   parser.Add("esft-group", "K", &import.esft.sequences_per_step, "esft: sequences per step");
   parser.Add("esft-experts", "N", &import.esft.num_experts,
              "esft: routed experts per layer, at most 65536");
+  parser.Add("esft-top-k", "K", &import.esft.top_k,
+             "esft: expert ids per token (6 for DeepSeek-V2-Lite); a sequence's tokens are its "
+             "ids / K");
+  parser.Add("esft-mix-seed", "N", &import.esft.mix_seed,
+             "esft: seed of the shuffle that mixes the sequences of several tasks");
   parser.Add("olmoe-model", "M", &import.olmoe.model,
              "olmoe: model (olmoe, mistral, olmoe-sft, olmoe-dpo)");
   parser.Add("olmoe-kind", "K", &import.olmoe.kind, "olmoe: expert_counts or expert_counts_top1");

@@ -19,6 +19,14 @@ namespace keel {
 // experts), and counts of at most kMaxTokenCount tokens.
 inline constexpr int64_t kMaxTraceCountsPerStep = int64_t{1} << 26;
 
+// One sequence of a step, for traces that record routing per sequence (Luffy's sequence
+// migration needs it): its tokens and the (token, k) rows it sent to each expert.
+struct TraceSequence {
+  std::string group;  // where it came from, e.g. an ESFT task ("law"); may be empty
+  int64_t tokens = 0;
+  std::vector<double> counts;  // [num_layers * num_experts] rows per layer and expert, layer-major
+};
+
 // A recorded or generated trace, all steps in memory.
 struct Trace {
   std::string description;  // where it came from, e.g. "smartmoe: moe_trace (16 ranks)"
@@ -29,6 +37,8 @@ struct Trace {
   // [num_steps][num_layers * row_size()] tokens; a layer's row is [num_sources * num_experts]
   // (source-major) when num_sources > 0, else [num_experts].
   std::vector<std::vector<double>> steps;
+  // Empty, or [num_steps]: the sequences of each step, when the trace records them.
+  std::vector<std::vector<TraceSequence>> sequences;
 
   int num_steps() const { return static_cast<int>(steps.size()); }
   int row_size() const { return num_sources > 0 ? num_sources * num_experts : num_experts; }
@@ -38,7 +48,9 @@ struct Trace {
   }
   // [num_experts] tokens of one (step, layer), summed over sources.
   std::vector<double> ExpertCounts(int step, int layer) const;
-  // Shapes agree, counts in [0, kMaxTokenCount]; errors name the step and layer.
+  bool has_sequences() const { return !sequences.empty(); }
+  // Shapes agree, counts in [0, kMaxTokenCount]; errors name the step and layer (and the
+  // sequence).
   Status Validate() const;
 };
 

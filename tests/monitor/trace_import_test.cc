@@ -163,6 +163,7 @@ TEST(EsftImportTest, CountsIdsPerExpertAndGroupsSequences) {
                "3\t3\t\t0.5\t0.5\n1\t1\t1\t2\t\t0.1\t0.2\t0.3\t0.4\n0\t2\t\t0.5\t0.5\n");
   EsftImportOptions options;
   options.num_experts = 4;
+  options.top_k = 2;
   Result<Trace> trace = ImportEsftTrace(folder.File("task"), options);
   ASSERT_TRUE(trace.ok()) << trace.status().ToString();
   ASSERT_TRUE(trace->Validate().ok());
@@ -172,6 +173,12 @@ TEST(EsftImportTest, CountsIdsPerExpertAndGroupsSequences) {
   EXPECT_EQ(trace->num_sources, 0);
   EXPECT_EQ(trace->ExpertCounts(1, 0), (std::vector<double>{1, 0, 1, 2}));
   EXPECT_EQ(trace->ExpertCounts(0, 1), (std::vector<double>{0, 0, 0, 2}));
+  // Every step keeps its sequence: the task as group, ids / top_k tokens, counts per layer.
+  ASSERT_TRUE(trace->has_sequences());
+  ASSERT_EQ(trace->sequences[1].size(), 1u);
+  EXPECT_EQ(trace->sequences[1][0].group, "task");
+  EXPECT_EQ(trace->sequences[1][0].tokens, 2);
+  EXPECT_EQ(trace->sequences[1][0].counts, (std::vector<double>{1, 0, 1, 2, 0, 3, 1, 0}));
 
   options.sequences_per_step = 2;
   trace = ImportEsftTrace(folder.File("task"), options);
@@ -180,7 +187,16 @@ TEST(EsftImportTest, CountsIdsPerExpertAndGroupsSequences) {
   EXPECT_EQ(trace->step_ids, (std::vector<int64_t>{0, 2}));
   EXPECT_EQ(trace->ExpertCounts(0, 0), (std::vector<double>{2, 1, 1, 2}));
   EXPECT_EQ(trace->ExpertCounts(1, 1), (std::vector<double>{1, 0, 1, 0}));
+  ASSERT_EQ(trace->sequences[0].size(), 2u);
+  EXPECT_EQ(trace->sequences[0][0].tokens + trace->sequences[0][1].tokens, 3);
 
+  options.top_k = 4;
+  EXPECT_NE(ImportEsftTrace(folder.File("task"), options)
+                .status()
+                .message()
+                .find("expert_weights_1.txt:1: 2 expert ids is not a multiple of top_k 4"),
+            std::string::npos);
+  options.top_k = 2;
   options.sequences_per_step = 0;
   EXPECT_NE(
       ImportEsftTrace(folder.File("task"), options).status().message().find("sequences_per_step 0"),
@@ -190,7 +206,7 @@ TEST(EsftImportTest, CountsIdsPerExpertAndGroupsSequences) {
 TEST(EsftImportTest, ErrorsNameFileAndLine) {
   ScratchFolder folder;
   folder.Write("a/expert_weights_1.txt", "0\t1\t\t0.5\t0.5\n0\t9\t\t0.5\t0.5\n");
-  Result<Trace> trace = ImportEsftTrace(folder.File("a"), {.num_experts = 4});
+  Result<Trace> trace = ImportEsftTrace(folder.File("a"), {.num_experts = 4, .top_k = 2});
   ASSERT_FALSE(trace.ok());
   EXPECT_NE(trace.status().message().find("expert_weights_1.txt:2"), std::string::npos)
       << trace.status().message();
@@ -209,9 +225,66 @@ TEST(EsftImportTest, ErrorsNameFileAndLine) {
 
   folder.Write("d/expert_weights_1.txt", "0\t1\t\t0.5\t0.5\n0\t1\t\t0.5\t0.5\n");
   folder.Write("d/expert_weights_2.txt", "0\t1\t\t0.5\t0.5\n");
-  trace = ImportEsftTrace(folder.File("d"));
+  trace = ImportEsftTrace(folder.File("d"), {.top_k = 2});
   ASSERT_FALSE(trace.ok());
   EXPECT_NE(trace.status().message().find("1 sequences"), std::string::npos);
+
+  // A sequence's tokens must agree between layers.
+  folder.Write("e/expert_weights_1.txt", "0\t1\t\t0.5\t0.5\n");
+  folder.Write("e/expert_weights_2.txt", "0\t1\t2\t3\t\t0.5\t0.5\t0.5\t0.5\n");
+  trace = ImportEsftTrace(folder.File("e"), {.num_experts = 4, .top_k = 2});
+  ASSERT_FALSE(trace.ok());
+  EXPECT_NE(trace.status().message().find("expert_weights_2.txt:1: 2 tokens, but"),
+            std::string::npos)
+      << trace.status().message();
+}
+
+TEST(EsftImportTest, AFolderOfTasksMixesTheirSequences) {
+  ScratchFolder folder;
+  // Two tasks of one layer, top-1 over 2 experts: task "a" always picks expert 0, "b" expert 1.
+  folder.Write("all/a/expert_weights_1.txt", "0\t\t1\n0\t0\t\t1\t1\n0\t\t1\n");
+  folder.Write("all/b/expert_weights_1.txt", "1\t1\t1\t\t1\t1\t1\n1\t\t1\n");
+  folder.Write("all/SOURCE.md", "not a task");
+  ASSERT_EQ(DetectTraceFormat(folder.File("all")).value(), TraceFormat::kEsft);
+  EsftImportOptions options{.sequences_per_step = 2, .num_experts = 2, .top_k = 1};
+  Result<Trace> trace = ImportEsftTrace(folder.File("all"), options);
+  ASSERT_TRUE(trace.ok()) << trace.status().ToString();
+  EXPECT_EQ(trace->num_steps(), 3);
+  int64_t tokens[2] = {0, 0};
+  int sequences[2] = {0, 0};
+  for (int step = 0; step < trace->num_steps(); ++step) {
+    std::vector<double> summed(2, 0.0);
+    for (const TraceSequence& sequence : trace->sequences[step]) {
+      const int task = sequence.group == "a" ? 0 : 1;
+      ASSERT_TRUE(sequence.group == "a" || sequence.group == "b");
+      // A sequence's counts are its own task's expert.
+      EXPECT_EQ(sequence.counts[task], static_cast<double>(sequence.tokens));
+      EXPECT_EQ(sequence.counts[1 - task], 0.0);
+      tokens[task] += sequence.tokens;
+      ++sequences[task];
+      for (int e = 0; e < 2; ++e) summed[e] += sequence.counts[e];
+    }
+    // The step's counts are its sequences' sums.
+    EXPECT_EQ(trace->ExpertCounts(step, 0), summed);
+  }
+  EXPECT_EQ(sequences[0], 3);
+  EXPECT_EQ(sequences[1], 2);
+  EXPECT_EQ(tokens[0], 4);
+  EXPECT_EQ(tokens[1], 4);
+  EXPECT_NE(trace->description.find("a 3, b 2, mixed with seed 1"), std::string::npos)
+      << trace->description;
+  // The same seed mixes the same way; the order is a shuffle, not the tasks one after another.
+  Result<Trace> again = ImportEsftTrace(folder.File("all"), options);
+  ASSERT_TRUE(again.ok());
+  std::string order;
+  for (int step = 0; step < trace->num_steps(); ++step) {
+    for (size_t i = 0; i < trace->sequences[step].size(); ++i) {
+      EXPECT_EQ(trace->sequences[step][i].group, again->sequences[step][i].group);
+      EXPECT_EQ(trace->sequences[step][i].counts, again->sequences[step][i].counts);
+      order += trace->sequences[step][i].group;
+    }
+  }
+  EXPECT_NE(order, "aaabb");
 }
 
 constexpr const char* kOlmoeSample = R"({"layers": [0, 7, 15], "models": {

@@ -41,6 +41,15 @@ void ExpectSameTrace(const Trace& a, const Trace& b) {
   EXPECT_EQ(a.num_sources, b.num_sources);
   EXPECT_EQ(a.step_ids, b.step_ids);
   EXPECT_EQ(a.steps, b.steps);
+  ASSERT_EQ(a.sequences.size(), b.sequences.size());
+  for (size_t step = 0; step < a.sequences.size(); ++step) {
+    ASSERT_EQ(a.sequences[step].size(), b.sequences[step].size());
+    for (size_t i = 0; i < a.sequences[step].size(); ++i) {
+      EXPECT_EQ(a.sequences[step][i].group, b.sequences[step][i].group);
+      EXPECT_EQ(a.sequences[step][i].tokens, b.sequences[step][i].tokens);
+      EXPECT_EQ(a.sequences[step][i].counts, b.sequences[step][i].counts);
+    }
+  }
 }
 
 TEST(KeelTraceTest, RoundTripWithSources) {
@@ -67,6 +76,26 @@ TEST(KeelTraceTest, RoundTripPerExpertAndEmpty) {
   read = ReadKeelTrace(folder.File("empty.jsonl"));
   ASSERT_TRUE(read.ok()) << read.status().ToString();
   EXPECT_EQ(read->num_steps(), 0);
+}
+
+TEST(KeelTraceTest, RoundTripWithSequences) {
+  ScratchFolder folder;
+  Trace trace = SmallTrace(0);
+  // Step 0 has two sequences, step 1 none, step 2 one with a group that needs escaping.
+  trace.sequences = {{{"law", 3, {1, 2, 0, 0, 0, 6}}, {"", 1, {0, 0, 2, 1, 1, 0}}},
+                     {},
+                     {{"a \"quoted\" task", 7, {2.5, 0, 0, 1e15, 0, 0}}}};
+  ASSERT_TRUE(WriteKeelTrace(trace, folder.File("t.jsonl")).ok());
+  Result<Trace> read = ReadKeelTrace(folder.File("t.jsonl"));
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  ExpectSameTrace(trace, *read);
+
+  // A sequence of the wrong shape is refused by Validate, so by the writer too.
+  trace.sequences[0][1].counts.pop_back();
+  EXPECT_NE(WriteKeelTrace(trace, folder.File("u.jsonl"))
+                .message()
+                .find("step 0 sequence 1 has 5 counts, expected 6"),
+            std::string::npos);
 }
 
 TEST(KeelTraceTest, WriterFormatsIntegersWithoutFraction) {
@@ -132,6 +161,25 @@ TEST(KeelTraceTest, ReaderErrorsNameLineAndProblem) {
       {"", "", "empty file"},
       {"{\"keel_trace\": 7}\n", ":1:", "version 7"},
       {"\n\n{\"keel_trace\": 1,\n", ":3:", "header is not JSON"},
+      {std::string(kHeader) + good +
+           "{\"step\": 1, \"layers\": [[1, 2, 3], [4, 5, 6]], \"sequences\": []}\n",
+       ":3:", "not on the steps before"},
+      {std::string(kHeader) +
+           "{\"step\": 0, \"layers\": [[1, 2, 3], [4, 5, 6]], \"sequences\": []}\n" +
+           "{\"step\": 1, \"layers\": [[1, 2, 3], [4, 5, 6]]}\n",
+       ":3:", "\"sequences\" is missing"},
+      {std::string(kHeader) +
+           "{\"step\": 0, \"layers\": [[1, 2, 3], [4, 5, 6]], \"sequences\": [{\"tokens\": "
+           "-1, \"layers\": [[1, 2, 3], [4, 5, 6]]}]}\n",
+       ":2:", "sequence 0: \"tokens\" is missing or not an integer"},
+      {std::string(kHeader) +
+           "{\"step\": 0, \"layers\": [[1, 2, 3], [4, 5, 6]], \"sequences\": [{\"tokens\": "
+           "2, \"layers\": [[1, 2, 3], [4, 5]]}]}\n",
+       ":2:", "sequence 0: layer 1 must hold 3 counts"},
+      {std::string(kHeader) +
+           "{\"step\": 0, \"layers\": [[1, 2, 3], [4, 5, 6]], \"sequences\": [{\"tokens\": "
+           "2, \"layers\": [[1, 2, 3], [4, \"x\", 6]]}]}\n",
+       ":2:", "sequence 0: layer 1 expert 1 is not a count"},
   };
   for (const Case& c : cases) {
     ScratchFolder folder;
