@@ -313,6 +313,11 @@ Result<LayerRoute> Engine::Route(int layer, std::span<const int32_t> topk_ids) {
 Result<LayerRoute> Engine::RouteCounts(int layer, std::span<const int32_t> expert_counts) {
   return impl_->RouteCounts(layer, expert_counts);
 }
+Result<SequencePlacement> Engine::PlanSequences(int first_layer,
+                                                std::span<const SequenceRouting> sequences,
+                                                const SequencePlanningOptions& options) {
+  return impl_->PlanSequences(first_layer, sequences, options);
+}
 Status Engine::ReduceGradients() { return impl_->ReduceGradients(); }
 Status Engine::StepEnd() { return impl_->StepEnd(); }
 std::vector<HomeSlot> Engine::HomeSlots(int layer) const { return impl_->HomeSlots(layer); }

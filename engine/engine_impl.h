@@ -55,6 +55,10 @@ class Engine::Impl {
   Status ReduceGradients();
   Status StepEnd();
   std::vector<HomeSlot> HomeSlots(int layer) const;
+  // Sequence migration (engine/sequences.cc).
+  Result<SequencePlacement> PlanSequences(int first_layer,
+                                          std::span<const SequenceRouting> sequences,
+                                          const SequencePlanningOptions& options);
   bool migrating() const { return migrating_; }
   // Checkpoints (engine/checkpoint.cc).
   EngineState SaveState() const;

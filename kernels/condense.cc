@@ -1,5 +1,5 @@
-// CPU reference of token condensation: norms first, then the leader pass and the representative
-// pass of the rule in condense.h, each looking back `window` rows within the bucket.
+// CPU reference of token condensation: squared norms first, then the leader pass and the
+// representative pass of the rule in condense.h, each looking back `window` rows within the bucket.
 #include "kernels/condense.h"
 
 #include <algorithm>
@@ -29,11 +29,15 @@ float Dot(const void* rows, DType dtype, int64_t hidden, int64_t a, int64_t b) {
   return dot;
 }
 
-// cosine(a, b) >= threshold, with norm[] the rows' Euclidean norms. Zero rows match only zero rows.
-bool Similar(const void* rows, DType dtype, int64_t hidden, const std::vector<float>& norm,
+// cosine(a, b) >= threshold, with squared[] the rows' squared norms. Zero rows match only zero
+// rows. The product of two floats is exact in double, and so is the square root of a square: two
+// identical rows (same dot products, same order) have a cosine of exactly 1.
+bool Similar(const void* rows, DType dtype, int64_t hidden, const std::vector<float>& squared,
              int64_t a, int64_t b, float threshold) {
-  if (norm[a] == 0.0f || norm[b] == 0.0f) return norm[a] == 0.0f && norm[b] == 0.0f;
-  return Dot(rows, dtype, hidden, a, b) / (norm[a] * norm[b]) >= threshold;
+  if (squared[a] == 0.0f || squared[b] == 0.0f) return squared[a] == 0.0f && squared[b] == 0.0f;
+  const double dot = Dot(rows, dtype, hidden, a, b);
+  return dot / std::sqrt(static_cast<double>(squared[a]) * static_cast<double>(squared[b])) >=
+         static_cast<double>(threshold);
 }
 
 }  // namespace
@@ -53,8 +57,8 @@ Status CondenseRows(const void* rows, int64_t num_rows, int64_t hidden, DType dt
                              std::to_string(num_rows) + ")");
     }
   }
-  std::vector<float> norm(num_rows);
-  for (int64_t i = 0; i < num_rows; ++i) norm[i] = std::sqrt(Dot(rows, dtype, hidden, i, i));
+  std::vector<float> squared(num_rows);
+  for (int64_t i = 0; i < num_rows; ++i) squared[i] = Dot(rows, dtype, hidden, i, i);
   // Rows outside every bucket are left alone: each is its own representative.
   for (int64_t i = 0; i < num_rows; ++i) representative[i] = static_cast<int32_t>(i);
   std::vector<char> leader(num_rows, 1);
@@ -63,14 +67,14 @@ Status CondenseRows(const void* rows, int64_t num_rows, int64_t hidden, DType dt
     const int64_t end = bucket_begin[b + 1];
     for (int64_t i = begin; i < end; ++i) {
       for (int64_t j = std::max(begin, i - window); j < i && leader[i]; ++j) {
-        if (Similar(rows, dtype, hidden, norm, i, j, threshold)) leader[i] = 0;
+        if (Similar(rows, dtype, hidden, squared, i, j, threshold)) leader[i] = 0;
       }
     }
     int32_t bucket_kept = 0;
     for (int64_t i = begin; i < end; ++i) {
       if (!leader[i]) {
         for (int64_t j = std::max(begin, i - window); j < i; ++j) {
-          if (leader[j] && Similar(rows, dtype, hidden, norm, i, j, threshold)) {
+          if (leader[j] && Similar(rows, dtype, hidden, squared, i, j, threshold)) {
             representative[i] = static_cast<int32_t>(j);
             break;
           }

@@ -79,10 +79,15 @@ __device__ bool Similar(const Pack<T, V>* a, float a_squared_norm, const Pack<T,
     }
   }
   dot = WarpSum(dot);
-  const float a_norm = sqrtf(a_squared_norm);
-  const float b_norm = sqrtf(WarpSum(b_squared_norm));
-  if (a_norm == 0.0f || b_norm == 0.0f) return a_norm == 0.0f && b_norm == 0.0f;
-  return dot / (a_norm * b_norm) >= threshold;
+  b_squared_norm = WarpSum(b_squared_norm);
+  if (a_squared_norm == 0.0f || b_squared_norm == 0.0f) {
+    return a_squared_norm == 0.0f && b_squared_norm == 0.0f;
+  }
+  // The product of two floats is exact in double, and so is the square root of a square: two
+  // identical rows (same dot products, same order) have a cosine of exactly 1.
+  return static_cast<double>(dot) /
+             sqrt(static_cast<double>(a_squared_norm) * static_cast<double>(b_squared_norm)) >=
+         static_cast<double>(threshold);
 }
 
 __device__ int64_t GlobalWarp() {

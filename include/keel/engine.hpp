@@ -125,6 +125,38 @@ struct HomeSlot {
   int local_slot = 0;  // index into this rank's persistent slots
 };
 
+// One of this rank's sequences, as Engine::PlanSequences sees it.
+struct SequenceRouting {
+  int64_t tokens = 0;  // its tokens (the token bound counts them, a move carries them)
+  // [planned layers * num_experts] int32: the (token, k) rows the sequence sends to each expert
+  // in each planned layer, layer-major; each >= 0.
+  std::vector<int32_t> expert_rows;
+};
+
+struct SequencePlanningOptions {
+  // No rank ends with more than this times the mean tokens (a rank already above it keeps what
+  // it has but takes no more), so attention and dense layers stay balanced. >= 1.
+  double max_token_imbalance = 1.10;
+  // Bytes one token carries when its sequence moves, each way (hidden states there, gradient
+  // back); 0: the cost model's token row, cost_model.hidden_size x cost_model.dtype_bytes.
+  double move_bytes_per_token = 0;
+};
+
+// Engine::PlanSequences' answer, the same on every rank: every rank's sequences, rank 0's
+// first, each rank's in the order it passed them.
+struct SequencePlacement {
+  std::vector<int32_t> origin_rank;   // [sequences] the rank that passed it
+  std::vector<int32_t> origin_index;  // [sequences] its index in that rank's list
+  std::vector<int32_t> rank;          // [sequences] the rank that runs it for the planned layers
+  // False when no plan beat leaving every sequence where it is (the cost model's time); then
+  // rank == origin_rank.
+  bool used = false;
+  int64_t moved_sequences = 0;
+  double moved_bytes = 0;     // one way
+  double seconds_before = 0;  // cost model: expert compute + all-to-all of the planned layers
+  double seconds_after = 0;   // ... with the plan, the moves there and back included
+};
+
 // What the engine did so far on this rank.
 struct EngineStats {
   int64_t steps = 0;
@@ -204,6 +236,18 @@ class Engine {
   // thread; a plan every rank has finished is turned into transfers that run in the background
   // until ReduceGradients of a later step.
   Status StepEnd();
+
+  // Luffy's sequence migration (docs/luffy.md), opt-in. Collective: every rank passes its own
+  // sequences with their routing for layers [first_layer, first_layer + n), n the same on every
+  // rank (expert_rows.size() / num_experts). Gathers every rank's sequences and plans, with the
+  // placements in force and the config's cost model, which rank runs each one
+  // (placement/sequence_planner.h), the same plan on every rank. The trainer moves the
+  // sequences (e.g. with migration/sequence_migration.h, or its own all-to-all) before those
+  // layers, runs their forward and backward there, and moves the gradients back. Plan once per
+  // step for every layer when the routing is known ahead, or before each layer from its gate.
+  Result<SequencePlacement> PlanSequences(int first_layer,
+                                          std::span<const SequenceRouting> sequences,
+                                          const SequencePlanningOptions& options = {});
 
   // Where physical slot `slot` (LayerRoute::slot's numbering) lives: its rank and its local slot
   // there (persistent slots first, then transient ones).

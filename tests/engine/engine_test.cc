@@ -577,6 +577,96 @@ TEST(EngineTest, PlannerWatchdogFailsEveryRankAtTheSameStepOnce) {
 
 // Found by the C API fuzzer: StepEnd before every slot was registered copied replica weights
 // from a null pointer. ReduceGradients and StepEnd now refuse, like Route.
+// Runs `body(rank, engine)` on two thread-ranks of a static engine: 8 experts, 4 per rank.
+void OnTwoRanks(int layers, const std::function<void(int, Engine&)>& body) {
+  std::unique_ptr<LocalGroup> group = MakeGroup(2);
+  KeelConfig config = TestConfig("static");
+  config.topology.gpus_per_node = 2;
+  config.slots.persistent_per_rank = kExperts / 2;
+  config.slots.transient_per_rank = 0;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      auto communicator = testing::ValueOrDie(group->Join(r));
+      auto engine = testing::ValueOrDie(
+          Engine::Create(SmallOptions(config, layers, communicator.get(), group.get())));
+      body(r, *engine);
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+}
+
+// A sequence of 32 tokens whose top-2 rows all go to experts [first, first + 4) in each layer.
+SequenceRouting SequenceOn(int first, int layers) {
+  SequenceRouting sequence;
+  sequence.tokens = 32;
+  sequence.expert_rows.assign(static_cast<size_t>(layers) * kExperts, 0);
+  for (int l = 0; l < layers; ++l) {
+    for (int e = first; e < first + 4; ++e) sequence.expert_rows[l * kExperts + e] = 16;
+  }
+  return sequence;
+}
+
+TEST(EngineTest, PlanSequencesSwapsSequencesToTheirExpertsOnEveryRank) {
+  // Rank 0's first sequence uses rank 1's experts, rank 1's first uses rank 0's; the token
+  // bound (1.0) allows only a swap, and every rank gets the same plan.
+  std::vector<SequencePlacement> answers(2);
+  OnTwoRanks(2, [&](int rank, Engine& engine) {
+    const std::vector<SequenceRouting> mine = {SequenceOn(rank == 0 ? 4 : 0, 2),
+                                               SequenceOn(rank == 0 ? 0 : 4, 2)};
+    SequencePlanningOptions options;
+    options.max_token_imbalance = 1.0;
+    answers[rank] = testing::ValueOrDie(engine.PlanSequences(0, mine, options));
+  });
+  for (const SequencePlacement& answer : answers) {
+    EXPECT_EQ(answer.origin_rank, (std::vector<int32_t>{0, 0, 1, 1}));
+    EXPECT_EQ(answer.origin_index, (std::vector<int32_t>{0, 1, 0, 1}));
+    EXPECT_EQ(answer.rank, (std::vector<int32_t>{1, 0, 0, 1}));
+    EXPECT_TRUE(answer.used);
+    EXPECT_EQ(answer.moved_sequences, 2);
+    EXPECT_LT(answer.seconds_after, answer.seconds_before);
+  }
+  // One layer, the second: the same swap.
+  OnTwoRanks(2, [&](int rank, Engine& engine) {
+    const std::vector<SequenceRouting> mine = {SequenceOn(rank == 0 ? 4 : 0, 1)};
+    SequencePlanningOptions options;
+    options.max_token_imbalance = 1.0;
+    answers[rank] = testing::ValueOrDie(engine.PlanSequences(1, mine, options));
+  });
+  EXPECT_EQ(answers[0].rank, (std::vector<int32_t>{1, 0}));
+  EXPECT_EQ(answers[1].rank, answers[0].rank);
+}
+
+TEST(EngineTest, PlanSequencesFailsOnEveryRankWhenOneRankPassesBadSequences) {
+  std::vector<Status> statuses(2);
+  OnTwoRanks(2, [&](int rank, Engine& engine) {
+    std::vector<SequenceRouting> mine = {SequenceOn(0, 2)};
+    if (rank == 1) mine[0].expert_rows[3] = -2;
+    statuses[rank] = engine.PlanSequences(0, mine).status();
+  });
+  EXPECT_NE(statuses[1].message().find("sequence 0 expert_rows[3] = -2 is negative"),
+            std::string::npos)
+      << statuses[1].ToString();
+  EXPECT_NE(statuses[0].message().find("rank 1 passed invalid sequences"), std::string::npos)
+      << statuses[0].ToString();
+  OnTwoRanks(2, [&](int rank, Engine& engine) {
+    // Layers out of range on rank 0; ranks that disagree on the planned layers.
+    statuses[rank] =
+        engine.PlanSequences(rank == 0 ? 2 : 0, std::vector{SequenceOn(0, 1)}).status();
+  });
+  EXPECT_NE(statuses[0].message().find("first_layer 2 is not a layer in [0, 2)"), std::string::npos)
+      << statuses[0].ToString();
+  EXPECT_FALSE(statuses[1].ok());
+  OnTwoRanks(2, [&](int rank, Engine& engine) {
+    statuses[rank] = engine.PlanSequences(0, std::vector{SequenceOn(0, rank + 1)}).status();
+  });
+  for (const Status& status : statuses) {
+    EXPECT_NE(status.message().find("ranks disagree on the planned layers (1 and 2 layers)"),
+              std::string::npos)
+        << status.ToString();
+  }
+}
+
 TEST(EngineTest, StepsRefuseSlotsThatAreNotRegistered) {
   std::unique_ptr<LocalGroup> group = MakeGroup(1);
   auto communicator = testing::ValueOrDie(group->Join(0));

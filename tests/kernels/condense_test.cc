@@ -47,6 +47,64 @@ TEST(CondenseTest, FindsDuplicatesWithinABucket) {
   EXPECT_EQ(kept, (std::vector<int32_t>{3, 2}));
 }
 
+TEST(CondenseTest, ThresholdOneCondensesExactlyTheIdenticalRows) {
+  // Random rows, each repeated exactly or with a tiny change to one element, in every dtype:
+  // at threshold 1.0 every exact repeat is condensed (the cosine of identical rows is exactly 1,
+  // whatever the rounding of the norms) and no changed row is.
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    for (const int64_t hidden : {3, 16, 61, 256}) {
+      const int rows = 200;
+      std::vector<float> values(rows * hidden);
+      std::vector<int> copy_of(rows, -1);  // the earlier row a row equals, or -1
+      std::vector<int> originals;          // rows drawn afresh: always leaders
+      for (int i = 0; i < rows; ++i) {
+        // A repeat copies an original at most 8 rows back, inside the window of 32.
+        int from = -1;
+        if (rng() % 2 == 0 && !originals.empty() && originals.back() >= i - 8) {
+          from = originals[originals.size() - 1 - rng() % std::min<size_t>(originals.size(), 2)];
+          if (from < i - 8) from = originals.back();
+        }
+        for (int64_t h = 0; h < hidden; ++h) {
+          values[i * hidden + h] = from >= 0 ? values[from * hidden + h] : uniform(rng);
+        }
+        if (from < 0) {
+          originals.push_back(i);
+        } else if (rng() % 3 == 0) {
+          values[i * hidden] += 0.25f;  // a near repeat: not identical
+        } else {
+          copy_of[i] = from;
+        }
+      }
+      std::vector<uint16_t> bf16(values.size());
+      for (size_t i = 0; i < values.size(); ++i) {
+        bf16[i] = FloatToBf16(values[i]);
+        values[i] = Bf16ToFloat(bf16[i]);  // the rows as bf16 holds them
+      }
+      const void* data = dtype == DType::kFloat32 ? static_cast<const void*>(values.data())
+                                                  : static_cast<const void*>(bf16.data());
+      const std::vector<int32_t> begin{0, rows};
+      std::vector<int32_t> rep(rows), kept(1);
+      ASSERT_TRUE(cpu::CondenseRows(data, rows, hidden, dtype, begin.data(), 1, 1.0f, 32,
+                                    rep.data(), kept.data())
+                      .ok());
+      for (int i = 0; i < rows; ++i) {
+        SCOPED_TRACE("hidden " + std::to_string(hidden) + " row " + std::to_string(i));
+        if (rep[i] != i) {
+          // Only identical rows are condensed.
+          for (int64_t h = 0; h < hidden; ++h) {
+            ASSERT_EQ(values[i * hidden + h], values[rep[i] * hidden + h]);
+          }
+        } else if (copy_of[i] >= 0) {
+          // An exact repeat is condensed (onto the first row it equals, a leader).
+          ADD_FAILURE() << "identical to row " << copy_of[i] << " but kept";
+        }
+      }
+    }
+  }
+}
+
 TEST(CondenseTest, LooksBackOnlyWithinTheWindow) {
   const std::vector<int> pattern{0, 1, 2, 3, 0};
   const std::vector<float> rows = RowsFrom(pattern, 32, 0.0f, 2);
