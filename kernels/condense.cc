@@ -29,11 +29,15 @@ float Dot(const void* rows, DType dtype, int64_t hidden, int64_t a, int64_t b) {
   return dot;
 }
 
-// cosine(a, b) >= threshold, with squared[] the rows' squared norms. Zero rows match only zero
-// rows. The product of two floats is exact in double, and so is the square root of a square: two
-// identical rows (same dot products, same order) have a cosine of exactly 1.
+// Identical rows (bit for bit), or cosine(a, b) >= threshold below 1, with squared[] the rows'
+// squared norms. Zero rows match only zero rows. The product of two floats is exact in double,
+// and so is the square root of a square.
 bool Similar(const void* rows, DType dtype, int64_t hidden, const std::vector<float>& squared,
              int64_t a, int64_t b, float threshold) {
+  const size_t row_bytes = static_cast<size_t>(hidden) * DTypeBytes(dtype);
+  const auto* base = static_cast<const char*>(rows);
+  if (std::memcmp(base + a * row_bytes, base + b * row_bytes, row_bytes) == 0) return true;
+  if (threshold >= 1.0f) return false;
   if (squared[a] == 0.0f || squared[b] == 0.0f) return squared[a] == 0.0f && squared[b] == 0.0f;
   const double dot = Dot(rows, dtype, hidden, a, b);
   return dot / std::sqrt(static_cast<double>(squared[a]) * static_cast<double>(squared[b])) >=

@@ -63,12 +63,17 @@ __device__ float SquaredNorm(const Pack<T, V>* row, int64_t packs_per_row) {
   return WarpSum(sum);
 }
 
-// cosine(a, b) >= threshold, for the whole warp; |a|^2 is given. Zero rows match only zero rows.
+__device__ inline uint32_t Bits(float value) { return __float_as_uint(value); }
+__device__ inline uint32_t Bits(uint16_t value) { return value; }
+
+// Identical rows (bit for bit), or cosine(a, b) >= threshold below 1; for the whole warp. |a|^2
+// is given. Zero rows match only zero rows.
 template <typename T, int V>
 __device__ bool Similar(const Pack<T, V>* a, float a_squared_norm, const Pack<T, V>* b,
                         int64_t packs_per_row, float threshold) {
   float dot = 0.0f;
   float b_squared_norm = 0.0f;
+  bool identical = true;
   for (int64_t p = threadIdx.x % kWarp; p < packs_per_row; p += kWarp) {
     const Pack<T, V> x = a[p];
     const Pack<T, V> y = b[p];
@@ -76,8 +81,11 @@ __device__ bool Similar(const Pack<T, V>* a, float a_squared_norm, const Pack<T,
     for (int v = 0; v < V; ++v) {
       dot = fmaf(ToFloat(x.value[v]), ToFloat(y.value[v]), dot);
       b_squared_norm = fmaf(ToFloat(y.value[v]), ToFloat(y.value[v]), b_squared_norm);
+      identical = identical && Bits(x.value[v]) == Bits(y.value[v]);
     }
   }
+  if (__all_sync(0xffffffffu, identical)) return true;
+  if (threshold >= 1.0f) return false;
   dot = WarpSum(dot);
   b_squared_norm = WarpSum(b_squared_norm);
   if (a_squared_norm == 0.0f || b_squared_norm == 0.0f) {

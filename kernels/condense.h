@@ -16,12 +16,12 @@ namespace keel::kernels {
 //   representative[i] = i for a leader; otherwise the earliest leader j in i's window with
 //   cosine(i, j) >= threshold, or i itself when there is none (i is then sent too).
 // So a row's representative is always a row that is sent, and always similar enough to it.
+// Similar means identical bit for bit, or (threshold below 1) cosine >= threshold: so threshold
+// 1.0 condenses exactly the rows that equal an earlier one, whatever the rounding of a cosine.
 // Cosine is dot / sqrt(|a|^2 |b|^2), the three dot products summed in float32 and the rest in
-// double, so that two identical rows have a cosine of exactly 1: threshold 1.0 condenses exactly
-// the rows that equal an earlier one (or are an exact positive multiple of it). Two zero rows are
-// duplicates, a zero row and a non-zero row are not. Within float32 rounding of the dot products
-// the GPU and the CPU agree; rows whose similarity lies within rounding of the threshold may be
-// classified differently.
+// double. Two zero rows are duplicates, a zero row and a non-zero row are not. Within float32
+// rounding of the dot products the GPU and the CPU agree; rows whose similarity lies within
+// rounding of the threshold may be classified differently.
 // Backward (the rule `keel demo --condense` follows): every row keeps its own output gradient,
 // and the expert takes each of them back through its representative's forward (input and
 // activation). Weight gradients are then the exact gradients of the condensed forward, and a

@@ -13,30 +13,6 @@ namespace {
 
 constexpr int kLanes = 8;
 
-uint64_t SplitMix(uint64_t& state) {
-  uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
-// A splitmix64 stream: fully specified, so the same seed draws the same numbers everywhere
-// (std:: distributions differ between standard libraries).
-class Stream {
- public:
-  explicit Stream(uint64_t seed) : state_(seed) {}
-  uint64_t Next() { return SplitMix(state_); }
-  // Uniform in [-1, 1) with 24 bits: exact in float.
-  float Symmetric() {
-    return static_cast<float>(static_cast<int32_t>(Next() >> 40) - (1 << 23)) * 0x1.0p-23f;
-  }
-  // Uniform in [0, n), n >= 1 (multiply-shift; the bias is below 2^-32 and the same everywhere).
-  uint64_t Below(uint64_t n) { return ((Next() >> 32) * n) >> 32; }
-
- private:
-  uint64_t state_;
-};
-
 // Σ a[i] · b[i] over n floats: kLanes partial sums (lane i % kLanes), then the tail, then the
 // partial sums added pairwise. Fixed order for a given n.
 float Dot(const float* a, const float* b, int n) {
@@ -59,6 +35,13 @@ void AddOuterRow(float scale_value, const float* v, int n, int64_t* gradient) {
 }
 
 }  // namespace
+
+uint64_t SplitMix(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
 
 int64_t ToFixedPoint(double value) {
   // Adding and subtracting 1.5 · 2^52 rounds to the nearest integer (ties to even) in the
@@ -84,7 +67,7 @@ void InitExpertWeights(const FfnShape& shape, uint64_t seed, int layer, int expe
                        std::span<float> weights) {
   assert(weights.size() == shape.weight_floats());
   const uint64_t words[] = {seed, 1, static_cast<uint64_t>(layer), static_cast<uint64_t>(expert)};
-  Stream stream(MixSeed(words));
+  RandomStream stream(MixSeed(words));
   const size_t half = weights.size() / 2;
   const float w1_range = 1.0f / std::sqrt(static_cast<float>(shape.hidden));
   const float w2_range = 0.5f / std::sqrt(static_cast<float>(shape.ffn));
@@ -94,13 +77,13 @@ void InitExpertWeights(const FfnShape& shape, uint64_t seed, int layer, int expe
 
 void DrawTokenInputs(uint64_t seed, int rank, int64_t step, std::span<float> inputs) {
   const uint64_t words[] = {seed, 2, static_cast<uint64_t>(rank), static_cast<uint64_t>(step)};
-  Stream stream(MixSeed(words));
+  RandomStream stream(MixSeed(words));
   for (float& value : inputs) value = stream.Symmetric();
 }
 
 std::vector<float> MakeTeacher(int hidden, uint64_t seed) {
   const uint64_t words[] = {seed, 3};
-  Stream stream(MixSeed(words));
+  RandomStream stream(MixSeed(words));
   std::vector<float> teacher(static_cast<size_t>(hidden) * hidden);
   const float range = 1.0f / std::sqrt(static_cast<float>(hidden));
   for (int i = 0; i < hidden; ++i) {
@@ -220,7 +203,7 @@ void DrawTopkIds(std::span<const int64_t> expert_counts, int num_tokens, int top
   }
   assert(position == total);
   for (; position < total; ++position) topk_ids[position] = -1;  // counts short: dropped
-  Stream stream(seed);
+  RandomStream stream(seed);
   for (size_t i = total; i > 1; --i) std::swap(topk_ids[i - 1], topk_ids[stream.Below(i)]);
   if (top_k < 2) return;
   // A token holding an expert twice trades that choice with a random position whose expert it

@@ -34,6 +34,28 @@ struct FfnShape {
 inline constexpr double kGradientScale = 4294967296.0;  // 2^32
 int64_t ToFixedPoint(double value);
 
+// One step of splitmix64: advances `state` and returns the next number.
+uint64_t SplitMix(uint64_t& state);
+
+// A splitmix64 stream: fully specified, so the same seed draws the same numbers everywhere
+// (std:: distributions differ between standard libraries).
+class RandomStream {
+ public:
+  explicit RandomStream(uint64_t seed) : state_(seed) {}
+  uint64_t Next() { return SplitMix(state_); }
+  // Uniform in [-1, 1) with 24 bits: exact in float.
+  float Symmetric() {
+    return static_cast<float>(static_cast<int32_t>(Next() >> 40) - (1 << 23)) * 0x1.0p-23f;
+  }
+  // Uniform in [0, n), n >= 1 (multiply-shift; the bias is below 2^-32 and the same everywhere).
+  uint64_t Below(uint64_t n) { return ((Next() >> 32) * n) >> 32; }
+  // Uniform in [0, 1) with 53 bits.
+  double Unit() { return static_cast<double>(Next() >> 11) * 0x1.0p-53; }
+
+ private:
+  uint64_t state_;
+};
+
 // A 64-bit seed mixed from several words (splitmix64 over each): the same words give the same
 // seed on every machine.
 uint64_t MixSeed(std::span<const uint64_t> words);
@@ -90,6 +112,18 @@ struct AdamOptions {
 void AdamUpdate(const AdamOptions& adam, int64_t step, double tokens,
                 std::span<const int64_t> gradient, std::span<float> weights,
                 std::span<float> optimizer);
+
+// The model and its training run, the same on every rank.
+struct DemoModelOptions {
+  int layers = 4;
+  int experts = 32;
+  int top_k = 2;
+  int tokens = 4096;  // per rank per step
+  FfnShape ffn;
+  int steps = 40;
+  uint64_t seed = 1;
+  AdamOptions adam;
+};
 
 // The gate: turns one rank's per-expert selection counts of one (step, layer) into top-k expert
 // ids [num_tokens, top_k] int32 with exactly those counts (counts must sum to num_tokens *

@@ -14,6 +14,8 @@
 #include <utility>
 
 #include "engine/engine_internal.h"
+#include "kernels/condense.h"
+#include "migration/sequence_migration.h"
 
 namespace keel::tools {
 namespace {
@@ -37,20 +39,28 @@ class CpuTimer {
   double start_;
 };
 
-// What one layer's forward leaves for its backward.
+// What one layer's forward leaves for its backward. Without condensation every row is kept:
+// the kept rows are the rows.
 struct LayerActivations {
   std::vector<uint32_t> send_order;  // (token, k) indices in dispatch order
   std::vector<int64_t> send_rows;    // [ranks] rows dispatched to each rank
   std::vector<int64_t> recv_rows;    // [ranks] rows received from each rank
   std::vector<int32_t> recv_slot;    // [received rows] local slot of each received row
-  std::vector<float> recv_x;         // [received rows, hidden] expert inputs
-  std::vector<float> activation;     // [received rows, ffn] relu(W1 · x)
+  // [sent rows] the row's kept row among those sent to its rank; [ranks] kept rows sent to and
+  // received from each rank; [received rows] the kept row (index into recv_x) of each row.
+  std::vector<int32_t> send_kept;
+  std::vector<int64_t> kept_to;
+  std::vector<int64_t> kept_from;
+  std::vector<int32_t> recv_kept;
+  std::vector<float> recv_x;      // [kept received rows, hidden] expert inputs
+  std::vector<float> activation;  // [kept received rows, ffn] relu(W1 · x)
 };
 
 // Per-rank CPU seconds of one step.
 struct StepTimes {
   std::vector<double> expert;         // [layers]
   std::vector<double> communication;  // [layers], Route included
+  double sequences = 0;               // planning and moving sequences
   double route = 0;
   double control = 0;    // ReduceGradients + StepEnd
   double optimizer = 0;  // Adam on the homes
@@ -104,11 +114,26 @@ class RankTrainer {
   Status SyncForTiming() {
     return options_.barrier_before_timing ? communicator_.Barrier() : Status::Ok();
   }
-  // Sends rows of `width` floats (rows_to[r] to rank r, back to back in `send`) and receives
+  // Sends rows of `width` values (rows_to[r] to rank r, back to back in `send`) and receives
   // into `recv`; every rank r must send expected_from[r] rows, or the routing is inconsistent.
-  Status ExchangeRows(std::span<const float> send, std::span<const int64_t> rows_to,
-                      std::span<const int64_t> expected_from, int width, std::vector<float>& recv,
+  template <typename T>
+  Status ExchangeRows(std::span<const T> send, std::span<const int64_t> rows_to,
+                      std::span<const int64_t> expected_from, int width, std::vector<T>& recv,
                       std::string_view what, double* cpu);
+  // Seconds the emulated links take for this rank's `sent` and `received` off-rank bytes.
+  double LinkSeconds(double sent, double received) const {
+    if (options_.link_gb_per_s <= 0) return 0.0;
+    return std::max(sent, received) / (options_.link_gb_per_s * 1e9);
+  }
+  // This step's tokens: drawn here (plain demo), or this rank's sequences after the moves.
+  Status DrawBatch(int64_t step, StepTimes& times);
+  Status MoveSequences(int64_t step, const SequencePlacement& plan,
+                       const std::vector<std::vector<float>>& own_inputs,
+                       std::vector<std::vector<float>>& received, StepTimes& times);
+  // Condenses the dispatch rows `send_` (`bucket_begin` [ranks * local slots + 1]) and sends
+  // the kept rows; fills act's kept fields and recv_x.
+  Status DispatchCondensed(int layer, const std::vector<int32_t>& bucket_begin,
+                           LayerActivations& act, StepTimes& times);
   Status Forward(int64_t step, int layer, StepTimes& times, std::vector<int64_t>& rows);
   Status Backward(int layer, StepTimes& times);
 
@@ -135,6 +160,14 @@ class RankTrainer {
   std::vector<float> d_x_;             // [tokens, hidden] gradient at the current layer output
   std::vector<LayerActivations> layers_;
   std::vector<int32_t> topk_ids_;
+  int tokens_ = 0;                               // this step's tokens on this rank
+  std::vector<std::vector<int32_t>> layer_ids_;  // [layers][tokens_ * top_k] with sequences
+  // This step's Luffy counters (this rank's).
+  int64_t rows_dispatched_ = 0;
+  int64_t rows_remote_ = 0;
+  int64_t rows_kept_ = 0;
+  int64_t sequences_moved_ = 0;
+  double sequence_bytes_ = 0;
   std::vector<float> send_;
   std::vector<float> recv_;
   std::vector<float> expert_out_;  // [received rows, hidden]
@@ -207,6 +240,11 @@ Status RankTrainer::Init() {
   d_x_.resize(activations);
   layers_.resize(model_.layers);
   topk_ids_.resize(static_cast<size_t>(model_.tokens) * model_.top_k);
+  tokens_ = model_.tokens;
+  if (options_.migrate_sequences &&
+      (options_.sequences == nullptr || options_.sequence_transport == nullptr)) {
+    return InvalidArgument("sequence migration needs a sequence gate and a sequence transport");
+  }
   return Status::Ok();
 }
 
@@ -252,35 +290,96 @@ Status RankTrainer::Upload(int layer, int local_slot, Region region) {
   return device_->Copy(device, host, bytes);
 }
 
-Status RankTrainer::ExchangeRows(std::span<const float> send, std::span<const int64_t> rows_to,
+template <typename T>
+Status RankTrainer::ExchangeRows(std::span<const T> send, std::span<const int64_t> rows_to,
                                  std::span<const int64_t> expected_from, int width,
-                                 std::vector<float>& recv, std::string_view what, double* cpu) {
+                                 std::vector<T>& recv, std::string_view what, double* cpu) {
   KEEL_RETURN_IF_ERROR(SyncForTiming());
   CpuTimer timer(cpu);
-  const size_t row_bytes = static_cast<size_t>(width) * sizeof(float);
+  const size_t row_bytes = static_cast<size_t>(width) * sizeof(T);
   std::vector<size_t> send_bytes(ranks_);
   for (int r = 0; r < ranks_; ++r) send_bytes[r] = static_cast<size_t>(rows_to[r]) * row_bytes;
   std::vector<std::byte> received;
   std::vector<size_t> recv_bytes;
   KEEL_RETURN_IF_ERROR(
       communicator_.AllToAllV(std::as_bytes(send), send_bytes, received, recv_bytes));
+  double sent_off = 0;
+  double received_off = 0;
   for (int r = 0; r < ranks_; ++r) {
     if (recv_bytes[r] != static_cast<size_t>(expected_from[r]) * row_bytes) {
       return Internal(std::string(what) + ": rank " + std::to_string(rank_) + " received " +
                       std::to_string(recv_bytes[r] / row_bytes) + " rows from rank " +
                       std::to_string(r) + ", the routing said " + std::to_string(expected_from[r]));
     }
+    if (r != rank_) {
+      sent_off += static_cast<double>(send_bytes[r]);
+      received_off += static_cast<double>(recv_bytes[r]);
+    }
   }
-  recv.resize(received.size() / sizeof(float));
+  *cpu += LinkSeconds(sent_off, received_off);
+  recv.resize(received.size() / sizeof(T));
   if (!received.empty()) std::memcpy(recv.data(), received.data(), received.size());
   return Status::Ok();
+}
+
+Status RankTrainer::DispatchCondensed(int layer, const std::vector<int32_t>& bucket_begin,
+                                      LayerActivations& act, StepTimes& times) {
+  const int hidden = model_.ffn.hidden;
+  const size_t sent = act.send_order.size();
+  const int buckets = static_cast<int>(bucket_begin.size()) - 1;
+  std::vector<int32_t> representative(sent);
+  std::vector<int32_t> kept(buckets);
+  KEEL_RETURN_IF_ERROR(kernels::cpu::CondenseRows(
+      send_.data(), static_cast<int64_t>(sent), hidden, kernels::DType::kFloat32,
+      bucket_begin.data(), buckets, options_.condense_threshold, /*window=*/32,
+      representative.data(), kept.data()));
+  // A bucket's rows all go to one rank, so a row's representative goes there too: kept rows
+  // are numbered per destination in dispatch order, and a condensed row takes its
+  // representative's number.
+  act.send_kept.assign(sent, 0);
+  act.kept_to.assign(ranks_, 0);
+  std::vector<float> kept_rows;
+  for (int b = 0; b < buckets; ++b) {
+    const int destination = b / local_slots_;
+    for (int32_t i = bucket_begin[b]; i < bucket_begin[b + 1]; ++i) {
+      if (representative[i] == i) {
+        act.send_kept[i] = static_cast<int32_t>(act.kept_to[destination]++);
+        kept_rows.insert(kept_rows.end(), send_.begin() + static_cast<ptrdiff_t>(i) * hidden,
+                         send_.begin() + static_cast<ptrdiff_t>(i + 1) * hidden);
+      } else {
+        act.send_kept[i] = act.send_kept[representative[i]];
+      }
+    }
+  }
+  // First which kept row each row is, then the kept rows.
+  KEEL_RETURN_IF_ERROR(ExchangeRows<int32_t>(act.send_kept, act.send_rows, act.recv_rows, 1,
+                                             act.recv_kept, "condensed dispatch map",
+                                             &times.communication[layer]));
+  act.kept_from.assign(ranks_, 0);
+  size_t at = 0;
+  int64_t offset = 0;
+  for (int source = 0; source < ranks_; ++source) {
+    int64_t most = -1;
+    for (int64_t i = 0; i < act.recv_rows[source]; ++i, ++at) {
+      most = std::max<int64_t>(most, act.recv_kept[at]);
+      act.recv_kept[at] += static_cast<int32_t>(offset);
+    }
+    act.kept_from[source] = most + 1;
+    offset += most + 1;
+  }
+  return ExchangeRows<float>(kept_rows, act.kept_to, act.kept_from, hidden, act.recv_x,
+                             "condensed dispatch", &times.communication[layer]);
 }
 
 Status RankTrainer::Forward(int64_t step, int layer, StepTimes& times, std::vector<int64_t>& rows) {
   const int hidden = model_.ffn.hidden;
   const int top_k = model_.top_k;
+  if (options_.sequences != nullptr) {
+    topk_ids_ = layer_ids_[layer];
+  } else {
+    options_.gate->Draw(step, layer, rank_, topk_ids_);
+  }
   const size_t choices = topk_ids_.size();
-  options_.gate->Draw(step, layer, rank_, topk_ids_);
 
   KEEL_RETURN_IF_ERROR(SyncForTiming());
   const double route_start = ThreadCpuSeconds();
@@ -320,6 +419,8 @@ Status RankTrainer::Forward(int64_t step, int layer, StepTimes& times, std::vect
   std::vector<size_t> start(bucket_rows.size(), 0);
   for (size_t b = 1; b < bucket_rows.size(); ++b) start[b] = start[b - 1] + bucket_rows[b - 1];
   const size_t sent = start.back();
+  // [ranks * local slots + 1] the buckets' first rows, for condensation.
+  const std::vector<int32_t> bucket_begin(start.begin(), start.end());
   act.send_order.resize(sent);
   for (size_t i = 0; i < choices; ++i) {
     if (route.slot[i] >= 0) act.send_order[start[bucket[i]]++] = static_cast<uint32_t>(i);
@@ -331,11 +432,25 @@ Status RankTrainer::Forward(int64_t step, int layer, StepTimes& times, std::vect
     std::memcpy(send_.data() + r * hidden, x.data() + token * hidden, hidden * sizeof(float));
   }
   act.recv_rows = route.recv_totals;
-  KEEL_RETURN_IF_ERROR(ExchangeRows(send_, act.send_rows, act.recv_rows, hidden, act.recv_x,
-                                    "dispatch", &times.communication[layer]));
+  rows_dispatched_ += static_cast<int64_t>(sent);
+  rows_remote_ += static_cast<int64_t>(sent) - act.send_rows[rank_];
+  if (options_.condense_threshold > 0) {
+    KEEL_RETURN_IF_ERROR(DispatchCondensed(layer, bucket_begin, act, times));
+  } else {
+    KEEL_RETURN_IF_ERROR(ExchangeRows<float>(send_, act.send_rows, act.recv_rows, hidden,
+                                             act.recv_x, "dispatch", &times.communication[layer]));
+    act.send_kept.resize(sent);
+    for (int r = 0, at = 0; r < ranks_; ++r) {
+      for (int64_t i = 0; i < act.send_rows[r]; ++i) act.send_kept[at++] = static_cast<int32_t>(i);
+    }
+    act.kept_to = act.send_rows;
+    act.kept_from = act.recv_rows;
+    act.recv_kept.resize(act.recv_x.size() / hidden);
+    for (size_t i = 0; i < act.recv_kept.size(); ++i) act.recv_kept[i] = static_cast<int32_t>(i);
+  }
 
   // Received rows come grouped by source rank, then by local slot ascending.
-  const size_t received = act.recv_x.size() / hidden;
+  const size_t received = act.recv_kept.size();
   act.recv_slot.clear();
   for (int source = 0; source < ranks_; ++source) {
     for (int s = 0; s < local_slots_; ++s) {
@@ -354,31 +469,49 @@ Status RankTrainer::Forward(int64_t step, int layer, StepTimes& times, std::vect
                     ": recv_counts add up to " + std::to_string(act.recv_slot.size()) +
                     " rows, recv_totals to " + std::to_string(received));
   }
+  // The experts run on the kept rows; a kept row's slot is the slot of the rows it stands for.
+  const size_t kept = act.recv_x.size() / hidden;
+  std::vector<int32_t> kept_slot(kept, -1);
+  for (size_t r = 0; r < received; ++r) {
+    int32_t& slot = kept_slot[static_cast<size_t>(act.recv_kept[r])];
+    if (slot >= 0 && slot != act.recv_slot[r]) {
+      return Internal("condensed dispatch: a kept row stands for rows of two slots");
+    }
+    slot = act.recv_slot[r];
+  }
   {
     CpuTimer timer(&times.expert[layer]);
     const int ffn = model_.ffn.ffn;
-    act.activation.resize(received * ffn);
-    expert_out_.resize(received * hidden);
-    for (size_t r = 0; r < received; ++r) {
-      ExpertForward(model_.ffn, Weights(layer, act.recv_slot[r]), act.recv_x.data() + r * hidden,
+    act.activation.resize(kept * ffn);
+    expert_out_.resize(kept * hidden);
+    for (size_t r = 0; r < kept; ++r) {
+      ExpertForward(model_.ffn, Weights(layer, kept_slot[r]), act.recv_x.data() + r * hidden,
                     expert_out_.data() + r * hidden, act.activation.data() + r * ffn);
     }
   }
-  KEEL_RETURN_IF_ERROR(ExchangeRows(expert_out_, act.recv_rows, act.send_rows, hidden, recv_,
-                                    "combine", &times.communication[layer]));
+  rows_kept_ += static_cast<int64_t>(kept);
+  KEEL_RETURN_IF_ERROR(ExchangeRows<float>(expert_out_, act.kept_from, act.kept_to, hidden, recv_,
+                                           "combine", &times.communication[layer]));
 
-  // Combine: outputs come back in dispatch order; dropped choices add nothing.
+  // Combine: outputs come back per rank in the kept rows' order; every row takes its kept row's
+  // output, dropped choices add nothing.
+  std::vector<size_t> kept_begin(ranks_, 0);
+  for (int r = 1; r < ranks_; ++r) kept_begin[r] = kept_begin[r - 1] + act.kept_to[r - 1];
   gathered_.assign(choices * hidden, 0.0f);
-  for (size_t r = 0; r < sent; ++r) {
-    std::memcpy(gathered_.data() + static_cast<size_t>(act.send_order[r]) * hidden,
-                recv_.data() + r * hidden, hidden * sizeof(float));
+  size_t row = 0;
+  for (int r = 0; r < ranks_; ++r) {
+    for (int64_t i = 0; i < act.send_rows[r]; ++i, ++row) {
+      const size_t from = kept_begin[r] + static_cast<size_t>(act.send_kept[row]);
+      std::memcpy(gathered_.data() + static_cast<size_t>(act.send_order[row]) * hidden,
+                  recv_.data() + from * hidden, hidden * sizeof(float));
+    }
   }
   const float gate = 1.0f / static_cast<float>(top_k);
   std::vector<float>& out = x_[layer + 1];
-  for (int t = 0; t < model_.tokens; ++t) {
-    const size_t row = static_cast<size_t>(t) * hidden;
-    CombineRow(hidden, top_k, gate, x.data() + row, gathered_.data() + row * top_k,
-               out.data() + row);
+  for (int t = 0; t < tokens_; ++t) {
+    const size_t token_row = static_cast<size_t>(t) * hidden;
+    CombineRow(hidden, top_k, gate, x.data() + token_row, gathered_.data() + token_row * top_k,
+               out.data() + token_row);
   }
   return Status::Ok();
 }
@@ -396,29 +529,32 @@ Status RankTrainer::Backward(int layer, StepTimes& times) {
     const float* d_out = d_x_.data() + static_cast<size_t>(act.send_order[r] / top_k) * hidden;
     for (int i = 0; i < hidden; ++i) send_[r * hidden + i] = gate * d_out[i];
   }
-  KEEL_RETURN_IF_ERROR(ExchangeRows(send_, act.send_rows, act.recv_rows, hidden, recv_,
-                                    "backward dispatch", &times.communication[layer]));
+  KEEL_RETURN_IF_ERROR(ExchangeRows<float>(send_, act.send_rows, act.recv_rows, hidden, recv_,
+                                           "backward dispatch", &times.communication[layer]));
   const size_t received = act.recv_slot.size();
   {
     CpuTimer timer(&times.expert[layer]);
     expert_out_.resize(received * hidden);
     std::vector<float> scratch(ffn);
+    // Every row goes back through its kept row's forward (kernels/condense.h's rule; without
+    // condensation each row is its own kept row).
     for (size_t r = 0; r < received; ++r) {
       const int slot = act.recv_slot[r];
-      ExpertBackward(model_.ffn, Weights(layer, slot), act.recv_x.data() + r * hidden,
-                     act.activation.data() + r * ffn, recv_.data() + r * hidden,
+      const size_t kept = static_cast<size_t>(act.recv_kept[r]);
+      ExpertBackward(model_.ffn, Weights(layer, slot), act.recv_x.data() + kept * hidden,
+                     act.activation.data() + kept * ffn, recv_.data() + r * hidden,
                      Gradients(layer, slot), expert_out_.data() + r * hidden, scratch.data());
     }
   }
-  KEEL_RETURN_IF_ERROR(ExchangeRows(expert_out_, act.recv_rows, act.send_rows, hidden, recv_,
-                                    "backward combine", &times.communication[layer]));
+  KEEL_RETURN_IF_ERROR(ExchangeRows<float>(expert_out_, act.recv_rows, act.send_rows, hidden, recv_,
+                                           "backward combine", &times.communication[layer]));
   // d_in = d_out + Σ_k dx_k in k order (the residual plus every expert's input gradient).
   gathered_.assign(topk_ids_.size() * hidden, 0.0f);
   for (size_t r = 0; r < sent; ++r) {
     std::memcpy(gathered_.data() + static_cast<size_t>(act.send_order[r]) * hidden,
                 recv_.data() + r * hidden, hidden * sizeof(float));
   }
-  for (int t = 0; t < model_.tokens; ++t) {
+  for (int t = 0; t < tokens_; ++t) {
     float* d = d_x_.data() + static_cast<size_t>(t) * hidden;
     const float* dx = gathered_.data() + static_cast<size_t>(t) * top_k * hidden;
     for (int i = 0; i < hidden; ++i) {
@@ -430,6 +566,125 @@ Status RankTrainer::Backward(int layer, StepTimes& times) {
   return Status::Ok();
 }
 
+Status RankTrainer::DrawBatch(int64_t step, StepTimes& times) {
+  const int hidden = model_.ffn.hidden;
+  const SequenceGate* gate = options_.sequences;
+  if (gate == nullptr) {
+    DrawTokenInputs(model_.seed, rank_, step, x_[0]);
+    return Status::Ok();
+  }
+  // This rank's own sequences, then (with migration) the plan and the moves; the sequences this
+  // rank runs are then its own that stay and those it received, in (origin rank, index) order.
+  const int per_rank = gate->sequences_per_rank();
+  const int length = gate->tokens_per_sequence();
+  const size_t ids_per_sequence = static_cast<size_t>(model_.layers) * length * model_.top_k;
+  std::vector<std::vector<float>> own_inputs(
+      per_rank, std::vector<float>(static_cast<size_t>(length) * hidden));
+  for (int i = 0; i < per_rank; ++i) gate->DrawInputs(step, rank_, i, own_inputs[i]);
+  struct Local {
+    int origin = 0;
+    int index = 0;
+    const std::vector<float>* inputs = nullptr;
+  };
+  std::vector<Local> local;
+  std::vector<std::vector<float>> received;
+  if (options_.migrate_sequences) {
+    std::vector<SequenceRouting> routings(per_rank);
+    std::vector<int32_t> ids(ids_per_sequence);
+    {
+      CpuTimer timer(&times.sequences);
+      for (int i = 0; i < per_rank; ++i) {
+        gate->DrawRouting(step, rank_, i, ids);
+        routings[i].tokens = length;
+        routings[i].expert_rows = gate->ExpertRows(ids);
+      }
+    }
+    KEEL_RETURN_IF_ERROR(SyncForTiming());
+    Result<SequencePlacement> plan = [&] {
+      CpuTimer timer(&times.sequences);
+      return engine_->PlanSequences(0, routings);
+    }();
+    if (!plan.ok()) return plan.status().WithContext("PlanSequences");
+    KEEL_RETURN_IF_ERROR(MoveSequences(step, *plan, own_inputs, received, times));
+    size_t next_received = 0;
+    for (size_t j = 0; j < plan->rank.size(); ++j) {
+      if (plan->rank[j] != rank_) continue;
+      const int origin = plan->origin_rank[j];
+      const int index = plan->origin_index[j];
+      local.push_back(
+          {origin, index, origin == rank_ ? &own_inputs[index] : &received[next_received++]});
+    }
+  } else {
+    for (int i = 0; i < per_rank; ++i) local.push_back({rank_, i, &own_inputs[i]});
+  }
+
+  tokens_ = static_cast<int>(local.size()) * length;
+  const size_t activations = static_cast<size_t>(tokens_) * hidden;
+  for (std::vector<float>& x : x_) x.resize(activations);
+  targets_.resize(activations);
+  d_x_.resize(activations);
+  layer_ids_.assign(model_.layers,
+                    std::vector<int32_t>(static_cast<size_t>(tokens_) * model_.top_k));
+  std::vector<int32_t> ids(ids_per_sequence);
+  const size_t per_layer = static_cast<size_t>(length) * model_.top_k;
+  for (size_t s = 0; s < local.size(); ++s) {
+    std::copy(local[s].inputs->begin(), local[s].inputs->end(),
+              x_[0].begin() + static_cast<ptrdiff_t>(s * length * hidden));
+    // The router of the rank that runs the sequence: the same ids wherever it runs.
+    gate->DrawRouting(step, local[s].origin, local[s].index, ids);
+    for (int l = 0; l < model_.layers; ++l) {
+      std::copy_n(ids.begin() + static_cast<ptrdiff_t>(l * per_layer), per_layer,
+                  layer_ids_[l].begin() + static_cast<ptrdiff_t>(s * per_layer));
+    }
+  }
+  return Status::Ok();
+}
+
+Status RankTrainer::MoveSequences(int64_t step, const SequencePlacement& plan,
+                                  const std::vector<std::vector<float>>& own_inputs,
+                                  std::vector<std::vector<float>>& received, StepTimes& times) {
+  const size_t bytes = own_inputs.empty() ? 0 : own_inputs[0].size() * sizeof(float);
+  const int per_rank = static_cast<int>(own_inputs.size());
+  std::vector<SequenceMove> moves;
+  double sent = 0;
+  double arriving = 0;
+  for (size_t j = 0; j < plan.rank.size(); ++j) {
+    const int origin = plan.origin_rank[j];
+    const int destination = plan.rank[j];
+    if (origin == destination) continue;
+    SequenceMove move;
+    move.sequence_id = static_cast<int64_t>(origin) * per_rank + plan.origin_index[j];
+    move.src_rank = origin;
+    move.dst_rank = destination;
+    move.bytes = bytes;
+    if (origin == rank_) {
+      move.source = reinterpret_cast<const std::byte*>(own_inputs[plan.origin_index[j]].data());
+      sent += static_cast<double>(bytes);
+    }
+    if (destination == rank_) {
+      received.emplace_back(own_inputs.empty() ? 0 : own_inputs[0].size());
+      move.destination = reinterpret_cast<std::byte*>(received.back().data());
+      arriving += static_cast<double>(bytes);
+    }
+    moves.push_back(move);
+  }
+  sequences_moved_ = 0;
+  for (const SequenceMove& move : moves) {
+    if (move.src_rank == rank_) {
+      ++sequences_moved_;
+      sequence_bytes_ += static_cast<double>(move.bytes);
+    }
+  }
+  if (moves.empty()) return Status::Ok();
+  KEEL_RETURN_IF_ERROR(SyncForTiming());
+  CpuTimer timer(&times.sequences);
+  // The gradients return along the same links after the backward: the links carry both ways.
+  times.sequences += 2.0 * LinkSeconds(sent, arriving);
+  return MigrateSequences(*options_.sequence_transport, static_cast<uint64_t>(step), moves,
+                          options_.config.migration)
+      .WithContext("moving sequences");
+}
+
 Result<StepMeasurement> RankTrainer::Step(int64_t step) {
   const int layers = model_.layers;
   const int hidden = model_.ffn.hidden;
@@ -438,13 +693,15 @@ Result<StepMeasurement> RankTrainer::Step(int64_t step) {
   times.communication.assign(layers, 0.0);
   std::vector<int64_t> rows(static_cast<size_t>(ranks_) * layers, 0);  // [rank, layer]
 
-  DrawTokenInputs(model_.seed, rank_, step, x_[0]);
+  rows_dispatched_ = rows_remote_ = rows_kept_ = sequences_moved_ = 0;
+  sequence_bytes_ = 0;
+  KEEL_RETURN_IF_ERROR(DrawBatch(step, times));
   TeacherTargets(hidden, teacher_, x_[0], targets_);
   std::fill(gradients_.begin(), gradients_.end(), 0);
   for (int l = 0; l < layers; ++l) KEEL_RETURN_IF_ERROR(Forward(step, l, times, rows));
 
   double loss = 0;
-  for (int t = 0; t < model_.tokens; ++t) {
+  for (int t = 0; t < tokens_; ++t) {
     const size_t row = static_cast<size_t>(t) * hidden;
     loss += RowLoss(hidden, x_[layers].data() + row, targets_.data() + row, d_x_.data() + row);
   }
@@ -495,15 +752,26 @@ Result<StepMeasurement> RankTrainer::Step(int64_t step) {
   maxima.push_back(times.control + times.optimizer);
   maxima.push_back(times.route + times.control);
   maxima.push_back(stats.exposed_migration_seconds - exposed_before_);
+  maxima.push_back(times.sequences);
   exposed_before_ = stats.exposed_migration_seconds;
   KEEL_RETURN_IF_ERROR(communicator_.AllReduce(maxima, ReduceOp::kMax));
-  std::vector<double> loss_sum = {loss};
-  KEEL_RETURN_IF_ERROR(communicator_.AllReduce(loss_sum, ReduceOp::kSum));
+  std::vector<double> sums = {loss,
+                              static_cast<double>(rows_dispatched_),
+                              static_cast<double>(rows_remote_),
+                              static_cast<double>(rows_kept_),
+                              static_cast<double>(sequences_moved_),
+                              sequence_bytes_};
+  KEEL_RETURN_IF_ERROR(communicator_.AllReduce(sums, ReduceOp::kSum));
   KEEL_RETURN_IF_ERROR(communicator_.AllReduce(rows, ReduceOp::kSum));
 
   StepMeasurement m;
   m.step = step;
-  m.loss = loss_sum[0] / (static_cast<double>(model_.tokens) * ranks_);
+  m.loss = sums[0] / (static_cast<double>(model_.tokens) * ranks_);
+  m.rows_dispatched = static_cast<int64_t>(sums[1]);
+  m.rows_remote = static_cast<int64_t>(sums[2]);
+  m.rows_kept = static_cast<int64_t>(sums[3]);
+  m.sequences_moved = static_cast<int64_t>(sums[4]);
+  m.sequence_bytes = sums[5];
   for (int l = 0; l < layers; ++l) {
     m.expert_seconds += maxima[l];
     m.communication_seconds += maxima[layers + l];
@@ -511,6 +779,8 @@ Result<StepMeasurement> RankTrainer::Step(int64_t step) {
   m.control_seconds = maxima[2 * layers];
   m.engine_seconds = maxima[2 * layers + 1];
   m.exposed_migration_seconds = maxima[2 * layers + 2];
+  m.sequence_seconds = maxima[2 * layers + 3];
+  m.communication_seconds += m.sequence_seconds;
   m.parallel_step_seconds =
       m.expert_seconds + m.communication_seconds + m.control_seconds + m.exposed_migration_seconds;
   m.rank_rows.assign(ranks_, 0);

@@ -16,20 +16,9 @@
 #include "monitor/metrics.h"
 #include "monitor/trace.h"
 #include "tools/demo_model.h"
+#include "tools/demo_sequences.h"
 
 namespace keel::tools {
-
-// The model and its training run, the same on every rank.
-struct DemoModelOptions {
-  int layers = 4;
-  int experts = 32;
-  int top_k = 2;
-  int tokens = 4096;  // per rank per step
-  FfnShape ffn;
-  int steps = 40;
-  uint64_t seed = 1;
-  AdamOptions adam;
-};
 
 // Where each rank's top-k expert ids come from: per (step, layer, rank) expert counts of a
 // routing trace, turned into ids by DrawTopkIds. A synthetic trace (monitor/trace.h's Zipf
@@ -75,6 +64,15 @@ struct StepMeasurement {
   double exposed_migration_seconds = 0;  // max over ranks, this step
   double imbalance = 0;                  // max rank rows / mean rank rows, mean over layers
   std::vector<int64_t> rank_rows;        // [ranks] rows each rank's experts computed, all layers
+  // Luffy mode (docs/luffy.md), summed over ranks and layers: forward (token, k) rows dispatched,
+  // those sent to another rank, those kept after condensation; sequences moved and their bytes,
+  // and the slowest rank's seconds moving them (in communication_seconds too).
+  int64_t rows_dispatched = 0;
+  int64_t rows_remote = 0;
+  int64_t rows_kept = 0;
+  int64_t sequences_moved = 0;
+  double sequence_bytes = 0;
+  double sequence_seconds = 0;
   int64_t epoch = 0;
   int64_t epochs_committed = 0;
   int64_t epochs_aborted = 0;
@@ -99,6 +97,21 @@ struct RankRunOptions {
   bool barrier_before_timing = false;
   // Called on every rank after every step.
   std::function<void(const StepMeasurement&)> on_step;
+
+  // Luffy mode (docs/luffy.md). With a sequence gate each rank's tokens are its sequences and
+  // their routing comes from it; null runs the plain demo, tokens drawn by `gate`.
+  const SequenceGate* sequences = nullptr;
+  // Every step, before the first layer: Engine::PlanSequences for all layers, then the moves
+  // over `sequence_transport` (MigrateSequences); the sequences stay there for the backward.
+  bool migrate_sequences = false;
+  Transport* sequence_transport = nullptr;
+  // > 0: rows of one slot that are near-duplicates (cosine >= this) are sent and computed once
+  // in the forward (kernels/condense.h; its backward rule).
+  float condense_threshold = 0;
+  // > 0: emulated links of this many GB/s: the bytes a rank sends to or receives from other
+  // ranks (rows and sequences, the larger of the two) add bytes / bandwidth to its
+  // communication time.
+  double link_gb_per_s = 0;
 };
 
 struct RankRunResult {

@@ -48,9 +48,9 @@ TEST(CondenseTest, FindsDuplicatesWithinABucket) {
 }
 
 TEST(CondenseTest, ThresholdOneCondensesExactlyTheIdenticalRows) {
-  // Random rows, each repeated exactly or with a tiny change to one element, in every dtype:
-  // at threshold 1.0 every exact repeat is condensed (the cosine of identical rows is exactly 1,
-  // whatever the rounding of the norms) and no changed row is.
+  // Random rows, each repeated exactly or with one element one bf16 step away (a cosine that
+  // rounds to 1 in float32), in every dtype: at threshold 1.0 every exact repeat is condensed
+  // and no changed row is.
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
   for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
@@ -67,12 +67,15 @@ TEST(CondenseTest, ThresholdOneCondensesExactlyTheIdenticalRows) {
           if (from < i - 8) from = originals.back();
         }
         for (int64_t h = 0; h < hidden; ++h) {
-          values[i * hidden + h] = from >= 0 ? values[from * hidden + h] : uniform(rng);
+          values[i * hidden + h] =
+              from >= 0 ? values[from * hidden + h] : Bf16ToFloat(FloatToBf16(uniform(rng)));
         }
         if (from < 0) {
           originals.push_back(i);
         } else if (rng() % 3 == 0) {
-          values[i * hidden] += 0.25f;  // a near repeat: not identical
+          // A near repeat: one element one bf16 step away, exact in both dtypes.
+          const uint16_t bits = FloatToBf16(values[i * hidden + hidden / 2]);
+          values[i * hidden + hidden / 2] = Bf16ToFloat(static_cast<uint16_t>(bits + 1));
         } else {
           copy_of[i] = from;
         }
