@@ -28,7 +28,7 @@ namespace {
 
 constexpr int kSteps = 24;
 constexpr int kFirstCheckpointStep = 6;
-constexpr int kLastCheckpointStep = 18;
+constexpr int kLastCheckpointStep = 21;
 constexpr const char* kStateFile = "/engine_state.json";
 
 KeelConfig CheckpointConfig() {
@@ -44,7 +44,9 @@ struct Checkpoint {
 };
 
 // Trains from step 0 and checkpoints into `dir` after the first StepEnd from step 6 on that leaves
-// a migration in flight (at step 18 at the latest), then stops.
+// a migration in flight after an epoch committed (at step 21 at the latest), then stops. On a
+// loaded machine the first plans come late, so the first migration may still be the one in
+// flight at step 6.
 Checkpoint TrainAndCheckpoint(const std::string& dir) {
   const KeelConfig config = CheckpointConfig();
   LocalCommunicatorGroup group(kRanks);
@@ -60,7 +62,8 @@ Checkpoint TrainAndCheckpoint(const std::string& dir) {
       hooks.after_step = [&, r](Engine& engine, int step) -> Result<bool> {
         // A migration starts at the same StepEnd on every rank, so every rank stops together.
         const bool in_flight = engine.stats().migration_in_flight;
-        if (step < kFirstCheckpointStep || (!in_flight && step < kLastCheckpointStep)) {
+        const bool wanted = in_flight && engine.epoch() > 0;
+        if (step < kFirstCheckpointStep || (!wanted && step < kLastCheckpointStep)) {
           return false;
         }
         KEEL_RETURN_IF_ERROR(engine.SaveExperts(dir));
