@@ -543,6 +543,55 @@ keel_status_t keel_engine_route(keel_engine_t* engine, int layer, const int32_t*
   });
 }
 
+keel_status_t keel_engine_plan_sequences(keel_engine_t* engine, int first_layer,
+                                         int num_planned_layers, int64_t num_sequences,
+                                         const int64_t* tokens, const int32_t* expert_rows,
+                                         double max_token_imbalance, int64_t capacity,
+                                         int32_t* origin_rank_out, int32_t* origin_index_out,
+                                         int32_t* rank_out, int64_t* total_out, int* used_out) {
+  return Guard("keel_engine_plan_sequences", [&]() -> Status {
+    if (engine == nullptr) return Null("engine");
+    if (num_planned_layers < 1 || num_planned_layers > engine->num_layers) {
+      return InvalidArgument("num_planned_layers = " + std::to_string(num_planned_layers) +
+                             " is not in [1, " + std::to_string(engine->num_layers) + "]");
+    }
+    if (num_sequences < 0 || num_sequences > INT32_MAX) {
+      return InvalidArgument("num_sequences = " + std::to_string(num_sequences) +
+                             " is not in [0, 2^31)");
+    }
+    if (num_sequences > 0 && tokens == nullptr) return Null("tokens");
+    if (num_sequences > 0 && expert_rows == nullptr) return Null("expert_rows");
+    if (capacity < 0) return InvalidArgument("capacity = " + std::to_string(capacity) + " < 0");
+    if (capacity > 0 &&
+        (origin_rank_out == nullptr || origin_index_out == nullptr || rank_out == nullptr)) {
+      return Null(origin_rank_out == nullptr    ? "origin_rank_out"
+                  : origin_index_out == nullptr ? "origin_index_out"
+                                                : "rank_out");
+    }
+    if (total_out == nullptr) return Null("total_out");
+    const size_t row = static_cast<size_t>(num_planned_layers) * engine->num_experts;
+    std::vector<keel::SequenceRouting> sequences(static_cast<size_t>(num_sequences));
+    for (size_t s = 0; s < sequences.size(); ++s) {
+      sequences[s].tokens = tokens[s];
+      sequences[s].expert_rows.assign(expert_rows + s * row, expert_rows + (s + 1) * row);
+    }
+    keel::SequencePlanningOptions options;
+    options.max_token_imbalance = max_token_imbalance;
+    KEEL_ASSIGN_OR_RETURN(keel::SequencePlacement plan,
+                          engine->engine->PlanSequences(first_layer, sequences, options));
+    *total_out = static_cast<int64_t>(plan.rank.size());
+    if (used_out != nullptr) *used_out = plan.used ? 1 : 0;
+    if (capacity < *total_out) {
+      return keel::OutOfRange("capacity = " + std::to_string(capacity) + " is below the " +
+                              std::to_string(*total_out) + " sequences of all ranks");
+    }
+    std::copy(plan.origin_rank.begin(), plan.origin_rank.end(), origin_rank_out);
+    std::copy(plan.origin_index.begin(), plan.origin_index.end(), origin_index_out);
+    std::copy(plan.rank.begin(), plan.rank.end(), rank_out);
+    return Status::Ok();
+  });
+}
+
 keel_status_t keel_engine_route_counts(keel_engine_t* engine, int layer,
                                        const int32_t* expert_counts, int64_t* send_counts,
                                        int64_t* recv_counts, int64_t* recv_totals,

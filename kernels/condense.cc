@@ -2,6 +2,8 @@
 // representative pass of the rule in condense.h, each looking back `window` rows within the bucket.
 #include "kernels/condense.h"
 
+#include "keel/condense.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -111,3 +113,14 @@ Status ExpandCondensed(void* rows, int64_t num_rows, int64_t hidden, DType dtype
 }
 
 }  // namespace keel::kernels::cpu
+
+namespace keel {
+
+Status CondenseRows(const float* rows, int64_t num_rows, int64_t hidden,
+                    const int32_t* bucket_begin, int num_buckets, float threshold, int window,
+                    int32_t* representative, int32_t* kept) {
+  return kernels::cpu::CondenseRows(rows, num_rows, hidden, kernels::DType::kFloat32, bucket_begin,
+                                    num_buckets, threshold, window, representative, kept);
+}
+
+}  // namespace keel

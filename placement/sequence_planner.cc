@@ -3,6 +3,7 @@
 #include "placement/sequence_planner.h"
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <string>
 
@@ -254,6 +255,176 @@ void LocalSearch(std::span<const double> link_seconds, std::span<const SequenceT
   }
 }
 
+// The cost model's time of the planned layers and the moves, kept up to date as sequences
+// change rank: per layer each rank's rows sent and received over each link class and the rows
+// it computes, and each rank's move bytes. The same sums as Evaluate's, kept incrementally, so a
+// move or swap is priced in O(layers x ranks) instead of O(layers x ranks^2).
+class PeakObjective {
+ public:
+  // traffic[(s * ranks + g) * layers + l]: sequence s's rows to each rank when it runs on g.
+  PeakObjective(std::span<const SequenceTraffic> sequences, const CostModel& cost, int layers,
+                std::vector<std::vector<double>> traffic, double move_bytes_per_token)
+      : sequences_(sequences),
+        cost_(cost),
+        topology_(cost.topology()),
+        ranks_(topology_.num_ranks()),
+        layers_(layers),
+        traffic_(std::move(traffic)),
+        move_bytes_(move_bytes_per_token),
+        rows_(static_cast<size_t>(layers) * ranks_ * kSums, 0.0),
+        moves_(static_cast<size_t>(ranks_) * 4, 0.0) {}
+
+  // Adds (sign +1) or removes (-1) sequence s running on rank g.
+  void Apply(size_t s, int g, double sign) {
+    for (int l = 0; l < layers_; ++l) {
+      const std::vector<double>& to = traffic_[(s * ranks_ + g) * layers_ + l];
+      double* layer = rows_.data() + static_cast<size_t>(l) * ranks_ * kSums;
+      for (int r = 0; r < ranks_; ++r) {
+        const double rows = sign * to[r];
+        if (rows == 0) continue;
+        layer[r * kSums + kLoad] += rows;
+        if (r == g) continue;
+        const int link = topology_.same_node(g, r) ? 0 : 1;
+        layer[g * kSums + kSendIntra + link] += rows;
+        layer[r * kSums + kReceiveIntra + link] += rows;
+      }
+    }
+    const int origin = sequences_[s].origin_rank;
+    if (g != origin) {
+      const double bytes = sign * static_cast<double>(sequences_[s].tokens) * move_bytes_;
+      const int link = topology_.same_node(g, origin) ? 0 : 1;
+      moves_[origin * 4 + link] += bytes;  // sent by the origin
+      moves_[g * 4 + 2 + link] += bytes;   // received by the runner
+    }
+  }
+
+  // Expert compute + all-to-all of every layer, plus the moves there and back.
+  double Seconds() const {
+    const double intra = topology_.intra_node_bytes_per_second();
+    const double inter = topology_.inter_node_bytes_per_second();
+    const double row_bytes = cost_.token_row_bytes();
+    double total = 0;
+    for (int l = 0; l < layers_; ++l) {
+      const double* layer = rows_.data() + static_cast<size_t>(l) * ranks_ * kSums;
+      double load = 0, intra_rows = 0, inter_rows = 0;
+      for (int r = 0; r < ranks_; ++r) {
+        const double* sums = layer + r * kSums;
+        load = std::max(load, sums[kLoad]);
+        intra_rows = std::max({intra_rows, sums[kSendIntra], sums[kReceiveIntra]});
+        inter_rows = std::max({inter_rows, sums[kSendInter], sums[kReceiveInter]});
+      }
+      total += cost_.ComputeSeconds(load) +
+               cost_.config().all_to_all_passes *
+                   std::max(intra_rows * row_bytes / intra, inter_rows * row_bytes / inter);
+    }
+    double intra_bytes = 0, inter_bytes = 0;
+    for (int r = 0; r < ranks_; ++r) {
+      intra_bytes = std::max({intra_bytes, moves_[r * 4], moves_[r * 4 + 2]});
+      inter_bytes = std::max({inter_bytes, moves_[r * 4 + 1], moves_[r * 4 + 3]});
+    }
+    return total + 2.0 * std::max(intra_bytes / intra, inter_bytes / inter);
+  }
+
+ private:
+  enum Sum { kLoad, kSendIntra, kSendInter, kReceiveIntra, kReceiveInter, kSums };
+  std::span<const SequenceTraffic> sequences_;
+  const CostModel& cost_;
+  const Topology& topology_;
+  const int ranks_;
+  const int layers_;
+  std::vector<std::vector<double>> traffic_;
+  double move_bytes_;
+  std::vector<double> rows_;   // [layer][rank][Sum]
+  std::vector<double> moves_;  // [rank][sent intra, sent inter, received intra, received inter]
+};
+
+// The second search: single moves, then swaps, judged by the cost model's own measure (the
+// slowest rank's links and experts, which the summed link time of LocalSearch does not see),
+// with the summed link time breaking ties; the token caps still hold.
+// Returns the cost model's time of the plan it ends with.
+double PeakSearch(std::span<const LayerRoutes> routes, std::span<const SequenceTraffic> sequences,
+                  const CostModel& cost, double move_bytes, std::span<const double> link_seconds,
+                  std::span<const int64_t> cap, int max_sweeps, std::vector<int>& rank,
+                  std::vector<int64_t>& load) {
+  const int ranks = cost.topology().num_ranks();
+  const int layers = static_cast<int>(routes.size());
+  const int experts = routes[0].placement().num_experts();
+  std::vector<std::vector<double>> traffic(sequences.size() * ranks * layers,
+                                           std::vector<double>(ranks, 0.0));
+  for (size_t s = 0; s < sequences.size(); ++s) {
+    for (int g = 0; g < ranks; ++g) {
+      for (int l = 0; l < layers; ++l) {
+        routes[l].AddRows({sequences[s].expert_rows.data() + static_cast<size_t>(l) * experts,
+                           static_cast<size_t>(experts)},
+                          g, traffic[(s * ranks + g) * layers + l]);
+      }
+    }
+  }
+  PeakObjective objective(sequences, cost, layers, std::move(traffic), move_bytes);
+  for (size_t s = 0; s < sequences.size(); ++s) objective.Apply(s, rank[s], +1.0);
+  double seconds = objective.Seconds();
+  const double tolerance = 1e-12 * seconds;
+  auto sum = [&](size_t s, int g) { return link_seconds[s * ranks + g]; };
+  // Better: clearly faster, or as fast with less summed link time.
+  auto better = [&](double candidate, double link_gain) {
+    return candidate < seconds - tolerance ||
+           (candidate <= seconds + tolerance && link_gain > tolerance);
+  };
+  const size_t count = sequences.size();
+  for (int sweep = 0; sweep < max_sweeps; ++sweep) {
+    bool improved = false;
+    for (size_t s = 0; s < count; ++s) {
+      const int from = rank[s];
+      const int64_t tokens = sequences[s].tokens;
+      for (int g = 0; g < ranks; ++g) {
+        if (g == from || load[g] + tokens > cap[g]) continue;
+        objective.Apply(s, from, -1.0);
+        objective.Apply(s, g, +1.0);
+        const double candidate = objective.Seconds();
+        if (better(candidate, sum(s, from) - sum(s, g))) {
+          seconds = candidate;
+          load[from] -= tokens;
+          load[g] += tokens;
+          rank[s] = g;
+          improved = true;
+          break;
+        }
+        objective.Apply(s, g, -1.0);
+        objective.Apply(s, from, +1.0);
+      }
+    }
+    for (size_t s = 0; s < count; ++s) {
+      for (size_t t = s + 1; t < count; ++t) {
+        const int a = rank[s];
+        const int b = rank[t];
+        if (a == b) continue;
+        const int64_t delta = sequences[t].tokens - sequences[s].tokens;  // a gains, b loses
+        if (load[a] + delta > cap[a] || load[b] - delta > cap[b]) continue;
+        objective.Apply(s, a, -1.0);
+        objective.Apply(t, b, -1.0);
+        objective.Apply(s, b, +1.0);
+        objective.Apply(t, a, +1.0);
+        const double candidate = objective.Seconds();
+        if (better(candidate, sum(s, a) + sum(t, b) - sum(s, b) - sum(t, a))) {
+          seconds = candidate;
+          load[a] += delta;
+          load[b] -= delta;
+          rank[s] = b;
+          rank[t] = a;
+          improved = true;
+          continue;
+        }
+        objective.Apply(s, b, -1.0);
+        objective.Apply(t, a, -1.0);
+        objective.Apply(s, a, +1.0);
+        objective.Apply(t, b, +1.0);
+      }
+    }
+    if (!improved) break;
+  }
+  return seconds;
+}
+
 }  // namespace
 
 Result<SequencePlan> PlanSequences(std::span<const Placement> layers,
@@ -287,9 +458,21 @@ Result<SequencePlan> PlanSequences(std::span<const Placement> layers,
   std::vector<int64_t> planned_load = load;
   LocalSearch(link_seconds, sequences, cap, std::max(0, options.max_sweeps), plan.rank,
               planned_load);
+  // The second search keeps a [sequences x ranks x layers x ranks] table of rows; beyond 2^23
+  // entries (64 MiB) the plan is the first search's alone.
+  const double table =
+      static_cast<double>(sequences.size()) * ranks * ranks * static_cast<double>(layers.size());
+  [[maybe_unused]] double searched = -1;
+  if (options.objective == SequenceObjective::kStepTime && table <= static_cast<double>(1 << 23)) {
+    searched = PeakSearch(routes, sequences, cost, move_bytes, link_seconds, cap,
+                          std::max(0, options.max_sweeps), plan.rank, planned_load);
+  }
 
   const Evaluation before = Evaluate(routes, sequences, origin, cost, move_bytes);
   const Evaluation after = Evaluate(routes, sequences, plan.rank, cost, move_bytes);
+  // The second search's running sums and the cost model agree, up to their rounding.
+  assert(searched < 0 || std::abs(searched - (after.layer_seconds + after.move_seconds)) <=
+                             1e-6 * (after.layer_seconds + after.move_seconds));
   plan.remote_rows_before = before.remote_rows;
   plan.cross_node_rows_before = before.cross_node_rows;
   plan.seconds_before = before.layer_seconds;

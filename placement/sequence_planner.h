@@ -23,7 +23,17 @@ struct SequenceTraffic {
   std::vector<double> expert_rows;
 };
 
+// What the search minimises. Either way the cost model's step decides whether a plan is used.
+enum class SequenceObjective {
+  // The cost model's step: the slowest rank's links and experts, then the summed link time.
+  kStepTime,
+  // The summed link time of the rows and moves (each byte priced at its link's bandwidth): the
+  // traffic, cross-node bytes weighing most, whichever link is the busiest.
+  kLinkTime,
+};
+
 struct SequencePlanOptions {
+  SequenceObjective objective = SequenceObjective::kStepTime;
   // No rank ends with more than this times the mean tokens per rank (a rank already above it
   // may keep what it has, but takes no more), so attention and dense layers stay balanced.
   double max_token_imbalance = 1.10;
@@ -59,9 +69,11 @@ struct SequencePlan {
 // expert e to e's copies on g when g holds one, else to e's copies on g's node, else to all of
 // e's copies, split evenly (locality first, as Keel's quota router routes). A local search of
 // single moves and pairwise swaps lowers the sum over sequences of the link time of their rows
-// (each byte priced at its link's bandwidth, all passes) plus their move; the plan is used only
-// when the cost model's step time with it (slowest links, slowest experts) is below the time
-// without. InvalidArgument, naming the sequence and field, for inconsistent input.
+// (each byte priced at its link's bandwidth, all passes) plus their move; with kStepTime a
+// second search from there lowers the cost model's step itself (slowest links, slowest
+// experts), which the sum does not see. The plan is used only when the cost model's step time
+// with it is below the time without. InvalidArgument, naming the sequence and field, for
+// inconsistent input.
 Result<SequencePlan> PlanSequences(std::span<const Placement> layers,
                                    std::span<const SequenceTraffic> sequences,
                                    const CostModel& cost, const SequencePlanOptions& options = {});

@@ -74,7 +74,7 @@ struct DemoFlags {
   double condense = 0;  // threshold; 0 = off
   int sequence_tokens = 256;
   double affinity = 0.7;
-  double repeat = -1;  // -1: 0.25 with --condense, else 0
+  double repeat = 0;  // with --condense and no --token-repeat: 0.25 (RunDemo sets it)
   double link_gb_per_s = 0;
 };
 
@@ -182,7 +182,7 @@ Status CheckFlags(const DemoFlags& f) {
     return InvalidArgument("--sequence-affinity " + std::to_string(f.affinity) +
                            " must be in [0, 1]");
   }
-  if (!(f.repeat == -1 || (f.repeat >= 0.0 && f.repeat <= 1.0))) {
+  if (!(f.repeat >= 0.0 && f.repeat <= 1.0)) {
     return InvalidArgument("--token-repeat " + std::to_string(f.repeat) + " must be in [0, 1]");
   }
   if (!(f.link_gb_per_s >= 0.0 && f.link_gb_per_s <= 1e6)) {
@@ -515,7 +515,7 @@ int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator*
     SequenceWorkload workload;
     workload.tokens_per_sequence = flags.sequence_tokens;
     workload.affinity = flags.affinity;
-    workload.repeat = flags.repeat >= 0 ? flags.repeat : (flags.condense > 0 ? 0.25 : 0.0);
+    workload.repeat = flags.repeat;
     sequences.emplace(workload, *gate, model, ranks);
     if (rank0 && !flags.quiet) {
       std::fprintf(
@@ -614,11 +614,10 @@ int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator*
       {"final_weights_checksum", FinalWeightsChecksum(runs[1].result.final_weights)},
   };
   if (sequences) {
-    report["sequences"] = {
-        {"tokens_per_sequence", flags.sequence_tokens},
-        {"affinity", flags.affinity},
-        {"token_repeat", flags.repeat >= 0 ? flags.repeat : (flags.condense > 0 ? 0.25 : 0.0)},
-        {"link_gb_per_s", flags.link_gb_per_s}};
+    report["sequences"] = {{"tokens_per_sequence", flags.sequence_tokens},
+                           {"affinity", flags.affinity},
+                           {"token_repeat", flags.repeat},
+                           {"link_gb_per_s", flags.link_gb_per_s}};
   }
 
   std::printf("\n");
@@ -782,7 +781,7 @@ int RunDemo(int argc, char** argv) {
              "[0, 1] (default 0.7)");
   parser.Add("token-repeat", "P", &flags.repeat,
              "share of a sequence's tokens that repeat an earlier token (half exactly, half "
-             "nearly), in [0, 1]; default 0.25 with --condense, else 0");
+             "nearly), in [0, 1]; with --condense 0.25 unless given");
   parser.Add("link-gb-per-s", "X", &flags.link_gb_per_s,
              "emulate links of X GB/s between ranks: the bytes a rank exchanges with other "
              "ranks add bytes / X to its communication time (default 0: measured CPU time only)");
@@ -804,6 +803,8 @@ int RunDemo(int argc, char** argv) {
     std::fputs(parser.HelpText().c_str(), stdout);
     return 0;
   }
+  // Condensation needs repeated tokens to find; a quarter unless --token-repeat says otherwise.
+  if (flags.condense > 0 && !parser.IsSet("token-repeat")) flags.repeat = 0.25;
   Status checked = CheckFlags(flags);
   if (!checked.ok()) return Fail(checked);
   if (flags.comm == "mpi") return RunDemoOverMpi(argc, argv, flags, parser);

@@ -311,6 +311,9 @@ int RunReplay(int argc, char** argv) {
   flags.Add("batch-sequences", "N", &sequence_options.batch_sequences,
             "with --sequence-migration: regroup the trace's sequences into steps of N (0 = the "
             "trace's own steps)");
+  flags.Add("sequence-objective", "NAME", &sequence_options.objective,
+            "with --sequence-migration: what the planner minimises, step (the cost model's "
+            "step, default) or traffic (summed link time: cross-node bytes weigh most)");
   flags.Add("max-token-imbalance", "X", &sequence_options.max_token_imbalance,
             "with --sequence-migration: no rank ends with more than X times the mean tokens "
             "(>= 1; default 1.1)");
@@ -385,12 +388,16 @@ int RunReplay(int argc, char** argv) {
                           "the synthetic trace has none"));
     }
   } else {
-    for (const char* own : {"batch-sequences", "max-token-imbalance"}) {
+    for (const char* own : {"batch-sequences", "max-token-imbalance", "sequence-objective"}) {
       if (flags.IsSet(own)) {
         return Fail(InvalidArgument(std::string("--") + own +
                                     " is only meaningful with --sequence-migration"));
       }
     }
+  }
+  if (sequence_options.objective != "step" && sequence_options.objective != "traffic") {
+    return Fail(InvalidArgument("--sequence-objective '" + sequence_options.objective +
+                                "' is not step or traffic"));
   }
   if (sequence_options.batch_sequences < 0) {
     return Fail(InvalidArgument("--batch-sequences must be >= 0, got " +

@@ -153,6 +153,12 @@ Result<SequenceReplayReport> ReplaySequenceMigration(const Trace& trace, const K
 
   SequencePlanOptions plan_options;
   plan_options.max_token_imbalance = options.max_token_imbalance;
+  if (options.objective == "traffic") {
+    plan_options.objective = SequenceObjective::kLinkTime;
+  } else if (options.objective != "step") {
+    return InvalidArgument("--sequence-objective '" + options.objective +
+                           "' is not step or traffic");
+  }
   SequencePlanOptions unmoved_options = plan_options;
   unmoved_options.max_sweeps = 0;
 
@@ -209,6 +215,7 @@ Result<SequenceReplayReport> ReplaySequenceMigration(const Trace& trace, const K
   int64_t sequences = 0;
   for (const auto& batch : batches) sequences += static_cast<int64_t>(batch.size());
   report.sequences_per_step = static_cast<double>(sequences) / static_cast<double>(batches.size());
+  report.objective = options.objective;
   report.modes = {step_mode.Finish(0), layer_mode.Finish(0), grouped_only.Finish(held_out),
                   grouped_step.Finish(held_out)};
   for (int l = 0; l < layers; ++l) {
@@ -226,6 +233,7 @@ nlohmann::json SequenceReplayReportToJson(const SequenceReplayReport& report) {
   json["num_nodes"] = report.num_nodes;
   json["gpus_per_node"] = report.gpus_per_node;
   json["sequences_per_step"] = report.sequences_per_step;
+  json["objective"] = report.objective;
   json["grouping_migration_bytes"] = report.grouping_migration_bytes;
   nlohmann::json modes = nlohmann::json::object();
   for (const SequenceReplayMode& mode : report.modes) {
@@ -260,9 +268,10 @@ std::string FormatSequenceReplayTable(const SequenceReplayReport& report) {
   char line[256];
   std::snprintf(line, sizeof line,
                 "sequence migration: %d steps of %.1f sequences, %d node(s) x %d GPUs, %d layers x "
-                "%d experts\n",
+                "%d experts; planned for the %s\n",
                 report.num_steps, report.sequences_per_step, report.num_nodes, report.gpus_per_node,
-                report.num_layers, report.num_experts);
+                report.num_layers, report.num_experts,
+                report.objective == "traffic" ? "traffic" : "step time");
   out += line;
   out +=
       "mode           steps  remote rows  cross-node  cross-node bytes  moves/seq  moved MB  "

@@ -22,6 +22,9 @@ struct SequenceReplayOptions {
   // step dropped), so that a trace imported one sequence per step replays in batches.
   int batch_sequences = 0;
   double max_token_imbalance = 1.10;  // SequencePlanOptions::max_token_imbalance
+  // SequencePlanOptions::objective: "step" (the cost model's step) or "traffic" (summed link
+  // time, cross-node bytes weighing most).
+  std::string objective = "step";
   // Called after each step, every mode planned: (steps done, steps). May be empty.
   std::function<void(int done, int total)> progress;
 };
@@ -58,6 +61,7 @@ struct SequenceReplayReport {
   int num_nodes = 0;
   int gpus_per_node = 0;
   double sequences_per_step = 0;
+  std::string objective;  // as SequenceReplayOptions::objective
   std::vector<SequenceReplayMode> modes;
   // The one-time cost of the grouped expert placement: bytes to move from the static one.
   double grouping_migration_bytes = 0;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "keel/communicator.hpp"
+#include "keel/condense.hpp"
 #include "keel/config.hpp"
 #include "keel/engine.hpp"
 #include "keel/plan.hpp"
@@ -242,6 +243,44 @@ class PythonEngine {
     ThrowIfError(engine().RegisterSlot(
         layer, local_slot,
         {Address<void>(weights), Address<void>(gradients), Address<void>(optimizer)}));
+  }
+
+  // Plans sequence migration (Engine::PlanSequences): `tokens` [sequences] and `expert_rows`
+  // [sequences * layers * num_experts] int32 at the given addresses; `row_size` = layers *
+  // num_experts. Returns the SequencePlacement as a dict of lists.
+  py::dict PlanSequences(int first_layer, int64_t num_sequences, uintptr_t tokens,
+                         uintptr_t expert_rows, int64_t row_size, double max_token_imbalance,
+                         double move_bytes_per_token) {
+    if (num_sequences < 0 || row_size < 0) {
+      throw StatusError(InvalidArgument("num_sequences = " + std::to_string(num_sequences) +
+                                        " and row_size = " + std::to_string(row_size) +
+                                        " must be >= 0"));
+    }
+    std::vector<SequenceRouting> sequences(static_cast<size_t>(num_sequences));
+    const int64_t* token_counts = Address<const int64_t>(tokens);
+    const int32_t* rows = Address<const int32_t>(expert_rows);
+    for (int64_t s = 0; s < num_sequences; ++s) {
+      sequences[s].tokens = token_counts[s];
+      sequences[s].expert_rows.assign(rows + s * row_size, rows + (s + 1) * row_size);
+    }
+    SequencePlanningOptions options;
+    options.max_token_imbalance = max_token_imbalance;
+    options.move_bytes_per_token = move_bytes_per_token;
+    Engine& e = engine();
+    SequencePlacement plan = [&] {
+      py::gil_scoped_release release;
+      return ValueOrThrow(e.PlanSequences(first_layer, sequences, options));
+    }();
+    py::dict out;
+    out["origin_rank"] = plan.origin_rank;
+    out["origin_index"] = plan.origin_index;
+    out["rank"] = plan.rank;
+    out["used"] = plan.used;
+    out["moved_sequences"] = plan.moved_sequences;
+    out["moved_bytes"] = plan.moved_bytes;
+    out["seconds_before"] = plan.seconds_before;
+    out["seconds_after"] = plan.seconds_after;
+    return out;
   }
 
   // Routes `num_entries` int32 ids at `topk_ids` and writes each entry's physical slot to
@@ -503,6 +542,19 @@ PYBIND11_MODULE(_keel, m) {
       py::arg("num_sources"), py::arg("tokens_per_source"), py::arg("top_k"),
       py::arg("zipf_exponent"));
 
+  m.def(
+      "condense_rows",
+      [](uintptr_t rows, int64_t num_rows, int64_t hidden, uintptr_t bucket_begin, int num_buckets,
+         float threshold, int window, uintptr_t representative, uintptr_t kept) {
+        py::gil_scoped_release release;
+        ThrowIfError(CondenseRows(Address<const float>(rows), num_rows, hidden,
+                                  Address<const int32_t>(bucket_begin), num_buckets, threshold,
+                                  window, Address<int32_t>(representative),
+                                  Address<int32_t>(kept)));
+      },
+      py::arg("rows"), py::arg("num_rows"), py::arg("hidden"), py::arg("bucket_begin"),
+      py::arg("num_buckets"), py::arg("threshold"), py::arg("window"), py::arg("representative"),
+      py::arg("kept"));
   m.def("policy_names", [] { return PolicyNames(); });
   m.def("plan", &Plan, py::arg("policy"), py::arg("weight"), py::arg("num_layers"),
         py::arg("num_experts"), py::arg("num_replicas"), py::arg("num_groups"),
@@ -523,6 +575,9 @@ PYBIND11_MODULE(_keel, m) {
            py::arg("weights"), py::arg("gradients"), py::arg("optimizer"))
       .def("route", &PythonEngine::Route, py::arg("layer"), py::arg("topk_ids"),
            py::arg("num_entries"), py::arg("slot_out"))
+      .def("plan_sequences", &PythonEngine::PlanSequences, py::arg("first_layer"),
+           py::arg("num_sequences"), py::arg("tokens"), py::arg("expert_rows"), py::arg("row_size"),
+           py::arg("max_token_imbalance"), py::arg("move_bytes_per_token"))
       .def("reduce_gradients", &PythonEngine::ReduceGradients)
       .def("step_end", &PythonEngine::StepEnd)
       .def("home_slots", &PythonEngine::HomeSlots, py::arg("layer"))

@@ -82,8 +82,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "GPUs sized to this model on a CPU, migration over UCX")
     p.add_argument("--report", default="", help="write the JSON report here")
     p.add_argument("--quiet", action="store_true", help="no per-step progress")
+    p.add_argument("--condense", type=float, default=0.0, metavar="THRESHOLD",
+                   help="Luffy's token condensation (docs/luffy.md): compare keel without it "
+                        "(mode keel) and with it (mode keel+condense), rows of one expert with "
+                        "cosine >= THRESHOLD in (0, 1] sent and computed once; 0 = off")
     args = p.parse_args(argv)
-    args.policies = args.policy or ["static", "keel"]
+    if not 0.0 <= args.condense <= 1.0:
+        p.error(f"--condense must be in (0, 1] (0 = off), got {args.condense}")
+    if args.condense > 0 and args.policy:
+        p.error("--condense compares keel without and with condensation; leave --policy out")
+    args.policies = (["keel", "keel+condense"] if args.condense > 0
+                     else args.policy or ["static", "keel"])
     for name in ("ranks", "steps", "layers", "experts", "top_k", "d_model", "ffn", "heads",
                  "seq_len", "batch", "eval_batches"):
         if getattr(args, name) < 1:
@@ -216,12 +225,16 @@ class Mode:
     KEYS = ("parallel", "expert", "communication", "dense", "control", "exposed", "dispatch",
             "imbalance", "loss", "epoch")
 
-    def __init__(self, policy: str, args: argparse.Namespace, world: int, vocab: int) -> None:
+    def __init__(self, name: str, args: argparse.Namespace, world: int, vocab: int) -> None:
         torch.manual_seed(args.seed)  # the dense weights: the same on every rank, in every mode
-        self.policy, self.args, self.world = policy, args, world
+        # A mode is a policy, or "keel+condense": keel with token condensation.
+        policy, condense = (name[:-len("+condense")], args.condense) \
+            if name.endswith("+condense") else (name, 0.0)
+        self.policy, self.args, self.world = name, args, world
         self.moe = kt.KeelMoE(kt.ffn_expert(args.d_model, args.ffn), num_layers=args.layers,
                               num_experts=args.experts, top_k=args.top_k,
-                              config=keel_config(args, world, policy), seed=args.seed)
+                              config=keel_config(args, world, policy), seed=args.seed,
+                              condense_threshold=condense)
         self.model = CharMoE(args, vocab, self.moe)
         self.dense = dense_parameters(self.model, self.moe)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr)
@@ -314,6 +327,8 @@ class Mode:
             "heldout_loss": heldout,
             "tokens_per_second": args.batch * args.seq_len * self.world * args.steps / self.wall,
             "wall_seconds": self.wall,
+            # This rank's forward rows dispatched, and sent after condensation (equal without).
+            "condensation_rows": list(self.moe.condensation_rows),
         }
 
 
@@ -442,6 +457,21 @@ def summarize(modes: Dict[str, Dict[str, Any]], args: argparse.Namespace) -> Dic
               f"{met(comparison['heldout_loss_gap'])})")
         print(f"Python dispatch overhead:    {ours['python_overhead_fraction'] * 100:.2f}% of "
               f"the step (target <= 5%: {met(comparison['python_overhead_fraction'])})")
+    if "keel" in modes and "keel+condense" in modes:
+        exact, condensed = modes["keel"], modes["keel+condense"]
+        rows, kept = condensed["condensation_rows"]
+        saved = 1.0 - kept / rows if rows else 0.0
+        gap = (condensed["heldout_loss"] - exact["heldout_loss"]) / exact["heldout_loss"]
+        ratio = (condensed["parallel_step_seconds"]["mean"]
+                 / exact["parallel_step_seconds"]["mean"])
+        comparison = {"condense_threshold": args.condense, "rows_saved_fraction": saved,
+                      "heldout_loss_difference": gap, "parallel_step_ratio": ratio}
+        print()
+        print(f"rows saved by condensation:  {saved * 100:.2f}% of rank 0's forward dispatch "
+              f"(threshold {args.condense})")
+        print(f"held-out loss, condensed:    {condensed['heldout_loss']:.4f} against "
+              f"{exact['heldout_loss']:.4f} exact ({gap * 100:+.3f}%)")
+        print(f"keel+condense / keel step:   {ratio:.3f}")
     return comparison
 
 

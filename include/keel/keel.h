@@ -255,6 +255,34 @@ keel_status_t keel_engine_route_counts(keel_engine_t* engine, int layer,
                                        int32_t* copy_quota_out, int32_t copy_capacity,
                                        int32_t* num_copies_out, int32_t* slot_rank_out);
 
+/* Plans Luffy's sequence migration (docs/luffy.md), opt-in: which rank runs each sequence of
+ * every rank for layers [first_layer, first_layer + num_planned_layers). Collective; every rank
+ * gets the same answer.
+ *   num_planned_layers: >= 1, the same on every rank
+ *   num_sequences:      >= 0 sequences on this rank
+ *   tokens:             [num_sequences] int64, each >= 0; may be NULL when num_sequences == 0
+ *   expert_rows:        [num_sequences, num_planned_layers, num_experts] int32, each >= 0: the
+ *                       (token, k) rows each sequence sends to each expert in each planned layer;
+ *                       may be NULL when num_sequences == 0
+ *   max_token_imbalance: >= 1: no rank ends with more than this times the mean tokens (a rank
+ *                       already above it keeps what it has); 1.10 is a good start
+ *   capacity:           entries the three arrays below hold
+ *   origin_rank_out, origin_index_out, rank_out: [capacity] int32, written for every sequence
+ *                       of every rank (rank 0's first, each rank's in its order): the rank that
+ *                       passed it, its index there, and the rank that runs it
+ *   total_out:          int64, written: the sequences of all ranks
+ *   used_out:           int, written (may be NULL): 1 when the plan pays by the cost model, 0
+ *                       when every sequence stays where it is
+ * Errors: KEEL_INVALID_ARGUMENT for a NULL engine or required pointer, layers out of range, a
+ * negative count or rows (named), here or on another rank; KEEL_OUT_OF_RANGE when capacity is
+ * below *total_out (which is written); the collectives' failures. */
+keel_status_t keel_engine_plan_sequences(keel_engine_t* engine, int first_layer,
+                                         int num_planned_layers, int64_t num_sequences,
+                                         const int64_t* tokens, const int32_t* expert_rows,
+                                         double max_token_imbalance, int64_t capacity,
+                                         int32_t* origin_rank_out, int32_t* origin_index_out,
+                                         int32_t* rank_out, int64_t* total_out, int* used_out);
+
 /* Collective, after the backward of every layer and before the optimizer: switches to a new
  * placement whose transfers every rank verified (or waits for them, or discards them), then adds
  * every copy's gradients into its expert's home slot in a fixed order. Afterwards

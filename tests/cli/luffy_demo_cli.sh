@@ -83,7 +83,11 @@ expect_usage_error "is not a multiple of --sequence-tokens 100" --sequence-migra
   --tokens 512 --sequence-tokens 100
 expect_usage_error "--sequence-affinity 2" --sequence-migration --sequence-affinity 2
 expect_usage_error "--link-gb-per-s -1" --link-gb-per-s -1
-"$keel" demo --help | grep -q -- "--sequence-migration" || fail "help lacks --sequence-migration"
+"$keel" demo --help >"$work/help" || fail "demo --help failed"
+for flag in --sequence-migration --condense --sequence-tokens --sequence-affinity --token-repeat \
+  --link-gb-per-s; do
+  grep -q -- "$flag" "$work/help" || fail "help lacks $flag"
+done
 
 if command -v mpirun >/dev/null 2>&1 && "$keel" version | grep -q "ucx=on mpi=on"; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 UCX_TLS=sm

@@ -515,6 +515,60 @@ TEST_F(CApiEngineTest, RouteRejectsBadArguments) {
       KEEL_INVALID_ARGUMENT, {"topk_ids[3] = -2"}));
 }
 
+TEST_F(CApiEngineTest, PlanSequencesAnswersAndRejectsBadArguments) {
+  CreateAndRegister();
+  // Two sequences of 8 tokens over 2 planned layers; one rank, so both stay.
+  const std::vector<int64_t> tokens = {8, 8};
+  std::vector<int32_t> rows(2 * 2 * kExperts, 0);
+  for (size_t i = 0; i < rows.size(); i += 3) rows[i] = 4;
+  std::vector<int32_t> origin(2, -1), index(2, -1), rank(2, -1);
+  int64_t total = -1;
+  int used = -1;
+  ASSERT_TRUE(Succeeds(keel_engine_plan_sequences(engine_, 1, 2, 2, tokens.data(), rows.data(), 1.1,
+                                                  2, origin.data(), index.data(), rank.data(),
+                                                  &total, &used)));
+  EXPECT_EQ(total, 2);
+  EXPECT_EQ(used, 0);
+  EXPECT_EQ(origin, (std::vector<int32_t>{0, 0}));
+  EXPECT_EQ(index, (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(rank, (std::vector<int32_t>{0, 0}));
+  // Too small a capacity: the total is still written.
+  total = -1;
+  EXPECT_TRUE(
+      Fails(keel_engine_plan_sequences(engine_, 0, 2, 2, tokens.data(), rows.data(), 1.1, 1,
+                                       origin.data(), index.data(), rank.data(), &total, nullptr),
+            KEEL_OUT_OF_RANGE, {"capacity = 1 is below the 2 sequences of all ranks"}));
+  EXPECT_EQ(total, 2);
+  auto plan = [&](keel_engine_t* engine, int first, int layers, int64_t count, const int64_t* t,
+                  const int32_t* r, double bound, int64_t capacity, int64_t* total_out) {
+    return keel_engine_plan_sequences(engine, first, layers, count, t, r, bound, capacity,
+                                      origin.data(), index.data(), rank.data(), total_out, nullptr);
+  };
+  EXPECT_TRUE(Fails(plan(nullptr, 0, 2, 2, tokens.data(), rows.data(), 1.1, 2, &total),
+                    KEEL_INVALID_ARGUMENT, {"keel_engine_plan_sequences: engine = NULL"}));
+  EXPECT_TRUE(Fails(plan(engine_, 0, 5, 2, tokens.data(), rows.data(), 1.1, 2, &total),
+                    KEEL_INVALID_ARGUMENT, {"num_planned_layers = 5 is not in [1, 4]"}));
+  EXPECT_TRUE(Fails(plan(engine_, 3, 2, 2, tokens.data(), rows.data(), 1.1, 2, &total),
+                    KEEL_INVALID_ARGUMENT, {"covering layers from 3 to at most 3"}));
+  EXPECT_TRUE(Fails(plan(engine_, 0, 2, -1, tokens.data(), rows.data(), 1.1, 2, &total),
+                    KEEL_INVALID_ARGUMENT, {"num_sequences = -1"}));
+  EXPECT_TRUE(Fails(plan(engine_, 0, 2, 2, nullptr, rows.data(), 1.1, 2, &total),
+                    KEEL_INVALID_ARGUMENT, {"tokens = NULL"}));
+  EXPECT_TRUE(Fails(plan(engine_, 0, 2, 2, tokens.data(), nullptr, 1.1, 2, &total),
+                    KEEL_INVALID_ARGUMENT, {"expert_rows = NULL"}));
+  EXPECT_TRUE(Fails(plan(engine_, 0, 2, 2, tokens.data(), rows.data(), 1.1, 2, nullptr),
+                    KEEL_INVALID_ARGUMENT, {"total_out = NULL"}));
+  EXPECT_TRUE(Fails(plan(engine_, 0, 2, 2, tokens.data(), rows.data(), 0.5, 2, &total),
+                    KEEL_INVALID_ARGUMENT, {"max_token_imbalance"}));
+  rows[5] = -3;
+  EXPECT_TRUE(Fails(plan(engine_, 0, 2, 2, tokens.data(), rows.data(), 1.1, 2, &total),
+                    KEEL_INVALID_ARGUMENT, {"sequence 0 expert_rows[5] = -3 is negative"}));
+  // No sequences on this rank: nothing to plan, and no pointer is needed.
+  EXPECT_TRUE(Succeeds(keel_engine_plan_sequences(engine_, 0, 1, 0, nullptr, nullptr, 1.1, 0,
+                                                  nullptr, nullptr, nullptr, &total, nullptr)));
+  EXPECT_EQ(total, 0);
+}
+
 TEST_F(CApiEngineTest, RouteCountsRejectsBadArguments) {
   CreateAndRegister();
   constexpr int kPhysical = 7;  // 1 rank x (6 persistent + 1 transient)

@@ -82,7 +82,7 @@ void Exercise(keel_engine_t* engine, FuzzedDataProvider& in, int num_layers, int
   const int physical = ranks * local;
   for (int op = 0; op < 12 && in.remaining_bytes() > 0; ++op) {
     const int layer = in.ConsumeIntegralInRange(-1, num_layers);
-    switch (in.ConsumeIntegralInRange(0, 7)) {
+    switch (in.ConsumeIntegralInRange(0, 8)) {
       case 0: {  // route
         const int64_t tokens = in.ConsumeIntegralInRange<int64_t>(-1, 64);
         std::vector<int32_t> ids(tokens > 0 ? tokens * top_k : 0);
@@ -145,6 +145,29 @@ void Exercise(keel_engine_t* engine, FuzzedDataProvider& in, int num_layers, int
         const int32_t capacity = in.ConsumeIntegralInRange(-1, local + 1);
         std::vector<int32_t> experts(capacity > 0 ? capacity : 1);
         Check(keel_engine_local_experts(engine, layer, experts.data(), capacity));
+        break;
+      }
+      case 7: {  // plan_sequences: one rank, so every sequence stays where it is
+        const int planned = in.ConsumeIntegralInRange(0, num_layers + 1);
+        const int64_t count = in.ConsumeIntegralInRange<int64_t>(-1, 6);
+        const size_t sequences = count > 0 ? static_cast<size_t>(count) : 0;
+        std::vector<int64_t> tokens(sequences);
+        for (int64_t& t : tokens) t = in.ConsumeIntegralInRange<int64_t>(-1, 100);
+        std::vector<int32_t> rows(sequences * (planned > 0 ? planned : 0) * num_experts);
+        for (int32_t& r : rows) r = in.ConsumeIntegralInRange(-1, 20);
+        const int64_t capacity = in.ConsumeIntegralInRange<int64_t>(-1, 7);
+        std::vector<int32_t> origin(7, -7), index(7, -7), rank(7, -7);
+        int64_t total = -1;
+        int used = -1;
+        if (Check(keel_engine_plan_sequences(
+                engine, layer, planned, count, tokens.empty() ? nullptr : tokens.data(),
+                rows.empty() ? nullptr : rows.data(), in.ConsumeFloatingPointInRange(0.5, 2.0),
+                capacity, origin.data(), index.data(), rank.data(), &total, &used)) == KEEL_OK) {
+          if (total != count || used != 0) std::abort();
+          for (int64_t i = 0; i < total; ++i) {
+            if (origin[i] != 0 || index[i] != i || rank[i] != 0) std::abort();
+          }
+        }
         break;
       }
       default: {

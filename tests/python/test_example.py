@@ -68,10 +68,32 @@ def test_one_mode_under_torchrun(tmp_path) -> None:
     assert report["settings"]["experts"] == 8
 
 
+@needs_bible
+def test_condensation_reports_rows_saved_and_the_loss(tmp_path) -> None:
+    report_path = tmp_path / "condense.json"
+    done = run(TINY + ["--condense", "0.9", "--report", str(report_path)])
+    assert done.returncode == 0, done.stderr
+    assert "rows saved by condensation:" in done.stdout
+    report = json.loads(report_path.read_text())
+    assert list(report["modes"]) == ["keel", "keel+condense"]
+    exact, condensed = report["modes"]["keel"], report["modes"]["keel+condense"]
+    rows, kept = condensed["condensation_rows"]
+    assert rows == exact["condensation_rows"][0] and exact["condensation_rows"][1] == rows
+    assert 0 < kept <= rows
+    comparison = report["comparison"]
+    assert comparison["rows_saved_fraction"] == pytest.approx(1 - kept / rows)
+    assert abs(comparison["heldout_loss_difference"]) < 0.05
+    # The same first batch through the same weights: condensation changes the loss only a bit.
+    assert condensed["loss"][0] == pytest.approx(exact["loss"][0], rel=1e-2)
+
+
 def test_flags_are_checked_and_explained() -> None:
     help_text = run(["--help"]).stdout
-    for flag in ("--aux-loss", "--policy", "--steps", "--report", "--text", "--config"):
+    for flag in ("--aux-loss", "--policy", "--steps", "--report", "--text", "--config",
+                 "--condense"):
         assert flag in help_text
+    bad = run(["--condense", "1.5"])
+    assert bad.returncode == 2 and "--condense must be in (0, 1]" in bad.stderr
     bad = run(["--top-k", "9", "--experts", "8"])
     assert bad.returncode == 2 and "--top-k 9 exceeds --experts 8" in bad.stderr
     missing = run(["--text", "/no/such/file.txt", "--steps", "1"])

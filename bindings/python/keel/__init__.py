@@ -8,9 +8,10 @@ This package binds Keel's C++ library (include/keel/) for Python:
   DeepSeek EPLB's ``rebalance_experts`` (``phy2log``, ``log2phy``, ``logcnt``), for any policy.
 - :func:`read_trace`, :func:`synthetic_trace`, :func:`replay`: routing traces and the offline
   replay of ``keel replay``, whose report comes back as a dict.
-- :class:`Engine`: the per-step runtime a trainer embeds (route, reduce_gradients, step_end),
-  over any communicator object; :mod:`keel.torch` runs it over a ``torch.distributed`` group and
-  adds the MoE dispatcher and optimizer hooks.
+- :class:`Engine`: the per-step runtime a trainer embeds (route, reduce_gradients, step_end,
+  plan_sequences), over any communicator object; :mod:`keel.torch` runs it over a
+  ``torch.distributed`` group and adds the MoE dispatcher and optimizer hooks.
+- :func:`condense_rows`: Luffy's token condensation rule on CPU rows (docs/luffy.md).
 
 Every failure raises a :class:`KeelError` subclass that is also the matching built-in exception
 (``ValueError`` for a bad argument, ``FileNotFoundError``, ``TimeoutError``...).
@@ -26,15 +27,16 @@ from keel import _keel
 from keel._errors import (AbortedError, DeadlineExceededError, FailedPreconditionError,
                           InternalError, InvalidArgumentError, IoError, KeelError, NotFoundError,
                           OutOfRangeError, UnimplementedError)
-from keel.engine import Engine, Route
+from keel.engine import Engine, Route, SequencePlacement, check_tensor
 
 __version__: str = _keel.__version__
 
 __all__ = [
     "AbortedError", "Config", "DeadlineExceededError", "Engine", "FailedPreconditionError",
     "InternalError", "InvalidArgumentError", "IoError", "KeelError", "NotFoundError",
-    "OutOfRangeError", "Route", "Trace", "UnimplementedError", "load_config", "plan",
-    "policy_names", "read_trace", "replay", "synthetic_trace",
+    "OutOfRangeError", "Route", "SequencePlacement", "Trace", "UnimplementedError",
+    "condense_rows", "load_config", "plan", "policy_names", "read_trace", "replay",
+    "synthetic_trace",
 ]
 
 
@@ -314,3 +316,35 @@ def replay(trace: Union[Trace, str], config: Optional[Config] = None,
     text = _keel.replay(trace._native, config._native if config is not None else None,
                         list(policies or []), oracle, include_series)
     return json.loads(text)
+
+
+def condense_rows(rows: Any, bucket_begin: Any, threshold: float,
+                  window: int = 32) -> Tuple[Any, Any]:
+    """Which rows of one expert stand for others (Luffy's token condensation, docs/luffy.md).
+
+    Args:
+        rows: ``[num_rows, hidden]`` float32 CPU tensor, grouped in buckets (one per
+            destination slot).
+        bucket_begin: ``[num_buckets + 1]`` int32 or int64 CPU tensor; bucket ``b`` is rows
+            ``[bucket_begin[b], bucket_begin[b + 1])``.
+        threshold: in (0, 1]: rows are similar when identical or (below 1) when their cosine is
+            at least this. 1.0 condenses exactly the repeated rows.
+        window: rows before a row in its bucket that it is compared with (>= 1).
+
+    Returns:
+        ``(representative, kept)``: ``[num_rows]`` int32, the row sent in each row's place (itself
+        for a row that is sent), and ``[num_buckets]`` int32, the rows each bucket sends.
+    """
+    import torch
+    check_tensor("rows", rows, (torch.float32,), dims=2)
+    check_tensor("bucket_begin", bucket_begin, (torch.int32, torch.int64), dims=1)
+    data = rows.contiguous()
+    begin = bucket_begin.to(torch.int32).contiguous()
+    if begin.numel() < 1:
+        raise InvalidArgumentError("bucket_begin is empty: it needs num_buckets + 1 entries")
+    representative = torch.empty(data.shape[0], dtype=torch.int32)
+    kept = torch.empty(begin.numel() - 1, dtype=torch.int32)
+    _keel.condense_rows(data.data_ptr(), data.shape[0], data.shape[1], begin.data_ptr(),
+                        begin.numel() - 1, float(threshold), int(window),
+                        representative.data_ptr(), kept.data_ptr())
+    return representative, kept

@@ -45,6 +45,11 @@ def read_trace(path: str, format: str = "auto") -> Trace: ...
 def synthetic_trace(seed: int, num_steps: int, num_layers: int, num_experts: int,
                     num_sources: int, tokens_per_source: int, top_k: int,
                     zipf_exponent: float) -> Trace: ...
+def condense_rows(rows: int, num_rows: int, hidden: int, bucket_begin: int, num_buckets: int,
+                  threshold: float, window: int, representative: int, kept: int) -> None:
+    """keel::CondenseRows (include/keel/condense.hpp) over float32 rows at an address, writing
+    representative [num_rows] and kept [num_buckets] int32."""
+    ...
 def policy_names() -> List[str]: ...
 
 def plan(policy: str, weight: bytes, num_layers: int, num_experts: int, num_replicas: int,
@@ -69,6 +74,12 @@ class Engine:
     def register_slot(self, layer: int, local_slot: int, weights: int, gradients: int,
                       optimizer: int) -> None:
         """Buffers by address (a tensor's data_ptr(); 0 for none)."""
+    def plan_sequences(self, first_layer: int, num_sequences: int, tokens: int, expert_rows: int,
+                       row_size: int, max_token_imbalance: float,
+                       move_bytes_per_token: float) -> Dict[str, Any]:
+        """Engine::PlanSequences; tokens: [num_sequences] int64 at an address, expert_rows:
+        [num_sequences * row_size] int32 at an address."""
+        ...
     def route(self, layer: int, topk_ids: int, num_entries: int, slot_out: int) -> Dict[str, Any]:
         """topk_ids: address of [num_entries] int32; slot_out: address of [num_entries] int32,
         written. Returns send_counts [num_ranks], recv_counts [num_ranks * local_slots],

@@ -39,6 +39,20 @@ class Route(NamedTuple):
     epoch: int          #: the placement epoch this routing used
 
 
+class SequencePlacement(NamedTuple):
+    """Engine.plan_sequences' answer, the same on every rank: every rank's sequences, rank 0's
+    first, each rank's in the order it passed them."""
+
+    origin_rank: Any   #: [sequences] int64: the rank that passed it
+    origin_index: Any  #: [sequences] int64: its index in that rank's list
+    rank: Any          #: [sequences] int64: the rank that runs it for the planned layers
+    used: bool         #: False when no plan paid (then rank == origin_rank)
+    moved_sequences: int
+    moved_bytes: float      #: one way
+    seconds_before: float   #: cost model: expert compute + all-to-all of the planned layers
+    seconds_after: float    #: ... with the plan, the moves there and back included
+
+
 def check_tensor(name: str, tensor: Any, dtypes: Optional[Tuple[Any, ...]],
                  dims: Optional[int] = None,
                  shape: Optional[Tuple[Optional[int], ...]] = None) -> None:
@@ -187,6 +201,48 @@ class Engine:
         self._buffers[(layer, local_slot)] = (weights, gradients, optimizer)
 
     # --- per step -------------------------------------------------------------------------------
+    def plan_sequences(self, first_layer: int, tokens: Any, expert_rows: Any,
+                       max_token_imbalance: float = 1.10,
+                       move_bytes_per_token: float = 0.0) -> SequencePlacement:
+        """Plans Luffy's sequence migration (docs/luffy.md). Collective: every rank passes its
+        own sequences, for the same layers ``[first_layer, first_layer + layers)``.
+
+        Args:
+            tokens: ``[sequences]`` int64 CPU tensor, each sequence's tokens.
+            expert_rows: ``[sequences, layers, num_experts]`` int32 or int64 CPU tensor, the
+                (token, k) rows each sequence sends to each expert in each planned layer.
+            max_token_imbalance: no rank ends with more than this times the mean tokens.
+            move_bytes_per_token: bytes a token carries when its sequence moves, each way; 0 =
+                the cost model's token row.
+
+        Returns the same :class:`SequencePlacement` on every rank.
+
+        Raises:
+            InvalidArgumentError: bad shapes or values here, or on another rank (named).
+        """
+        torch = _torch()
+        check_tensor("tokens", tokens, (torch.int64, torch.int32), dims=1)
+        check_tensor("expert_rows", expert_rows, (torch.int32, torch.int64), dims=3)
+        if expert_rows.shape[0] != tokens.shape[0] or expert_rows.shape[2] != self.num_experts:
+            raise InvalidArgumentError(
+                f"expert_rows has shape {list(expert_rows.shape)}, expected "
+                f"[{tokens.shape[0]}, layers, {self.num_experts}] (one row per sequence of "
+                f"tokens)")
+        counts = tokens.to(torch.int64).contiguous()
+        rows = expert_rows.to(torch.int32).contiguous()
+        answer = self._native.plan_sequences(first_layer, counts.numel(), counts.data_ptr(),
+                                             rows.data_ptr(), rows.shape[1] * rows.shape[2],
+                                             float(max_token_imbalance),
+                                             float(move_bytes_per_token))
+        return SequencePlacement(
+            origin_rank=torch.tensor(answer["origin_rank"], dtype=torch.int64),
+            origin_index=torch.tensor(answer["origin_index"], dtype=torch.int64),
+            rank=torch.tensor(answer["rank"], dtype=torch.int64),
+            used=bool(answer["used"]), moved_sequences=int(answer["moved_sequences"]),
+            moved_bytes=float(answer["moved_bytes"]),
+            seconds_before=float(answer["seconds_before"]),
+            seconds_after=float(answer["seconds_after"]))
+
     def route(self, layer: int, topk_ids: Any) -> Route:
         """Routes one layer's tokens. Collective per layer, in layer order.
 

@@ -72,6 +72,97 @@ class _OnBackward(torch.autograd.Function):
         return grad, None
 
 
+class _CondensedExperts(torch.autograd.Function):
+    """One layer's dispatch, experts and combine with token condensation (docs/luffy.md).
+
+    Forward: in each (destination rank, local slot) bucket, the rows that repeat an earlier row
+    (``keel.condense_rows``) are not sent; each rank computes the rows it receives once and the
+    outputs come back to every row they stand for. Backward, by the rule of kernels/condense.h:
+    every row keeps its own output gradient and goes back through its representative's forward,
+    so repeated rows (threshold 1.0) train as without condensation. The backward sends every
+    row's gradient and recomputes the experts' forward on every row it received."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, dispatcher: "MoEDispatcher", keys: torch.Tensor,
+                send: List[int], recv: List[int], recv_counts: torch.Tensor) -> Any:
+        import keel  # the package's condense_rows; keel.torch is imported from it
+        moe = dispatcher._moe
+        local_slots, ranks = moe.engine.local_slots, moe.engine.num_ranks
+        exchange = moe.exchange(dispatcher.layer)
+        count = rows.shape[0]
+        # Buckets: the rows of one (destination rank, local slot), contiguous in dispatch order.
+        begin = torch.zeros(ranks * local_slots + 1, dtype=torch.int64)
+        begin[1:] = torch.cumsum(torch.bincount(keys, minlength=ranks * local_slots), 0)
+        representative, _ = keel.condense_rows(rows.detach(), begin, moe.condense_threshold,
+                                               moe.condense_window)
+        representative = representative.long()
+        leader = representative == torch.arange(count)
+        # Kept rows are numbered per destination in dispatch order; a condensed row takes its
+        # representative's number.
+        destination = torch.div(keys, local_slots, rounding_mode="floor")
+        before = torch.zeros(count + 1, dtype=torch.int64)
+        before[1:] = torch.cumsum(leader.long(), 0)
+        kept_index = (before[:-1] - before[begin[destination * local_slots]])[representative]
+        kept_to = torch.bincount(destination[leader], minlength=ranks).tolist()
+        # Which kept row each received row is, then the kept rows.
+        received_index = exchange(kept_index.to(torch.int32), send, recv).long()
+        kept_from = []
+        offset, at = 0, 0
+        for source in range(ranks):
+            segment = received_index[at:at + recv[source]]
+            received_index[at:at + recv[source]] += offset
+            kept = int(segment.max()) + 1 - offset if recv[source] > 0 else 0
+            kept_from.append(kept)
+            offset += kept
+            at += recv[source]
+        kept_inputs = exchange(rows.detach()[leader].contiguous(), kept_to, kept_from)
+        # Received rows come grouped by source rank, then local slot.
+        slot = torch.arange(local_slots).repeat(ranks).repeat_interleave(recv_counts.reshape(-1))
+        kept_slot = torch.full((offset,), -1, dtype=torch.int64)
+        kept_slot[received_index] = slot
+        started = time.thread_time()
+        kept_outputs = kept_inputs.new_zeros((offset, moe.spec.output_size))
+        with torch.no_grad():
+            for local in range(local_slots):
+                chosen = (kept_slot == local).nonzero().squeeze(1)
+                if chosen.numel() > 0:
+                    params = dict(dispatcher.slots[local].items())
+                    kept_outputs[chosen] = moe.spec.forward(params, kept_inputs[chosen])
+        if moe.times is not None:
+            moe.times.expert[dispatcher.layer] += time.thread_time() - started
+        returned = exchange(kept_outputs, kept_from, kept_to)
+        kept_begin = torch.zeros(ranks, dtype=torch.int64)
+        kept_begin[1:] = torch.cumsum(torch.tensor(kept_to, dtype=torch.int64), 0)[:-1]
+        moe.condensation_rows[1] += int(leader.sum())
+        ctx.dispatcher, ctx.send, ctx.recv = dispatcher, send, recv
+        ctx.save_for_backward(kept_inputs, received_index, slot)
+        return returned[kept_begin[destination] + kept_index]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        dispatcher = ctx.dispatcher
+        moe = dispatcher._moe
+        kept_inputs, received_index, slot = ctx.saved_tensors
+        exchange = moe.exchange(dispatcher.layer)
+        received_grad = exchange(grad.contiguous(), ctx.send, ctx.recv)
+        started = time.thread_time()
+        inputs = kept_inputs[received_index].detach().requires_grad_()
+        outputs, grads = [], []
+        with torch.enable_grad():
+            for local in range(moe.engine.local_slots):
+                chosen = (slot == local).nonzero().squeeze(1)
+                if chosen.numel() > 0:
+                    params = dict(dispatcher.slots[local].items())
+                    outputs.append(moe.spec.forward(params, inputs[chosen]))
+                    grads.append(received_grad[chosen])
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+        input_grad = inputs.grad if inputs.grad is not None else torch.zeros_like(inputs)
+        if moe.times is not None:
+            moe.times.expert[dispatcher.layer] += time.thread_time() - started
+        return exchange(input_grad, ctx.recv, ctx.send), None, None, None, None, None
+
+
 class MoEDispatcher(torch.nn.Module):
     """One MoE layer's dispatcher and its slots' expert parameters (a ``torch.nn.Module``; put it
     in your model so that ``model.parameters()`` includes the slots).
@@ -212,6 +303,21 @@ class MoEDispatcher(torch.nn.Module):
         order = order[:sum(send)]
         token = torch.div(order, top_k, rounding_mode="floor")
         exchange = moe.exchange(self.layer)
+        moe.condensation_rows[0] += order.numel()
+        if moe.condense_threshold > 0:
+            keys = moe.slot_keys[route.slot.reshape(-1).long()].index_select(0, order)
+            if times is not None:
+                times.rows[self.layer] += int(route.recv_counts.sum())
+            returned = _CondensedExperts.apply(hidden.index_select(0, token), self, keys, send,
+                                               recv, route.recv_counts)
+            weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1)
+            out = hidden.new_zeros((tokens, spec.output_size)).index_add(0, token,
+                                                                         returned * weights)
+            if times is not None:
+                spent_elsewhere = times.expert[self.layer] + times.exchange_thread - before
+                times.dispatch += time.thread_time() - entered - spent_elsewhere
+            return out
+        moe.condensation_rows[1] += order.numel()
         received = _AllToAll.apply(hidden.index_select(0, token), send, recv, exchange)
 
         # Received rows come grouped by source rank, then local slot; the experts want them
@@ -287,6 +393,11 @@ class KeelMoE:
             parameters (the same on every rank); default: ``expert.init`` seeded by ``seed``,
             layer and expert.
         seed: seeds the default initialization.
+        condense_threshold: > 0 turns on Luffy's token condensation (docs/luffy.md): rows of one
+            slot that are identical, or (below 1.0) whose cosine is at least this, are sent and
+            computed once in the forward. 1.0 condenses only repeated rows and trains as without
+            it; lower values change the math. ``condensation_rows`` counts [rows, rows kept].
+        condense_window: rows before a row in its slot that it is compared with.
     """
 
     _OPTIMIZERS = ("adam", "none")
@@ -295,13 +406,22 @@ class KeelMoE:
                  group: Any = None, config: Any = None, optimizer: str = "adam",
                  average_gradients: bool = True,
                  init_expert: Optional[Callable[[int, int], Dict[str, torch.Tensor]]] = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, condense_threshold: float = 0.0,
+                 condense_window: int = 32) -> None:
         if not isinstance(expert, ExpertSpec):
             raise InvalidArgumentError(
                 f"expert must be a keel.torch.ExpertSpec, got {type(expert).__name__}")
         if optimizer not in self._OPTIMIZERS:
             raise InvalidArgumentError(
                 f"optimizer = {optimizer!r} is not one of {', '.join(self._OPTIMIZERS)}")
+        if not 0.0 <= condense_threshold <= 1.0:
+            raise InvalidArgumentError(
+                f"condense_threshold = {condense_threshold} is not in [0, 1] (0 = off)")
+        if condense_window < 1:
+            raise InvalidArgumentError(f"condense_window = {condense_window} must be >= 1")
+        self.condense_threshold = float(condense_threshold)
+        self.condense_window = int(condense_window)
+        self.condensation_rows = [0, 0]  # forward rows dispatched, rows sent after condensation
         self.spec = expert
         self.optimizer_kind = optimizer
         # Adam: [step, exp_avg, exp_avg_sq] per parameter, packed per slot.
