@@ -261,9 +261,10 @@ void LocalSearch(std::span<const double> link_seconds, std::span<const SequenceT
 // move or swap is priced in O(layers x ranks) instead of O(layers x ranks^2).
 class PeakObjective {
  public:
-  // traffic[(s * ranks + g) * layers + l]: sequence s's rows to each rank when it runs on g.
+  // traffic[((s * ranks + g) * layers + l) * ranks + r]: sequence s's rows to rank r in layer l
+  // when it runs on g.
   PeakObjective(std::span<const SequenceTraffic> sequences, const CostModel& cost, int layers,
-                std::vector<std::vector<double>> traffic, double move_bytes_per_token)
+                std::vector<double> traffic, double move_bytes_per_token)
       : sequences_(sequences),
         cost_(cost),
         topology_(cost.topology()),
@@ -277,7 +278,7 @@ class PeakObjective {
   // Adds (sign +1) or removes (-1) sequence s running on rank g.
   void Apply(size_t s, int g, double sign) {
     for (int l = 0; l < layers_; ++l) {
-      const std::vector<double>& to = traffic_[(s * ranks_ + g) * layers_ + l];
+      const double* to = traffic_.data() + ((s * ranks_ + g) * layers_ + l) * ranks_;
       double* layer = rows_.data() + static_cast<size_t>(l) * ranks_ * kSums;
       for (int r = 0; r < ranks_; ++r) {
         const double rows = sign * to[r];
@@ -332,48 +333,42 @@ class PeakObjective {
   const Topology& topology_;
   const int ranks_;
   const int layers_;
-  std::vector<std::vector<double>> traffic_;
+  std::vector<double> traffic_;
   double move_bytes_;
   std::vector<double> rows_;   // [layer][rank][Sum]
   std::vector<double> moves_;  // [rank][sent intra, sent inter, received intra, received inter]
 };
 
-// The second search: single moves, then swaps, judged by the cost model's own measure (the
-// slowest rank's links and experts, which the summed link time of LocalSearch does not see),
-// with the summed link time breaking ties; the token caps still hold.
+// The second search: single moves, judged by the cost model's own measure (the slowest rank's
+// links and experts, which the summed link time of LocalSearch does not see); the token caps
+// still hold. Swaps, which cost a pass over every pair, are left to the first search, and at
+// most `sweeps` passes run: sequences are planned every step, so the search must stay cheap.
 // Returns the cost model's time of the plan it ends with.
+constexpr int kPeakSweeps = 8;
 double PeakSearch(std::span<const LayerRoutes> routes, std::span<const SequenceTraffic> sequences,
-                  const CostModel& cost, double move_bytes, std::span<const double> link_seconds,
-                  std::span<const int64_t> cap, int max_sweeps, std::vector<int>& rank,
-                  std::vector<int64_t>& load) {
+                  const CostModel& cost, double move_bytes, std::span<const int64_t> cap,
+                  int sweeps, std::vector<int>& rank, std::vector<int64_t>& load) {
   const int ranks = cost.topology().num_ranks();
   const int layers = static_cast<int>(routes.size());
   const int experts = routes[0].placement().num_experts();
-  std::vector<std::vector<double>> traffic(sequences.size() * ranks * layers,
-                                           std::vector<double>(ranks, 0.0));
+  std::vector<double> traffic(sequences.size() * ranks * layers * ranks, 0.0);
   for (size_t s = 0; s < sequences.size(); ++s) {
     for (int g = 0; g < ranks; ++g) {
       for (int l = 0; l < layers; ++l) {
         routes[l].AddRows({sequences[s].expert_rows.data() + static_cast<size_t>(l) * experts,
                            static_cast<size_t>(experts)},
-                          g, traffic[(s * ranks + g) * layers + l]);
+                          g, {traffic.data() + ((s * ranks + g) * layers + l) * ranks,
+                              static_cast<size_t>(ranks)});
       }
     }
   }
   PeakObjective objective(sequences, cost, layers, std::move(traffic), move_bytes);
   for (size_t s = 0; s < sequences.size(); ++s) objective.Apply(s, rank[s], +1.0);
   double seconds = objective.Seconds();
-  const double tolerance = 1e-12 * seconds;
-  auto sum = [&](size_t s, int g) { return link_seconds[s * ranks + g]; };
-  // Better: clearly faster, or as fast with less summed link time.
-  auto better = [&](double candidate, double link_gain) {
-    return candidate < seconds - tolerance ||
-           (candidate <= seconds + tolerance && link_gain > tolerance);
-  };
-  const size_t count = sequences.size();
-  for (int sweep = 0; sweep < max_sweeps; ++sweep) {
+  const double tolerance = 1e-9 * seconds;
+  for (int sweep = 0; sweep < sweeps; ++sweep) {
     bool improved = false;
-    for (size_t s = 0; s < count; ++s) {
+    for (size_t s = 0; s < sequences.size(); ++s) {
       const int from = rank[s];
       const int64_t tokens = sequences[s].tokens;
       for (int g = 0; g < ranks; ++g) {
@@ -381,7 +376,7 @@ double PeakSearch(std::span<const LayerRoutes> routes, std::span<const SequenceT
         objective.Apply(s, from, -1.0);
         objective.Apply(s, g, +1.0);
         const double candidate = objective.Seconds();
-        if (better(candidate, sum(s, from) - sum(s, g))) {
+        if (candidate < seconds - tolerance) {
           seconds = candidate;
           load[from] -= tokens;
           load[g] += tokens;
@@ -391,33 +386,6 @@ double PeakSearch(std::span<const LayerRoutes> routes, std::span<const SequenceT
         }
         objective.Apply(s, g, -1.0);
         objective.Apply(s, from, +1.0);
-      }
-    }
-    for (size_t s = 0; s < count; ++s) {
-      for (size_t t = s + 1; t < count; ++t) {
-        const int a = rank[s];
-        const int b = rank[t];
-        if (a == b) continue;
-        const int64_t delta = sequences[t].tokens - sequences[s].tokens;  // a gains, b loses
-        if (load[a] + delta > cap[a] || load[b] - delta > cap[b]) continue;
-        objective.Apply(s, a, -1.0);
-        objective.Apply(t, b, -1.0);
-        objective.Apply(s, b, +1.0);
-        objective.Apply(t, a, +1.0);
-        const double candidate = objective.Seconds();
-        if (better(candidate, sum(s, a) + sum(t, b) - sum(s, b) - sum(t, a))) {
-          seconds = candidate;
-          load[a] += delta;
-          load[b] -= delta;
-          rank[s] = b;
-          rank[t] = a;
-          improved = true;
-          continue;
-        }
-        objective.Apply(s, b, -1.0);
-        objective.Apply(t, a, -1.0);
-        objective.Apply(s, a, +1.0);
-        objective.Apply(t, b, +1.0);
       }
     }
     if (!improved) break;
@@ -464,8 +432,8 @@ Result<SequencePlan> PlanSequences(std::span<const Placement> layers,
       static_cast<double>(sequences.size()) * ranks * ranks * static_cast<double>(layers.size());
   [[maybe_unused]] double searched = -1;
   if (options.objective == SequenceObjective::kStepTime && table <= static_cast<double>(1 << 23)) {
-    searched = PeakSearch(routes, sequences, cost, move_bytes, link_seconds, cap,
-                          std::max(0, options.max_sweeps), plan.rank, planned_load);
+    searched = PeakSearch(routes, sequences, cost, move_bytes, cap,
+                          std::clamp(options.max_sweeps, 0, kPeakSweeps), plan.rank, planned_load);
   }
 
   const Evaluation before = Evaluate(routes, sequences, origin, cost, move_bytes);
