@@ -122,6 +122,9 @@ Result<SequencePlacement> Engine::Impl::PlanSequences(int first_layer,
   SequencePlanOptions plan_options;
   plan_options.max_token_imbalance = options.max_token_imbalance;
   plan_options.move_bytes_per_token = options.move_bytes_per_token;
+  plan_options.objective = options.objective == SequencePlanObjective::kTraffic
+                               ? SequenceObjective::kLinkTime
+                               : SequenceObjective::kStepTime;
   KEEL_ASSIGN_OR_RETURN(const SequencePlan plan,
                         keel::PlanSequences(planned, batch, context_->cost, plan_options));
   answer.rank.assign(plan.rank.begin(), plan.rank.end());

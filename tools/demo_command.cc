@@ -76,6 +76,7 @@ struct DemoFlags {
   double affinity = 0.7;
   double repeat = 0;  // with --condense and no --token-repeat: 0.25 (RunDemo sets it)
   double link_gb_per_s = 0;
+  std::string sequence_objective = "step";
 };
 
 // The two runs a demo compares: static against keel by default; with --sequence-migration the
@@ -184,6 +185,10 @@ Status CheckFlags(const DemoFlags& f) {
   }
   if (!(f.repeat >= 0.0 && f.repeat <= 1.0)) {
     return InvalidArgument("--token-repeat " + std::to_string(f.repeat) + " must be in [0, 1]");
+  }
+  if (f.sequence_objective != "step" && f.sequence_objective != "traffic") {
+    return InvalidArgument("--sequence-objective '" + f.sequence_objective +
+                           "' is not step or traffic");
   }
   if (!(f.link_gb_per_s >= 0.0 && f.link_gb_per_s <= 1e6)) {
     return InvalidArgument("--link-gb-per-s " + std::to_string(f.link_gb_per_s) +
@@ -545,6 +550,9 @@ int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator*
     options.migrate_sequences = demo_run.migrate_sequences;
     options.condense_threshold = demo_run.condense_threshold;
     options.link_gb_per_s = flags.link_gb_per_s;
+    options.sequence_objective = flags.sequence_objective == "traffic"
+                                     ? SequencePlanObjective::kTraffic
+                                     : SequencePlanObjective::kStepTime;
     std::optional<DemoProgress> progress;
     if (rank0 && !flags.quiet) {
       progress.emplace(demo_run.name, model.steps);
@@ -617,7 +625,8 @@ int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator*
     report["sequences"] = {{"tokens_per_sequence", flags.sequence_tokens},
                            {"affinity", flags.affinity},
                            {"token_repeat", flags.repeat},
-                           {"link_gb_per_s", flags.link_gb_per_s}};
+                           {"link_gb_per_s", flags.link_gb_per_s},
+                           {"objective", flags.sequence_objective}};
   }
 
   std::printf("\n");
@@ -782,6 +791,9 @@ int RunDemo(int argc, char** argv) {
   parser.Add("token-repeat", "P", &flags.repeat,
              "share of a sequence's tokens that repeat an earlier token (half exactly, half "
              "nearly), in [0, 1]; with --condense 0.25 unless given");
+  parser.Add("sequence-objective", "NAME", &flags.sequence_objective,
+             "with --sequence-migration: what the sequence planner minimises, step (the cost "
+             "model's step) or traffic (summed link time)");
   parser.Add("link-gb-per-s", "X", &flags.link_gb_per_s,
              "emulate links of X GB/s between ranks: the bytes a rank exchanges with other "
              "ranks add bytes / X to its communication time (default 0: measured CPU time only)");

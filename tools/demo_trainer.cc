@@ -602,7 +602,9 @@ Status RankTrainer::DrawBatch(int64_t step, StepTimes& times) {
     KEEL_RETURN_IF_ERROR(SyncForTiming());
     Result<SequencePlacement> plan = [&] {
       CpuTimer timer(&times.sequences);
-      return engine_->PlanSequences(0, routings);
+      SequencePlanningOptions planning;
+      planning.objective = options_.sequence_objective;
+      return engine_->PlanSequences(0, routings, planning);
     }();
     if (!plan.ok()) return plan.status().WithContext("PlanSequences");
     KEEL_RETURN_IF_ERROR(MoveSequences(step, *plan, own_inputs, received, times));

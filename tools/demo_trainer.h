@@ -105,6 +105,7 @@ struct RankRunOptions {
   // over `sequence_transport` (MigrateSequences); the sequences stay there for the backward.
   bool migrate_sequences = false;
   Transport* sequence_transport = nullptr;
+  SequencePlanObjective sequence_objective = SequencePlanObjective::kStepTime;
   // > 0: rows of one slot that are near-duplicates (cosine >= this) are sent and computed once
   // in the forward (kernels/condense.h; its backward rule).
   float condense_threshold = 0;

@@ -250,7 +250,7 @@ class PythonEngine {
   // num_experts. Returns the SequencePlacement as a dict of lists.
   py::dict PlanSequences(int first_layer, int64_t num_sequences, uintptr_t tokens,
                          uintptr_t expert_rows, int64_t row_size, double max_token_imbalance,
-                         double move_bytes_per_token) {
+                         double move_bytes_per_token, const std::string& objective) {
     if (num_sequences < 0 || row_size < 0) {
       throw StatusError(InvalidArgument("num_sequences = " + std::to_string(num_sequences) +
                                         " and row_size = " + std::to_string(row_size) +
@@ -266,6 +266,12 @@ class PythonEngine {
     SequencePlanningOptions options;
     options.max_token_imbalance = max_token_imbalance;
     options.move_bytes_per_token = move_bytes_per_token;
+    if (objective == "traffic") {
+      options.objective = SequencePlanObjective::kTraffic;
+    } else if (objective != "step") {
+      throw StatusError(
+          InvalidArgument("objective = \"" + objective + "\" is not step or traffic"));
+    }
     Engine& e = engine();
     SequencePlacement plan = [&] {
       py::gil_scoped_release release;
@@ -577,7 +583,7 @@ PYBIND11_MODULE(_keel, m) {
            py::arg("num_entries"), py::arg("slot_out"))
       .def("plan_sequences", &PythonEngine::PlanSequences, py::arg("first_layer"),
            py::arg("num_sequences"), py::arg("tokens"), py::arg("expert_rows"), py::arg("row_size"),
-           py::arg("max_token_imbalance"), py::arg("move_bytes_per_token"))
+           py::arg("max_token_imbalance"), py::arg("move_bytes_per_token"), py::arg("objective"))
       .def("reduce_gradients", &PythonEngine::ReduceGradients)
       .def("step_end", &PythonEngine::StepEnd)
       .def("home_slots", &PythonEngine::HomeSlots, py::arg("layer"))

@@ -133,7 +133,15 @@ struct SequenceRouting {
   std::vector<int32_t> expert_rows;
 };
 
+// What Engine::PlanSequences minimises (placement/sequence_planner.h); either way the cost
+// model's step decides whether the plan is used.
+enum class SequencePlanObjective {
+  kStepTime,  // the cost model's step: the slowest rank's links and experts
+  kTraffic,   // the summed link time of rows and moves: cross-node bytes weigh most
+};
+
 struct SequencePlanningOptions {
+  SequencePlanObjective objective = SequencePlanObjective::kStepTime;
   // No rank ends with more than this times the mean tokens (a rank already above it keeps what
   // it has but takes no more), so attention and dense layers stay balanced. >= 1.
   double max_token_imbalance = 1.10;

@@ -125,6 +125,9 @@ def plan_on_ranks(rank: int, world: int) -> Dict[str, Any]:
     rows = torch.zeros(1, 2, EXPERTS, dtype=torch.int32)
     rows[0, :, target * per_rank:(target + 1) * per_rank] = 20
     plan = engine.plan_sequences(0, torch.tensor([40]), rows, max_token_imbalance=1.0)
+    traffic = engine.plan_sequences(0, torch.tensor([40]), rows, max_token_imbalance=1.0,
+                                    objective="traffic")
+    assert traffic.rank.tolist() == plan.rank.tolist()
     bad = None
     try:
         engine.plan_sequences(0, torch.tensor([40]), torch.zeros(1, 2, EXPERTS + 1,

@@ -76,7 +76,7 @@ class Engine:
         """Buffers by address (a tensor's data_ptr(); 0 for none)."""
     def plan_sequences(self, first_layer: int, num_sequences: int, tokens: int, expert_rows: int,
                        row_size: int, max_token_imbalance: float,
-                       move_bytes_per_token: float) -> Dict[str, Any]:
+                       move_bytes_per_token: float, objective: str) -> Dict[str, Any]:
         """Engine::PlanSequences; tokens: [num_sequences] int64 at an address, expert_rows:
         [num_sequences * row_size] int32 at an address."""
         ...

@@ -203,7 +203,8 @@ class Engine:
     # --- per step -------------------------------------------------------------------------------
     def plan_sequences(self, first_layer: int, tokens: Any, expert_rows: Any,
                        max_token_imbalance: float = 1.10,
-                       move_bytes_per_token: float = 0.0) -> SequencePlacement:
+                       move_bytes_per_token: float = 0.0,
+                       objective: str = "step") -> SequencePlacement:
         """Plans Luffy's sequence migration (docs/luffy.md). Collective: every rank passes its
         own sequences, for the same layers ``[first_layer, first_layer + layers)``.
 
@@ -214,6 +215,8 @@ class Engine:
             max_token_imbalance: no rank ends with more than this times the mean tokens.
             move_bytes_per_token: bytes a token carries when its sequence moves, each way; 0 =
                 the cost model's token row.
+            objective: what the planner minimises: ``"step"`` (the cost model's step) or
+                ``"traffic"`` (summed link time, cross-node bytes weighing most).
 
         Returns the same :class:`SequencePlacement` on every rank.
 
@@ -233,7 +236,7 @@ class Engine:
         answer = self._native.plan_sequences(first_layer, counts.numel(), counts.data_ptr(),
                                              rows.data_ptr(), rows.shape[1] * rows.shape[2],
                                              float(max_token_imbalance),
-                                             float(move_bytes_per_token))
+                                             float(move_bytes_per_token), str(objective))
         return SequencePlacement(
             origin_rank=torch.tensor(answer["origin_rank"], dtype=torch.int64),
             origin_index=torch.tensor(answer["origin_index"], dtype=torch.int64),
