@@ -1,5 +1,7 @@
 // PlanSequences: a routing model per layer (where a sequence's rows go from each rank), a local
-// search over sequence-to-rank assignments on summed link time, and the cost model's verdict.
+// search over sequence-to-rank assignments on summed link time, a second one on the cost model's
+// step, and the cost model's verdict. GroupExpertsBySequences: pairwise expert swaps between
+// nodes, then experts to ranks by load.
 #include "placement/sequence_planner.h"
 
 #include <algorithm>
@@ -258,7 +260,7 @@ void LocalSearch(std::span<const double> link_seconds, std::span<const SequenceT
 // The cost model's time of the planned layers and the moves, kept up to date as sequences
 // change rank: per layer each rank's rows sent and received over each link class and the rows
 // it computes, and each rank's move bytes. The same sums as Evaluate's, kept incrementally, so a
-// move or swap is priced in O(layers x ranks) instead of O(layers x ranks^2).
+// move is priced in O(layers x ranks) instead of O(layers x ranks^2).
 class PeakObjective {
  public:
   // traffic[((s * ranks + g) * layers + l) * ranks + r]: sequence s's rows to rank r in layer l
@@ -355,10 +357,11 @@ double PeakSearch(std::span<const LayerRoutes> routes, std::span<const SequenceT
   for (size_t s = 0; s < sequences.size(); ++s) {
     for (int g = 0; g < ranks; ++g) {
       for (int l = 0; l < layers; ++l) {
-        routes[l].AddRows({sequences[s].expert_rows.data() + static_cast<size_t>(l) * experts,
-                           static_cast<size_t>(experts)},
-                          g, {traffic.data() + ((s * ranks + g) * layers + l) * ranks,
-                              static_cast<size_t>(ranks)});
+        routes[l].AddRows(
+            {sequences[s].expert_rows.data() + static_cast<size_t>(l) * experts,
+             static_cast<size_t>(experts)},
+            g,
+            {traffic.data() + ((s * ranks + g) * layers + l) * ranks, static_cast<size_t>(ranks)});
       }
     }
   }

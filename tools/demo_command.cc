@@ -1,8 +1,10 @@
 // `keel demo`: every rank really trains a small MoE model on the CPU through the Keel engine, once
 // with the static placement and once with the `keel` policy from the same seed, then compares
 // them: parallel step time, imbalance, epochs, moved bytes, loss, and whether the final expert
-// weights are bitwise identical (placement must never change the math). Ranks are threads
-// (default) or MPI processes (`mpirun -np N keel demo --comm mpi --transport ucx`).
+// weights are bitwise identical (placement must never change the math). Luffy's runs compare the
+// keel policy without and with sequence migration (--sequence-migration), or exact training with
+// token condensation (--condense). Ranks are threads (default) or MPI processes
+// (`mpirun -np N keel demo --comm mpi --transport ucx`).
 #include <unistd.h>
 
 #include <algorithm>

@@ -2,7 +2,9 @@
 // layer: Route, dispatch (token, k) rows sorted by (rank, slot, token, k), run each local slot's
 // rows, send the outputs back, combine in k order. Backward in reverse layer order over the same
 // routing, accumulating int64 fixed-point weight gradients in the slots' gradient buffers. Then
-// ReduceGradients, Adam on the homes, StepEnd.
+// ReduceGradients, Adam on the homes, StepEnd. In Luffy's runs a rank's tokens are sequences,
+// which may move to other ranks before the first layer, and the rows of one slot may be
+// condensed before the dispatch.
 #include "tools/demo_trainer.h"
 
 #include <time.h>

@@ -1,7 +1,8 @@
 // One rank of `keel demo`: trains the small MoE model of tools/demo_model.h through the Keel
 // engine (Route, all-to-all dispatch and combine, backward, ReduceGradients, Adam on the homes,
 // StepEnd) and measures each step the way separate GPUs would see it. The gate that draws each
-// rank's top-k expert ids from a synthetic or recorded routing trace lives here too.
+// rank's top-k expert ids from a synthetic or recorded routing trace lives here too; Luffy's
+// sequences come from tools/demo_sequences.h.
 #pragma once
 
 #include <cstdint>
