@@ -67,14 +67,19 @@ def dense_reference(spec, experts: List[Dict[str, Any]], hidden, ids, weights, p
     return out, params
 
 
-def compare_with_dense(rank: int, world: int, policy: str, steps: int) -> Dict[str, Any]:
+def compare_with_dense(rank: int, world: int, policy: str, steps: int, batch=skewed_batch,
+                       condense_threshold: float = 0.0) -> Dict[str, Any]:
+    """Trains one layer for `steps` steps on `batch(step, rank)`; returns the largest relative
+    difference from the dense layer per quantity, what the placement used, the epochs and the
+    dispatcher's condensation counts."""
     import torch
     import torch.distributed as dist
     import keel.torch as kt
 
     spec = kt.ffn_expert(HIDDEN, FFN)
     moe = kt.KeelMoE(spec, num_layers=1, num_experts=EXPERTS, top_k=TOP_K,
-                     config=moe_config(policy), average_gradients=False, seed=3)
+                     config=moe_config(policy), average_gradients=False, seed=3,
+                     condense_threshold=condense_threshold)
     layer = moe.layer(0)
     optimizer = torch.optim.Adam(moe.parameters(), lr=1e-2)
     moe.attach(optimizer)
@@ -89,7 +94,7 @@ def compare_with_dense(rank: int, world: int, policy: str, steps: int) -> Dict[s
     probe = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(77 + rank))
     for step in range(steps):
         experts = moe.gather_experts(0)
-        hidden, ids, weights = skewed_batch(step, rank)
+        hidden, ids, weights = batch(step, rank)
         ref_hidden = hidden.clone().requires_grad_(True)
         ref_weights = weights.clone().requires_grad_(True)
         ref_out, ref_params = dense_reference(spec, experts, ref_hidden, ids, ref_weights, probe)
@@ -118,8 +123,10 @@ def compare_with_dense(rank: int, world: int, policy: str, steps: int) -> Dict[s
         optimizer.step()
         optimizer.zero_grad()
     stats = moe.stats()
+    rows, kept = moe.condensation_rows
     moe.close()
-    return {"worst": worst, "used": used, "epochs": stats["epochs_committed"]}
+    return {"worst": worst, "used": used, "epochs": stats["epochs_committed"], "rows": rows,
+            "kept": kept}
 
 
 @pytest.mark.parametrize("policy", ["static", "keel"])

@@ -6,12 +6,13 @@ experts), and keel.condense_rows' rule and argument errors."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict
 
 import pytest
 
 from ranks import run_ranks, values
-from test_dispatcher import EXPERTS, HIDDEN, FFN, RANKS, TOKENS, TOP_K, dense_reference, moe_config
+from test_dispatcher import EXPERTS, HIDDEN, RANKS, TOKENS, TOP_K, compare_with_dense
 
 
 def repeated_batch(step: int, rank: int, noise: float):
@@ -34,50 +35,8 @@ def repeated_batch(step: int, rank: int, noise: float):
 
 def condensed_against_dense(rank: int, world: int, threshold: float, noise: float,
                             steps: int) -> Dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-    import keel.torch as kt
-
-    spec = kt.ffn_expert(HIDDEN, FFN)
-    moe = kt.KeelMoE(spec, num_layers=1, num_experts=EXPERTS, top_k=TOP_K,
-                     config=moe_config("keel"), average_gradients=False, seed=3,
-                     condense_threshold=threshold)
-    layer = moe.layer(0)
-    optimizer = torch.optim.Adam(moe.parameters(), lr=1e-2)
-    moe.attach(optimizer)
-    worst = {"out": 0.0, "hidden": 0.0, "weights": 0.0, "experts": 0.0}
-
-    def note(what: str, got, want) -> None:
-        scale = 1.0 + float(want.abs().max()) if want.numel() else 1.0
-        worst[what] = max(worst[what], float((got - want).abs().max()) / scale)
-
-    probe = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(77 + rank))
-    for step in range(steps):
-        experts = moe.gather_experts(0)
-        hidden, ids, weights = repeated_batch(step, rank, noise)
-        ref_hidden = hidden.clone().requires_grad_(True)
-        ref_weights = weights.clone().requires_grad_(True)
-        ref_out, ref_params = dense_reference(spec, experts, ref_hidden, ids, ref_weights, probe)
-        x = hidden.clone().requires_grad_(True)
-        w = weights.clone().requires_grad_(True)
-        out = layer(x, ids, w)
-        (out * probe).sum().backward()
-        note("out", out, ref_out)
-        note("hidden", x.grad, ref_hidden.grad)
-        note("weights", w.grad, ref_weights.grad)
-        moe.reduce_gradients()
-        for e in range(EXPERTS):
-            for name in spec.names:
-                dist.all_reduce(ref_params[e][name].grad)
-        for e, params in layer.home_parameters().items():
-            for name, p in params.items():
-                note("experts", p.grad, ref_params[e][name].grad)
-        optimizer.step()
-        optimizer.zero_grad()
-    rows, kept = moe.condensation_rows
-    stats = moe.stats()
-    moe.close()
-    return {"worst": worst, "rows": rows, "kept": kept, "epochs": stats["epochs_committed"]}
+    return compare_with_dense(rank, world, "keel", steps,
+                              functools.partial(repeated_batch, noise=noise), threshold)
 
 
 def test_condensing_repeated_tokens_trains_as_without() -> None:
