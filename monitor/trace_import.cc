@@ -619,15 +619,13 @@ nlohmann::json FirstLine(const std::string& path) {
   }
 }
 
-// True when the first line of a JSON Lines file is a Keel header.
-bool HasKeelHeader(const std::string& path) {
-  const nlohmann::json first = FirstLine(path);
+// True when `first`, a JSON Lines file's first line, is a Keel header.
+bool IsKeelHeader(const nlohmann::json& first) {
   return first.is_object() && first.contains("keel_trace");
 }
 
-// True when the first line is a Keel step line: a Keel trace that lost its header.
-bool LooksLikeKeelStep(const std::string& path) {
-  const nlohmann::json first = FirstLine(path);
+// True when `first` is a Keel step line: a Keel trace that lost its header.
+bool IsKeelStep(const nlohmann::json& first) {
   return first.is_object() && first.contains("step") && first.contains("layers") &&
          !first.contains("layer");
 }
@@ -663,8 +661,9 @@ Result<TraceFormat> DetectTraceFormat(const std::string& path) {
     std::string name = fs::path(path).filename().string();
     if (EndsWith(name, ".tar.xz")) return TraceFormat::kSmartMoe;
     if (EndsWith(name, ".jsonl")) {
-      if (HasKeelHeader(path)) return TraceFormat::kKeel;
-      if (LooksLikeKeelStep(path)) {
+      const nlohmann::json first = FirstLine(path);
+      if (IsKeelHeader(first)) return TraceFormat::kKeel;
+      if (IsKeelStep(first)) {
         return InvalidArgument(path +
                                ": its first line is a Keel trace step (\"step\" and \"layers\") "
                                "but the header line {\"keel_trace\": 1, \"num_layers\": ..., "

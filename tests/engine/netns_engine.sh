@@ -13,40 +13,27 @@ set -uo pipefail
 name=netns_engine
 program=${1:?usage: netns_engine.sh KEEL_ENGINE_MPI}
 skip() { echo "$name: skipped: $*" >&2; exit 77; }
+source "$(dirname "$0")/../common/netns.sh"
 [ "$(id -u)" -eq 0 ] || skip "needs root to create network namespaces"
 command -v ip >/dev/null || skip "no ip(8) (iproute2)"
 command -v mpirun >/dev/null || skip "no mpirun"
 prefix=keelmpi$$
 subnet=$(( $$ % 200 + 20 ))
-ip netns add "${prefix}sw" 2>/dev/null || skip "cannot create a network namespace"
+netns_switch "$prefix" || skip "cannot create a network namespace"
 work=$(mktemp -d "${TMPDIR:-/tmp}/keel-netns-engine-XXXXXX")
 launcher=
 cleanup() {
   [ -n "$launcher" ] && kill -9 "$launcher" 2>/dev/null
   ip link del "r${prefix}" 2>/dev/null
-  for h in 0 1 2 3; do ip netns del "${prefix}h$h" 2>/dev/null; done
-  ip netns del "${prefix}sw" 2>/dev/null
+  netns_remove "$prefix" 4
   rm -rf "$work"
 }
 trap cleanup EXIT
 
+netns_hosts "$prefix" 4 && netns_network "$prefix" 4 data d 77 "$subnet" eth0 &&
+  netns_network "$prefix" 4 mgmt m 78 "$subnet" mgmt0 ||
+  { echo "$name: FAILED: cannot build the hosts' networks" >&2; exit 1; }
 set -e
-for bridge in data mgmt; do
-  ip -n "${prefix}sw" link add "$bridge" type bridge
-  ip -n "${prefix}sw" link set "$bridge" up
-done
-for h in 0 1 2 3; do
-  ip netns add "${prefix}h$h"
-  ip -n "${prefix}h$h" link set lo up
-  for leg in data:77:eth0 mgmt:78:mgmt0; do
-    IFS=: read -r bridge net device <<<"$leg"
-    ip link add "${bridge:0:1}${prefix}h$h" type veth peer name "$device" netns "${prefix}h$h"
-    ip link set "${bridge:0:1}${prefix}h$h" netns "${prefix}sw"
-    ip -n "${prefix}sw" link set "${bridge:0:1}${prefix}h$h" master "$bridge" up
-    ip -n "${prefix}h$h" addr add "10.$net.$subnet.$((h + 1))/24" dev "$device"
-    ip -n "${prefix}h$h" link set "$device" up
-  done
-done
 ip link add "r${prefix}" type veth peer name launcher netns "${prefix}sw"
 ip -n "${prefix}sw" link set launcher master mgmt up
 ip addr add "10.78.$subnet.100/24" dev "r${prefix}"

@@ -19,34 +19,24 @@ name=netns_hosts
 program=${1:?usage: netns_hosts.sh KEEL_MIGRATION_MULTIPROCESS}
 skip() { echo "$name: skipped: $*" >&2; exit 77; }
 fail() { echo "$name: FAILED: $*" >&2; status=1; }
+source "$(dirname "$0")/../common/netns.sh"
 
 [ "$(id -u)" -eq 0 ] || skip "needs root to create network namespaces"
 command -v ip >/dev/null || skip "no ip(8) (iproute2)"
 prefix=keel$$
 subnet=$(( $$ % 200 + 20 ))  # 10.77.<subnet>.0/24, one per run
-ip netns add "${prefix}sw" 2>/dev/null || skip "cannot create a network namespace"
+netns_switch "$prefix" || skip "cannot create a network namespace"
 work=$(mktemp -d "${TMPDIR:-/tmp}/keel-netns-XXXXXX")
 pids=()
 cleanup() {
   for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null; done
-  for h in 0 1 2 3; do ip netns del "${prefix}h$h" 2>/dev/null; done
-  ip netns del "${prefix}sw" 2>/dev/null
+  netns_remove "$prefix" 4
   rm -rf "$work"
 }
 trap cleanup EXIT
 
-set -e
-ip -n "${prefix}sw" link add br0 type bridge
-ip -n "${prefix}sw" link set br0 up
-for h in 0 1 2 3; do
-  ip netns add "${prefix}h$h"
-  ip link add "p${prefix}h$h" type veth peer name eth0 netns "${prefix}h$h"
-  ip link set "p${prefix}h$h" netns "${prefix}sw"
-  ip -n "${prefix}sw" link set "p${prefix}h$h" master br0 up
-  ip -n "${prefix}h$h" addr add "10.77.$subnet.$((h + 1))/24" dev eth0
-  ip -n "${prefix}h$h" link set eth0 up
-done
-set +e
+netns_hosts "$prefix" 4 && netns_network "$prefix" 4 br0 p 77 "$subnet" eth0 ||
+  { echo "$name: FAILED: cannot build the hosts' network" >&2; exit 1; }
 
 status=0
 epochs=14
