@@ -85,7 +85,8 @@ got=0
 got=0
 "$keel" demo --top-k 9 --experts 8 >/dev/null 2>"$work/err" || got=$?
 [[ "$got" == 2 ]] && grep -q -- "--top-k 9 exceeds --experts 8" "$work/err" || fail "top-k: exit $got"
-"$keel" demo --help | grep -q -- "--transport NAME" || fail "help lacks --transport"
+"$keel" demo --help >"$work/help.txt" && grep -q -- "--transport NAME" "$work/help.txt" ||
+  fail "help lacks --transport"
 
 # The same run as MPI processes over UCX, where both are there.
 if command -v mpirun >/dev/null 2>&1 && "$keel" version | grep -q "ucx=on mpi=on"; then

@@ -129,5 +129,6 @@ got=0
 got=0
 "$keel" plan >/dev/null 2>&1 || got=$?
 [[ "$got" == 2 ]] || fail "missing --input: exit $got"
-"$keel" plan --help | grep -q -- "--repeat N" || fail "help lacks --repeat"
+"$keel" plan --help >"$work/help.txt" && grep -q -- "--repeat N" "$work/help.txt" ||
+  fail "help lacks --repeat"
 echo "plan_cli: ok"

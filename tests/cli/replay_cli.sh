@@ -77,5 +77,6 @@ got=0
   got=$?
 [[ "$got" == 2 ]] && grep -q "topology.num_nodes" "$work/err" ||
   fail "bad config with a missing trace: exit $got: $(cat "$work/err")"
-"$keel" replay --help | grep -q "keel config --markdown" || fail "help lacks the config pointer"
+"$keel" replay --help >"$work/help.txt" && grep -q "keel config --markdown" "$work/help.txt" ||
+  fail "help lacks the config pointer"
 echo "replay_cli: ok"

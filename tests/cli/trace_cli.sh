@@ -60,10 +60,14 @@ sed -n 2p "$work/smart.jsonl" | grep -q '"step": 1, "layers": \[\[3, 5, 3, 5\], 
   || fail "info on the smartmoe folder"
 
 # Help texts exit 0 and document every flag.
-"$keel" trace --help | grep -q convert || fail "trace --help"
-"$keel" trace convert --help | grep -q -- '--esft-group' || fail "convert --help"
-"$keel" trace generate --help | grep -q -- '--burst-prob' || fail "generate --help"
-"$keel" trace info --help | grep -q -- '--ranks' || fail "info --help"
+"$keel" trace --help >"$work/help.txt" && grep -q convert "$work/help.txt" ||
+  fail "trace --help"
+"$keel" trace convert --help >"$work/help.txt" && grep -q -- '--esft-group' "$work/help.txt" ||
+  fail "convert --help"
+"$keel" trace generate --help >"$work/help.txt" && grep -q -- '--burst-prob' "$work/help.txt" ||
+  fail "generate --help"
+"$keel" trace info --help >"$work/help.txt" && grep -q -- '--ranks' "$work/help.txt" ||
+  fail "info --help"
 
 # Usage errors exit 2 and name the flag.
 expect_exit 2 "$keel" trace generate --output "$work/x.jsonl" --bogus 1

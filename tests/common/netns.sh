@@ -8,11 +8,14 @@ netns_switch() {
   ip netns add "$1sw" 2>/dev/null
 }
 
-# netns_hosts PREFIX COUNT: COUNT host namespaces with their loopback up.
+# netns_hosts PREFIX COUNT [lo]: COUNT host namespaces; with "lo", their loopback up too. Without
+# it a host has no loopback, so its processes can reach others only over the networks below
+# (UCX then cannot fall back to a loopback address).
 netns_hosts() {
   local h
   for ((h = 0; h < $2; ++h)); do
-    ip netns add "$1h$h" && ip -n "$1h$h" link set lo up || return 1
+    ip netns add "$1h$h" || return 1
+    if [ "${3:-}" = lo ]; then ip -n "$1h$h" link set lo up || return 1; fi
   done
 }
 

@@ -30,7 +30,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-netns_hosts "$prefix" 4 && netns_network "$prefix" 4 data d 77 "$subnet" eth0 &&
+netns_hosts "$prefix" 4 lo && netns_network "$prefix" 4 data d 77 "$subnet" eth0 &&
   netns_network "$prefix" 4 mgmt m 78 "$subnet" mgmt0 ||
   { echo "$name: FAILED: cannot build the hosts' networks" >&2; exit 1; }
 set -e
