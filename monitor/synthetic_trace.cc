@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "common/random.h"
 #include "monitor/trace.h"
 
 namespace keel {
@@ -17,7 +18,7 @@ namespace {
 class Random {
  public:
   explicit Random(uint64_t seed) {
-    for (uint64_t& word : state_) word = SplitMix(seed);
+    for (uint64_t& word : state_) word = SplitMix64(seed);
   }
 
   uint64_t Next() {
@@ -58,13 +59,6 @@ class Random {
 
   // Uniform in [0, 1) with 53 bits.
   double Uniform() { return static_cast<double>(Next() >> 11) * 0x1.0p-53; }
-
-  static uint64_t SplitMix(uint64_t& x) {
-    uint64_t z = (x += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-  }
 
  private:
   static uint64_t Rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
@@ -290,7 +284,7 @@ Result<Trace> GenerateSyntheticTrace(const SyntheticTraceOptions& options) {
   // Each layer has its own stream, so adding layers or steps leaves the existing ones unchanged.
   for (int layer = 0; layer < options.num_layers; ++layer) {
     uint64_t mix = options.seed ^ (0x5851f42d4c957f2dULL * static_cast<uint64_t>(layer + 1));
-    Random random(Random::SplitMix(mix));
+    Random random(SplitMix64(mix));
     // permutation[position] = expert holding that popularity rank.
     std::vector<int> permutation(num_experts);
     for (int e = 0; e < num_experts; ++e) permutation[e] = e;

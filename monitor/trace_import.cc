@@ -4,6 +4,7 @@
 #include "monitor/trace_import.h"
 
 #include "common/file.h"
+#include "common/random.h"
 
 #include <spawn.h>
 #include <sys/wait.h>
@@ -760,12 +761,7 @@ Result<Trace> ImportEsftTrace(const std::string& path, const EsftImportOptions& 
     // Real batches mix tasks: a seeded Fisher-Yates shuffle (splitmix64), the same everywhere.
     uint64_t state = options.mix_seed;
     for (size_t i = sequences.size(); i > 1; --i) {
-      state += 0x9e3779b97f4a7c15ULL;
-      uint64_t z = state;
-      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-      z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-      z ^= z >> 31;
-      std::swap(sequences[i - 1], sequences[z % i]);
+      std::swap(sequences[i - 1], sequences[SplitMix64(state) % i]);
     }
   }
   const size_t per_step = static_cast<size_t>(options.sequences_per_step);

@@ -36,13 +36,6 @@ void AddOuterRow(float scale_value, const float* v, int n, int64_t* gradient) {
 
 }  // namespace
 
-uint64_t SplitMix(uint64_t& state) {
-  uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
 int64_t ToFixedPoint(double value) {
   // Adding and subtracting 1.5 · 2^52 rounds to the nearest integer (ties to even) in the
   // default rounding mode, without a libm call; the clamp keeps it in the exact range.
@@ -57,7 +50,7 @@ uint64_t MixSeed(std::span<const uint64_t> words) {
   uint64_t seed = 0;
   for (uint64_t word : words) {
     state ^= word;
-    seed = SplitMix(state);
+    seed = SplitMix64(state);
     state = seed;
   }
   return seed;

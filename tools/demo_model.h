@@ -11,6 +11,8 @@
 #include <span>
 #include <vector>
 
+#include "common/random.h"
+
 namespace keel::tools {
 
 // One expert's FFN: y = W2 · relu(W1 · x), x and y of `hidden` floats. An expert's weights are
@@ -34,15 +36,12 @@ struct FfnShape {
 inline constexpr double kGradientScale = 4294967296.0;  // 2^32
 int64_t ToFixedPoint(double value);
 
-// One step of splitmix64: advances `state` and returns the next number.
-uint64_t SplitMix(uint64_t& state);
-
 // A splitmix64 stream: fully specified, so the same seed draws the same numbers everywhere
 // (std:: distributions differ between standard libraries).
 class RandomStream {
  public:
   explicit RandomStream(uint64_t seed) : state_(seed) {}
-  uint64_t Next() { return SplitMix(state_); }
+  uint64_t Next() { return SplitMix64(state_); }
   // Uniform in [-1, 1) with 24 bits: exact in float.
   float Symmetric() {
     return static_cast<float>(static_cast<int32_t>(Next() >> 40) - (1 << 23)) * 0x1.0p-23f;
