@@ -6,6 +6,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <climits>
 #include <cmath>
@@ -35,6 +36,7 @@ static_assert(std::size(kEstimatorKindNames) == static_cast<size_t>(EstimatorKin
 
 constexpr std::string_view kPerExpertModes[] = {"off", "aggregated"};
 constexpr std::string_view kLplbSolverNames[] = {"quota", "glpk"};
+constexpr std::string_view kStrategyNames[] = {"ep", "esp", "parm", "ppmoe", "auto"};
 constexpr std::string_view kTransportNames[] = {"local", "ucx", "nccl"};
 constexpr std::string_view kNcclHostTransportNames[] = {"ucx", "local"};
 
@@ -112,6 +114,15 @@ constexpr ConfigKey kConfigKeys[] = {
     {KEEL_CONFIG_FIELD(cost_model.replica_sync_passes), .min = 0,
      .doc = "Transfers of a replica's parameters per step (2: gradient reduced into the home, "
             "updated weights pushed back)."},
+    {KEEL_CONFIG_FIELD(cost_model.top_k), .min = 1, .max = 1024,
+     .doc = "Experts each token is routed to: a layer's token rows divided by top_k are its "
+            "tokens, which ppmoe's and parm's collectives carry."},
+    {KEEL_CONFIG_FIELD(cost_model.gemm_efficiency),
+     .doc = "Measured expert GEMM throughput by inner width, relative to expert_tflops, as "
+            "\"columns:efficiency, ...\" with columns ascending (e.g. \"1024:0.72, 4096:0.95, "
+            "8192:1\"); between points it is interpolated on log2(columns), beyond them held. "
+            "Sharded strategies run GEMMs of expert_ffn_size / shards columns. Empty means the "
+            "same throughput at every width."},
     // estimator
     {KEEL_CONFIG_FIELD(estimator.kind), .choices = kEstimatorKindNames,
      .doc = "How per-expert load is predicted from past steps: last (the last step), window "
@@ -170,6 +181,30 @@ constexpr ConfigKey kConfigKeys[] = {
      .doc = "A home moves only if the predicted saving repays the move within this many steps."},
     {KEEL_CONFIG_FIELD(policy.keel.min_gain_fraction), .min = 0, .max = 1, .max_exclusive = true,
      .doc = "A move must cut the predicted layer step time by at least this fraction."},
+    // strategy
+    {KEEL_CONFIG_FIELD(strategy.name), .choices = kStrategyNames,
+     .doc = "How each MoE layer is parallelised: ep (experts whole, placed by the policy), esp "
+            "(each expert sharded over shard_degree ranks of a node), parm (experts sharded over "
+            "the MP group, Parm's de-duplicated dispatch), ppmoe (every expert sliced over all "
+            "ranks of every node; no all-to-all) or auto (chosen per layer at every replan from "
+            "a pool). docs/strategies.md."},
+    {KEEL_CONFIG_FIELD(strategy.shard_degree), .min = 0, .max = kMaxRanks, .unit = "ranks",
+     .doc = "esp: ranks of one node each expert is sharded over; must divide "
+            "topology.gpus_per_node; 0 means all of them."},
+    {KEEL_CONFIG_FIELD(strategy.mp_degree), .min = 0, .max = kMaxRanks, .unit = "ranks",
+     .doc = "parm: tensor-parallel (MP) degree, consecutive ranks of a node that hold the same "
+            "tokens and shard the experts between them; must divide topology.gpus_per_node. 0 "
+            "means the smallest divisor of gpus_per_node above 1 (2 on nodes of an even size), "
+            "or 1 on a node of one rank."},
+    {KEEL_CONFIG_FIELD(strategy.parm_chunks), .min = 1, .max = 1024,
+     .doc = "parm: pieces its overlapped schedule cuts a pass into, so the exchange between "
+            "nodes and the all-gather inside the MP group run at the same time (1 = one after "
+            "the other, Parm's first schedule)."},
+    {KEEL_CONFIG_FIELD(strategy.switch_payback_steps), .min = 1, .unit = "steps",
+     .doc = "auto: a layer switches strategy only if the estimated saving repays moving its "
+            "expert state within this many steps."},
+    {KEEL_CONFIG_FIELD(strategy.min_gain_fraction), .min = 0, .max = 1, .max_exclusive = true,
+     .doc = "auto: a switch must cut the layer's estimated step time by at least this fraction."},
     // monitor
     {KEEL_CONFIG_FIELD(monitor.metrics_address),
      .doc = "host:port where the Prometheus exporter serves /metrics; a bare port listens on "
@@ -244,6 +279,7 @@ constexpr ConfigSection kConfigSections[] = {
     {"policy.trtllm", "TensorRT-LLM's online balancer: new placements, a few layers at a time."},
     {"policy.keel",
      "Keel: incremental placement that pays for its moves, plus transient replicas for bursts."},
+    {"strategy", "How each MoE layer is parallelised: expert, sharded or tensor-sliced experts."},
     {"monitor", "Telemetry: load monitor, Prometheus exporter and trace recorder."},
     {"migration", "Moving expert state between ranks in the background."},
     {"engine", "The runtime a trainer embeds: per-step collectives between ranks."},
@@ -766,6 +802,24 @@ Status Validate(const KeelConfig& config, const ParseOrigin& origin) {
                            std::to_string(cost.dtype_bytes) +
                            "); moving a home moves at least the weights");
   }
+  if (Result<std::vector<GemmEfficiencyPoint>> curve =
+          ParseGemmEfficiencyCurve(cost.gemm_efficiency);
+      !curve.ok()) {
+    return InvalidArgument(origin.WhereKey("cost_model.gemm_efficiency") +
+                           "cost_model.gemm_efficiency: " + curve.status().message());
+  }
+  // Shard and MP groups are consecutive ranks of one node.
+  for (auto [path, degree] :
+       {std::pair<std::string_view, int>{"strategy.shard_degree", config.strategy.shard_degree},
+        {"strategy.mp_degree", config.strategy.mp_degree}}) {
+    if (degree > 0 && topology.gpus_per_node % degree != 0) {
+      return cross_error(path, "topology.gpus_per_node",
+                         std::string(path) + ": " + std::to_string(degree) +
+                             " does not divide topology.gpus_per_node (" +
+                             std::to_string(topology.gpus_per_node) +
+                             "); its groups must be ranks of one node");
+    }
+  }
   if (config.policy.name == "keel" && config.policy.keel.transient_replicas &&
       config.slots.transient_per_rank == 0) {
     return cross_error("policy.keel.transient_replicas", "slots.transient_per_rank",
@@ -836,6 +890,53 @@ policy:
 )";
 
 }  // namespace
+
+Result<std::vector<GemmEfficiencyPoint>> ParseGemmEfficiencyCurve(std::string_view text) {
+  std::vector<GemmEfficiencyPoint> curve;
+  auto trim = [](std::string_view part) {
+    while (!part.empty() && std::isspace(static_cast<unsigned char>(part.front()))) {
+      part.remove_prefix(1);
+    }
+    while (!part.empty() && std::isspace(static_cast<unsigned char>(part.back()))) {
+      part.remove_suffix(1);
+    }
+    return part;
+  };
+  if (trim(text).empty()) return curve;
+  size_t begin = 0;
+  while (begin <= text.size()) {
+    const size_t comma = std::min(text.find(',', begin), text.size());
+    const std::string_view entry = trim(text.substr(begin, comma - begin));
+    begin = comma + 1;
+    const std::string shown = "entry '" + std::string(entry) + "'";
+    const size_t colon = entry.find(':');
+    if (colon == std::string_view::npos) {
+      return InvalidArgument(shown + " is not columns:efficiency");
+    }
+    GemmEfficiencyPoint point;
+    const std::string_view columns_text = trim(entry.substr(0, colon));
+    const std::string_view efficiency_text = trim(entry.substr(colon + 1));
+    // Whole text parsed, nothing left over.
+    auto parse = [](std::string_view part, auto& value) {
+      const auto [end, error] = std::from_chars(part.data(), part.data() + part.size(), value);
+      return error == std::errc() && end == part.data() + part.size();
+    };
+    if (!parse(columns_text, point.columns) || point.columns < 1 ||
+        point.columns > kMaxModelWidth) {
+      return InvalidArgument(shown + ": columns must be a whole number in [1, 2^20]");
+    }
+    if (!parse(efficiency_text, point.efficiency) ||
+        !(point.efficiency > 0 && point.efficiency <= 4)) {
+      return InvalidArgument(shown + ": efficiency must be a number in (0, 4]");
+    }
+    if (!curve.empty() && point.columns <= curve.back().columns) {
+      return InvalidArgument(shown + ": columns must ascend (the entry before has " +
+                             std::to_string(curve.back().columns) + ")");
+    }
+    curve.push_back(point);
+  }
+  return curve;
+}
 
 std::string_view EstimatorKindName(EstimatorKind kind) {
   auto index = static_cast<size_t>(kind);

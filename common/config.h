@@ -6,6 +6,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "keel/config.hpp"
 #include "keel/status.hpp"
@@ -37,6 +38,33 @@ struct CostModelConfig {
   double train_flops_multiplier = 3.0;          // forward + backward = 3x forward
   int all_to_all_passes = 4;                    // dispatch + combine, forward and backward
   int replica_sync_passes = 2;                  // gradient reduce into home + weight push back
+  int top_k = 2;                                // experts per token: rows / top_k = tokens
+  // "columns:efficiency, ..." the expert GEMM's measured throughput at each inner width, relative
+  // to expert_tflops; empty = the same at every width (ParseGemmEfficiencyCurve).
+  std::string gemm_efficiency;
+};
+
+// One point of the GEMM efficiency curve: throughput at an inner width of `columns`, relative to
+// CostModelConfig::expert_tflops.
+struct GemmEfficiencyPoint {
+  int columns = 0;
+  double efficiency = 1.0;
+};
+
+// Parses "columns:efficiency, ..." (columns ascending, efficiencies in (0, 4]); "" is an empty
+// curve. Errors name the bad entry.
+Result<std::vector<GemmEfficiencyPoint>> ParseGemmEfficiencyCurve(std::string_view text);
+
+// How each MoE layer is parallelised (placement/strategy.h, docs/strategies.md).
+struct StrategyConfig {
+  std::string name = "ep";          // ep | esp | parm | ppmoe | auto
+  int shard_degree = 0;  // esp: ranks an expert is sharded over; 0 = gpus_per_node
+  // parm: ranks of an MP group (they hold the same tokens); 0 = the smallest divisor of
+  // gpus_per_node above 1.
+  int mp_degree = 0;
+  int parm_chunks = 4;              // parm: pieces its overlapped schedule pipelines
+  int switch_payback_steps = 50;    // auto: a switch must repay its transfer within this many steps
+  double min_gain_fraction = 0.02;  // auto: a switch must cut the estimated layer step this much
 };
 
 enum class EstimatorKind { kLastStep, kSlidingWindow, kEma };
@@ -129,6 +157,7 @@ struct KeelConfig {
   CostModelConfig cost_model;
   EstimatorConfig estimator;
   PolicyConfig policy;
+  StrategyConfig strategy;
   MonitorConfig monitor;
   MigrationConfig migration;
   EngineConfig engine;

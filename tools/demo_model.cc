@@ -68,6 +68,48 @@ void InitExpertWeights(const FfnShape& shape, uint64_t seed, int layer, int expe
   for (size_t i = half; i < weights.size(); ++i) weights[i] = w2_range * stream.Symmetric();
 }
 
+FfnShape ShardShape(const FfnShape& full, int shards) {
+  assert(shards >= 1 && full.ffn % shards == 0);
+  return {full.hidden, full.ffn / shards};
+}
+
+namespace {
+
+// Calls copy(full_offset, shard_offset, count) for each contiguous run that shard `index` shares
+// with the full expert: its W1 rows (one block), then its part of each of W2's rows.
+template <typename Copy>
+void ForEachShardRun(const FfnShape& full, int shards, int index, const Copy& copy) {
+  const size_t hidden = static_cast<size_t>(full.hidden);
+  const size_t width = static_cast<size_t>(full.ffn / shards);
+  const size_t first = static_cast<size_t>(index) * width;
+  copy(first * hidden, size_t{0}, width * hidden);
+  const size_t full_w2 = static_cast<size_t>(full.ffn) * hidden;
+  const size_t shard_w2 = width * hidden;
+  for (size_t i = 0; i < hidden; ++i) {
+    copy(full_w2 + i * full.ffn + first, shard_w2 + i * width, width);
+  }
+}
+
+}  // namespace
+
+void SliceExpertWeights(const FfnShape& full, int shards, int index,
+                        std::span<const float> full_weights, std::span<float> shard_weights) {
+  assert(full_weights.size() == full.weight_floats());
+  assert(shard_weights.size() == ShardShape(full, shards).weight_floats());
+  ForEachShardRun(full, shards, index, [&](size_t at_full, size_t at_shard, size_t count) {
+    std::copy_n(full_weights.begin() + at_full, count, shard_weights.begin() + at_shard);
+  });
+}
+
+void PlaceShardWeights(const FfnShape& full, int shards, int index,
+                       std::span<const float> shard_weights, std::span<float> full_weights) {
+  assert(full_weights.size() == full.weight_floats());
+  assert(shard_weights.size() == ShardShape(full, shards).weight_floats());
+  ForEachShardRun(full, shards, index, [&](size_t at_full, size_t at_shard, size_t count) {
+    std::copy_n(shard_weights.begin() + at_shard, count, full_weights.begin() + at_full);
+  });
+}
+
 void DrawTokenInputs(uint64_t seed, int rank, int64_t step, std::span<float> inputs) {
   const uint64_t words[] = {seed, 2, static_cast<uint64_t>(rank), static_cast<uint64_t>(step)};
   RandomStream stream(MixSeed(words));

@@ -65,6 +65,17 @@ uint64_t MixSeed(std::span<const uint64_t> words);
 void InitExpertWeights(const FfnShape& shape, uint64_t seed, int layer, int expert,
                        std::span<float> weights);
 
+// Shard `index` of `shards` of one expert: the FFN's inner dimension split into equal slices, so
+// that the shard is itself an FFN of ShardShape(full, shards) (W1's rows and W2's columns of its
+// slice) and the shards' outputs sum to the expert's. `full` must divide: ffn % shards == 0.
+// full_weights: [full.weight_floats()], shard_weights: [ShardShape(...).weight_floats()].
+FfnShape ShardShape(const FfnShape& full, int shards);
+void SliceExpertWeights(const FfnShape& full, int shards, int index,
+                        std::span<const float> full_weights, std::span<float> shard_weights);
+// The inverse: writes shard `index`'s slice into the full expert's weights.
+void PlaceShardWeights(const FfnShape& full, int shards, int index,
+                       std::span<const float> shard_weights, std::span<float> full_weights);
+
 // The model inputs of one rank's step: [num_tokens, hidden] float32 uniform in [-1, 1), drawn
 // from (seed, rank, step).
 void DrawTokenInputs(uint64_t seed, int rank, int64_t step, std::span<float> inputs);

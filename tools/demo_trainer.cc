@@ -18,15 +18,17 @@
 #include "engine/engine_internal.h"
 #include "kernels/condense.h"
 #include "migration/sequence_migration.h"
+#include "tools/demo_strategies.h"
 
 namespace keel::tools {
-namespace {
 
 double ThreadCpuSeconds() {
   timespec now{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
   return static_cast<double>(now.tv_sec) + static_cast<double>(now.tv_nsec) * 1e-9;
 }
+
+namespace {
 
 // Adds the thread CPU time of its scope to `*total`.
 class CpuTimer {
@@ -170,6 +172,7 @@ class RankTrainer {
   int64_t rows_kept_ = 0;
   int64_t sequences_moved_ = 0;
   double sequence_bytes_ = 0;
+  double all_to_all_bytes_ = 0;  // this step's bytes to other ranks in ExchangeRows
   std::vector<float> send_;
   std::vector<float> recv_;
   std::vector<float> expert_out_;  // [received rows, hidden]
@@ -319,6 +322,7 @@ Status RankTrainer::ExchangeRows(std::span<const T> send, std::span<const int64_
     }
   }
   *cpu += LinkSeconds(sent_off, received_off);
+  all_to_all_bytes_ += sent_off;
   recv.resize(received.size() / sizeof(T));
   if (!received.empty()) std::memcpy(recv.data(), received.data(), received.size());
   return Status::Ok();
@@ -698,7 +702,7 @@ Result<StepMeasurement> RankTrainer::Step(int64_t step) {
   std::vector<int64_t> rows(static_cast<size_t>(ranks_) * layers, 0);  // [rank, layer]
 
   rows_dispatched_ = rows_remote_ = rows_kept_ = sequences_moved_ = 0;
-  sequence_bytes_ = 0;
+  sequence_bytes_ = all_to_all_bytes_ = 0;
   KEEL_RETURN_IF_ERROR(DrawBatch(step, times));
   TeacherTargets(hidden, teacher_, x_[0], targets_);
   std::fill(gradients_.begin(), gradients_.end(), 0);
@@ -764,7 +768,8 @@ Result<StepMeasurement> RankTrainer::Step(int64_t step) {
                               static_cast<double>(rows_remote_),
                               static_cast<double>(rows_kept_),
                               static_cast<double>(sequences_moved_),
-                              sequence_bytes_};
+                              sequence_bytes_,
+                              all_to_all_bytes_};
   KEEL_RETURN_IF_ERROR(communicator_.AllReduce(sums, ReduceOp::kSum));
   KEEL_RETURN_IF_ERROR(communicator_.AllReduce(rows, ReduceOp::kSum));
 
@@ -776,6 +781,7 @@ Result<StepMeasurement> RankTrainer::Step(int64_t step) {
   m.rows_kept = static_cast<int64_t>(sums[3]);
   m.sequences_moved = static_cast<int64_t>(sums[4]);
   m.sequence_bytes = sums[5];
+  m.all_to_all_bytes = sums[6];
   for (int l = 0; l < layers; ++l) {
     m.expert_seconds += maxima[l];
     m.communication_seconds += maxima[layers + l];
@@ -906,6 +912,7 @@ Result<RankRunResult> RunRank(const RankRunOptions& options) {
   if (options.communicator == nullptr || options.gate == nullptr) {
     return InvalidArgument("RunRank needs a communicator and a gate");
   }
+  if (options.config.strategy.name != "ep") return RunShardedRank(options);
   RankTrainer trainer(options);
   KEEL_RETURN_IF_ERROR(trainer.Init());
   RankRunResult result;

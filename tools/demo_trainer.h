@@ -74,6 +74,10 @@ struct StepMeasurement {
   int64_t sequences_moved = 0;
   double sequence_bytes = 0;
   double sequence_seconds = 0;
+  // Bytes all ranks sent to other ranks: between ranks or groups (dispatch and combine, all
+  // passes), and inside a shard or MP group (the sharded strategies' collectives).
+  double all_to_all_bytes = 0;
+  double group_bytes = 0;
   int64_t epoch = 0;
   int64_t epochs_committed = 0;
   int64_t epochs_aborted = 0;
@@ -98,6 +102,9 @@ struct RankRunOptions {
   bool barrier_before_timing = false;
   // Called on every rank after every step.
   std::function<void(const StepMeasurement&)> on_step;
+  // config.strategy.name other than "ep" trains sharded experts (tools/demo_strategies.h); for
+  // parm, whether each MP rank sends only its share of the group's rows (Parm) or all of them.
+  bool parm_dedup = true;
 
   // Luffy mode (docs/luffy.md). With a sequence gate each rank's tokens are its sequences and
   // their routing comes from it; null runs the plain demo, tokens drawn by `gate`.
@@ -123,7 +130,11 @@ struct RankRunResult {
   std::vector<float> final_weights;
 };
 
-// Collective: every rank of `communicator` runs it with the same options.
+// CPU seconds of the calling thread (CLOCK_THREAD_CPUTIME_ID): how the demo times a rank's work.
+double ThreadCpuSeconds();
+
+// Collective: every rank of `communicator` runs it with the same options. With
+// config.strategy.name other than "ep" it trains sharded experts (RunShardedRank).
 Result<RankRunResult> RunRank(const RankRunOptions& options);
 
 }  // namespace keel::tools

@@ -17,6 +17,7 @@ Commands:
            and compare step time, imbalance and the final weights (bitwise)
   replay   replay a routing trace under one or more placement policies and report balance,
            moved bytes and simulated step time
+  pool     build SmartMoE's pool of parallel strategies per layer from a profiling trace
   plan     plan one placement from a per-expert load (DeepSeek EPLB's inputs and outputs)
   trace    convert recorded routing traces to the Keel format, or generate a synthetic one
   config   print the configuration reference or check a config file
@@ -46,6 +47,7 @@ int main(int argc, char** argv) {
   if (command == "trace") return keel::tools::RunTrace(argc - 1, argv + 1);
   if (command == "config") return keel::tools::RunConfig(argc - 1, argv + 1);
   if (command == "demo") return keel::tools::RunDemo(argc - 1, argv + 1);
+  if (command == "pool") return keel::tools::RunPool(argc - 1, argv + 1);
   std::fprintf(stderr, "keel: unknown command '%s'\n\n%s", argv[1], kUsage);
   return 2;
 }

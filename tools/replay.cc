@@ -64,15 +64,8 @@ struct ReplayInputs {
             static_cast<size_t>(num_experts)};
   }
 
-  // The traffic of one (step, layer) as the topology's ranks see it: the trace's traffic matrix
-  // when it was recorded on as many ranks, else expert totals spread evenly over the ranks.
   Result<StepLoad> Load(int step, int layer) const {
-    if (trace->num_sources == num_ranks) {
-      std::span<const double> row = trace->layer_row(step, layer);
-      return StepLoad::FromTraffic(num_ranks, num_experts,
-                                   std::vector<double>(row.begin(), row.end()));
-    }
-    return StepLoad::FromExpertCounts(num_ranks, totals(step, layer));
+    return TraceStepLoad(*trace, num_ranks, step, layer);
   }
 };
 
@@ -341,6 +334,19 @@ std::vector<double> Compact(const std::vector<double>& values) {
 }
 
 }  // namespace
+
+Result<StepLoad> TraceStepLoad(const Trace& trace, int num_ranks, int step, int layer) {
+  const std::span<const double> row = trace.layer_row(step, layer);
+  if (trace.num_sources == num_ranks) {
+    return StepLoad::FromTraffic(num_ranks, trace.num_experts,
+                                 std::vector<double>(row.begin(), row.end()));
+  }
+  std::vector<double> totals(trace.num_experts, 0.0);
+  for (int s = 0; s < std::max(1, trace.num_sources); ++s) {
+    for (int e = 0; e < trace.num_experts; ++e) totals[e] += row[s * trace.num_experts + e];
+  }
+  return StepLoad::FromExpertCounts(num_ranks, totals);
+}
 
 Distribution Summarize(std::vector<double> values) {
   Distribution d;

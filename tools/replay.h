@@ -119,6 +119,11 @@ struct ReplayReport {
 Result<ReplayReport> ReplayTrace(const Trace& trace, const KeelConfig& config,
                                  const ReplayOptions& options);
 
+// The traffic of one (step, layer) of `trace` as `num_ranks` ranks see it, as every replay reads
+// a trace: the recorded traffic matrix when the trace has as many sources, else each expert's
+// total spread evenly over the ranks.
+Result<StepLoad> TraceStepLoad(const Trace& trace, int num_ranks, int step, int layer);
+
 // Without a config the topology follows the trace: one rank per recorded source (nodes of 8
 // GPUs when the count allows), and at least one spare persistent slot per rank beyond what the
 // experts need, so that replicating policies have room to act.

@@ -22,6 +22,7 @@
 #include "tools/progress.h"
 #include "tools/replay.h"
 #include "tools/sequence_replay.h"
+#include "tools/strategy_replay.h"
 #include "tools/svg_plot.h"
 
 namespace keel::tools {
@@ -265,6 +266,8 @@ int RunReplay(int argc, char** argv) {
   bool loop = false;
   bool sequence_migration = false;
   SequenceReplayOptions sequence_options;
+  std::string strategy_list;
+  std::string pool_path;
   for (const std::string& name : PolicyNames()) {
     policy_list += (policy_list.empty() ? "" : ",") + name;
   }
@@ -317,6 +320,13 @@ int RunReplay(int argc, char** argv) {
   flags.Add("max-token-imbalance", "X", &sequence_options.max_token_imbalance,
             "with --sequence-migration: no rank ends with more than X times the mean tokens "
             "(>= 1; default 1.1)");
+  flags.Add("strategy", "LIST", &strategy_list,
+            "instead of policies, compare ways to parallelise the MoE layers: comma-separated ep, "
+            "esp, parm, ppmoe, auto, or all (docs/strategies.md); ep runs the one policy --policy "
+            "names, else the config's policy.name");
+  flags.Add("pool", "FILE", &pool_path,
+            "with --strategy: the per-layer pool auto chooses from, as keel pool build wrote it "
+            "(default: every strategy)");
   flags.SetEpilogue(
       "Metrics are defined in docs/replay.md, the exported ones in docs/monitor.md. Config keys: "
       "keel config --markdown\n"
@@ -324,7 +334,8 @@ int RunReplay(int argc, char** argv) {
       "Live:    keel replay --trace synthetic --policy keel --serve-metrics 9400 --pace 0.5 "
       "--loop\n"
       "Luffy:   keel replay --trace ../shared/traces/esft-dsv2lite --sequence-migration "
-      "--batch-sequences 16 --config configs/esft-dsv2lite-2x4.yaml");
+      "--batch-sequences 16 --config configs/esft-dsv2lite-2x4.yaml\n"
+      "Strategies: keel replay --trace synthetic --strategy all --plot strategies.svg");
   if (Status status = flags.Parse(argc, argv); !status.ok()) return Fail(status);
   if (flags.help_requested()) {
     std::fputs(flags.HelpText().c_str(), stdout);
@@ -373,6 +384,18 @@ int RunReplay(int argc, char** argv) {
     }
   }
 
+  const bool strategies = flags.IsSet("strategy");
+  if (strategies) {
+    for (const char* other : {"sequence-migration", "serve-metrics", "pace", "threads"}) {
+      if (flags.IsSet(other)) {
+        return Fail(InvalidArgument(std::string("--") + other +
+                                    " belongs to the policy replay; --strategy compares "
+                                    "strategies"));
+      }
+    }
+  } else if (flags.IsSet("pool")) {
+    return Fail(InvalidArgument("--pool is only meaningful with --strategy"));
+  }
   if (sequence_migration) {
     for (const char* other : {"policy", "oracle", "plot", "serve-metrics", "pace", "heatmap-layer",
                               "threads", "synthetic"}) {
@@ -451,6 +474,22 @@ int RunReplay(int argc, char** argv) {
 
   if (sequence_migration) {
     return RunSequenceReplay(*trace, config, sequence_options, report_path, quiet);
+  }
+  if (strategies) {
+    if (flags.IsSet("policy")) {
+      if (options.policies.size() != 1) {
+        return Fail(InvalidArgument("--strategy runs one policy for ep, but --policy lists " +
+                                    std::to_string(options.policies.size()) + " (" + policy_list +
+                                    ")"));
+      }
+      config.policy.name = options.policies[0];
+    }
+    StrategyReplayOptions strategy_options;
+    if (strategy_list != "all") strategy_options.strategies = SplitCommaList(strategy_list);
+    strategy_options.oracle = oracle;
+    strategy_options.heatmap_layer = heatmap_layer;
+    return RunStrategyReplay(*trace, config, std::move(strategy_options), pool_path, report_path,
+                             plot_path, quiet);
   }
   if (serve) {
     // The exported metrics describe one engine, so one policy: an explicit single --policy, or

@@ -161,39 +161,54 @@ void StepAxis(Svg& svg, int steps, double bottom, bool labels) {
   }
 }
 
-void ImbalancePanel(Svg& svg, const ReplayReport& report, double top, double bottom, int columns) {
+// The line drawn boldest and on top: Keel's own policy, or the strategy that chooses.
+bool Highlighted(const std::string& name) { return name == "keel" || name == "auto"; }
+
+void LinePanel(Svg& svg, const ReplayReport& report, PlotLines what, double top, double bottom,
+               int columns) {
+  const bool imbalance = what == PlotLines::kImbalance;
   const int steps = report.num_steps;
   std::vector<std::vector<double>> lines;
-  double high = 1.0;
+  double high = imbalance ? 1.0 : 0.0;
   for (const PolicyReplay& p : report.policies) {
-    lines.push_back(Downsample(p.step_imbalance, columns));
+    std::vector<double> series = p.step_imbalance;
+    if (!imbalance) {
+      series = p.step_seconds;
+      for (double& v : series) v *= 1e3;
+    }
+    lines.push_back(Downsample(series, columns));
     for (double v : lines.back()) high = std::max(high, v);
   }
-  const double tick = TickStep(std::max(high - 1.0, 0.05), 5);
-  high = 1.0 + std::ceil((high - 1.0) / tick + 1e-9) * tick;
-  // A little room under 1.0 keeps a perfectly balanced line off the frame.
-  const double low = 1.0 - 0.03 * (high - 1.0);
+  // Imbalance is drawn from perfect balance (1.0) up, step times from zero.
+  const double base = imbalance ? 1.0 : 0.0;
+  const double tick = TickStep(std::max(high - base, imbalance ? 0.05 : 1e-3), 5);
+  high = base + std::ceil((high - base) / tick + 1e-9) * tick;
+  // A little room under the base keeps a line that sits on it off the frame.
+  const double low = base - 0.03 * (high - base);
   auto y_of = [&](double v) { return bottom - (v - low) / (high - low) * (bottom - top); };
   auto x_of = [&](int c) { return kLeft + (c + 0.5) / columns * (kRight - kLeft); };
 
   svg.Rect(kLeft, top, kRight - kLeft, bottom - top, "#fbfbfb", "stroke=\"#ccc\"");
   const int decimals = TickDecimals(tick);
-  for (double v = 1.0; v <= high + 1e-9; v += tick) {
+  for (double v = base; v <= high + 1e-9; v += tick) {
     const double y = y_of(v);
-    if (v > 1.0 + 1e-9) svg.Line(kLeft, y, kRight, y, "#e6e6e6", 1);
+    if (v > base + 1e-9) svg.Line(kLeft, y, kRight, y, "#e6e6e6", 1);
     svg.Line(kLeft - 5, y, kLeft, y, "#444", 1);
     svg.Text(kLeft - 8, y + 4, Num(v, std::max(1, decimals)), 11, "end", "fill=\"#333\"");
   }
   // Perfect balance: every rank computes the same number of tokens.
-  svg.Line(kLeft, y_of(1.0), kRight, y_of(1.0), "#222", 1.2, "stroke-dasharray=\"6 4\"");
+  if (imbalance) {
+    svg.Line(kLeft, y_of(1.0), kRight, y_of(1.0), "#222", 1.2, "stroke-dasharray=\"6 4\"");
+  }
 
-  // Draw the first policy (usually the static baseline) underneath, `keel` last and on top.
+  // Draw the first line (usually the static baseline) underneath, the highlighted one last and
+  // on top.
   std::vector<size_t> order(report.policies.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::stable_partition(order.begin(), order.end(),
-                        [&](size_t i) { return report.policies[i].name != "keel"; });
+                        [&](size_t i) { return !Highlighted(report.policies[i].name); });
   for (size_t i : order) {
-    const bool highlight = report.policies[i].name == "keel";
+    const bool highlight = Highlighted(report.policies[i].name);
     std::string points;
     for (int c = 0; c < columns; ++c) {
       points += Num(x_of(c), 1) + "," + Num(y_of(lines[i][c]), 1) + " ";
@@ -204,23 +219,29 @@ void ImbalancePanel(Svg& svg, const ReplayReport& report, double top, double bot
   }
   StepAxis(svg, steps, bottom, true);
   svg.Text(kLeft + (kRight - kLeft) / 2, bottom + 36, "step", 12, "middle", "fill=\"#333\"");
-  svg.Text(20, (top + bottom) / 2, "imbalance (max / mean rank load)", 12, "middle",
+  svg.Text(20, (top + bottom) / 2,
+           imbalance ? "imbalance (max / mean rank load)" : "simulated step (ms)", 12, "middle",
            "fill=\"#333\" transform=\"rotate(-90 20 " + Num((top + bottom) / 2) + ")\"");
 
-  // Legend: the policy's color, name and mean imbalance over the whole trace.
+  // Legend: each line's color, name and mean over the whole trace.
   double y = top + 8;
-  svg.Text(kRight + 16, y + 4, "policy  (mean)", 11, "start", "fill=\"#555\"");
+  svg.Text(kRight + 16, y + 4, imbalance ? "policy  (mean)" : "strategy  (mean ms)", 11, "start",
+           "fill=\"#555\"");
   for (size_t i = 0; i < report.policies.size(); ++i) {
     y += 20;
     const PolicyReplay& p = report.policies[i];
-    svg.Line(kRight + 16, y, kRight + 40, y, PolicyColor(p.name, i), p.name == "keel" ? 3 : 2.2);
-    svg.Text(kRight + 46, y + 4, p.name, 12, "start",
-             p.name == "keel" ? "font-weight=\"bold\"" : "");
-    svg.Text(kWidth - 12, y + 4, Num(p.imbalance.mean, 3), 12, "end", "fill=\"#333\"");
+    const bool highlight = Highlighted(p.name);
+    svg.Line(kRight + 16, y, kRight + 40, y, PolicyColor(p.name, i), highlight ? 3 : 2.2);
+    svg.Text(kRight + 46, y + 4, p.name, 12, "start", highlight ? "font-weight=\"bold\"" : "");
+    svg.Text(kWidth - 12, y + 4,
+             imbalance ? Num(p.imbalance.mean, 3) : Num(p.sim_step_seconds.mean * 1e3, 2), 12,
+             "end", "fill=\"#333\"");
   }
-  y += 26;
-  svg.Line(kRight + 16, y, kRight + 40, y, "#222", 1.2, "stroke-dasharray=\"6 4\"");
-  svg.Text(kRight + 46, y + 4, "perfect balance", 11, "start", "fill=\"#333\"");
+  if (imbalance) {
+    y += 26;
+    svg.Line(kRight + 16, y, kRight + 40, y, "#222", 1.2, "stroke-dasharray=\"6 4\"");
+    svg.Text(kRight + 46, y + 4, "perfect balance", 11, "start", "fill=\"#333\"");
+  }
 }
 
 void HeatmapPanel(Svg& svg, const ReplayReport& report, double top, double bottom, int columns) {
@@ -303,7 +324,7 @@ void HeatmapPanel(Svg& svg, const ReplayReport& report, double top, double botto
 
 }  // namespace
 
-std::string RenderReplaySvg(const ReplayReport& report) {
+std::string RenderReplaySvg(const ReplayReport& report, PlotLines lines) {
   const int steps = std::max(1, report.num_steps);
   const int columns = std::min(steps, kMaxColumns);
   const int experts = std::max(1, report.num_experts);
@@ -336,10 +357,12 @@ std::string RenderReplaySvg(const ReplayReport& report) {
                      : "causal (plans see only earlier steps)");
   svg.Text(kLeft, 48, subtitle, 12, "start", "fill=\"#555\"");
 
-  std::string panel1 = "Imbalance per step (mean over layers)";
+  std::string panel1 = lines == PlotLines::kImbalance
+                           ? "Imbalance per step (mean over layers)"
+                           : "Simulated step time per strategy (all layers)";
   if (columns < steps) panel1 += ", " + std::to_string(steps) + " steps averaged into columns";
   svg.Text(kLeft, line_top - 12, panel1, 14, "start", "font-weight=\"bold\" fill=\"#222\"");
-  ImbalancePanel(svg, report, line_top, line_bottom, columns);
+  LinePanel(svg, report, lines, line_top, line_bottom, columns);
 
   const std::string which = report.heatmap_layer >= 0
                                 ? "layer " + std::to_string(report.heatmap_layer)
@@ -352,8 +375,8 @@ std::string RenderReplaySvg(const ReplayReport& report) {
   return std::move(svg.str());
 }
 
-Status WriteReplaySvg(const ReplayReport& report, const std::string& path) {
-  return WriteFileAtomically(path, RenderReplaySvg(report));
+Status WriteReplaySvg(const ReplayReport& report, const std::string& path, PlotLines lines) {
+  return WriteFileAtomically(path, RenderReplaySvg(report, lines));
 }
 
 }  // namespace keel::tools

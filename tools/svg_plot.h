@@ -10,10 +10,15 @@
 
 namespace keel::tools {
 
+// What the line chart draws per step for each of the report's policies (or strategies, in
+// `keel replay --strategy`): mean imbalance over layers, or the simulated step time.
+enum class PlotLines { kImbalance, kStepMilliseconds };
+
 // The SVG document for `report`. Steps are averaged into at most ~600 columns.
-std::string RenderReplaySvg(const ReplayReport& report);
+std::string RenderReplaySvg(const ReplayReport& report, PlotLines lines = PlotLines::kImbalance);
 
 // Renders and writes the SVG to `path` (atomically).
-Status WriteReplaySvg(const ReplayReport& report, const std::string& path);
+Status WriteReplaySvg(const ReplayReport& report, const std::string& path,
+                      PlotLines lines = PlotLines::kImbalance);
 
 }  // namespace keel::tools

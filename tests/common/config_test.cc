@@ -373,6 +373,34 @@ TEST(ConfigTest, EveryStructMemberHasAKey) {
   EXPECT_EQ(EntriesAt(root, "policy.smartmoe"), CountMembers<SmartMoeConfig>());
   EXPECT_EQ(EntriesAt(root, "policy.fastermoe"), CountMembers<FasterMoeConfig>());
   EXPECT_EQ(EntriesAt(root, "policy.keel"), CountMembers<KeelPolicyConfig>());
+  EXPECT_EQ(EntriesAt(root, "strategy"), CountMembers<StrategyConfig>());
+}
+
+TEST(ConfigTest, GemmEfficiencyCurveParsesOrNamesTheBadEntry) {
+  Result<std::vector<GemmEfficiencyPoint>> curve =
+      ParseGemmEfficiencyCurve(" 1024:0.7,  8192 : 1 ");
+  ASSERT_TRUE(curve.ok()) << curve.status().ToString();
+  ASSERT_EQ(curve->size(), 2u);
+  EXPECT_EQ((*curve)[0].columns, 1024);
+  EXPECT_DOUBLE_EQ((*curve)[0].efficiency, 0.7);
+  EXPECT_EQ((*curve)[1].columns, 8192);
+  EXPECT_TRUE(ParseGemmEfficiencyCurve("").value().empty());
+  ExpectError("cost_model:\n  gemm_efficiency: \"1024:0.7, 512:0.5\"\n",
+              {"x.yaml:2: cost_model.gemm_efficiency", "entry '512:0.5'", "ascend"});
+  ExpectError("cost_model:\n  gemm_efficiency: \"1024\"\n", {"entry '1024'", "columns:efficiency"});
+  ExpectError("cost_model:\n  gemm_efficiency: \"1024:zero\"\n",
+              {"entry '1024:zero'", "efficiency must be a number"});
+  ExpectError("cost_model:\n  gemm_efficiency: \"1024:0.5,\"\n", {"entry ''"});
+}
+
+TEST(ConfigTest, StrategyGroupsMustBeRanksOfOneNode) {
+  ExpectError("topology:\n  gpus_per_node: 8\nstrategy:\n  mp_degree: 3\n",
+              {"x.yaml:4: strategy.mp_degree: 3 does not divide topology.gpus_per_node (8)"});
+  ExpectError("strategy:\n  shard_degree: 16\n", {"strategy.shard_degree: 16"});
+  ExpectError("strategy:\n  name: tp\n", {"strategy.name", "tp"});
+  Result<KeelConfig> fine = ParseConfig("strategy:\n  name: auto\n  shard_degree: 4\n");
+  ASSERT_TRUE(fine.ok()) << fine.status().ToString();
+  EXPECT_EQ(fine->strategy.shard_degree, 4);
 }
 
 }  // namespace

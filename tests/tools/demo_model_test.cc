@@ -156,6 +156,54 @@ TEST(DemoModelTest, FixedPointGradientIsIndependentOfHowRowsAreSplit) {
   EXPECT_NE(std::count(whole.begin(), whole.end(), 0), static_cast<long>(whole.size()));
 }
 
+TEST(DemoModelTest, ShardsSumToTheExpertAndOwnTheirSliceOfItsGradient) {
+  const std::vector<float> w = Weights(kShape, 5);
+  const std::vector<float> x = Inputs(kShape.hidden, 1, 0, 4);
+  const std::vector<float> dy = Inputs(kShape.hidden, 1, 1, 4);
+  std::vector<float> y(kShape.hidden), activation(kShape.ffn), dx(kShape.hidden);
+  std::vector<float> scratch(kShape.ffn);
+  std::vector<int64_t> gradient(kShape.weight_floats(), 0);
+  ExpertForward(kShape, w.data(), x.data(), y.data(), activation.data());
+  ExpertBackward(kShape, w.data(), x.data(), activation.data(), dy.data(), gradient.data(),
+                 dx.data(), scratch.data());
+  // Which element of the full expert each shard element is: indices are exact in float.
+  std::vector<float> index(kShape.weight_floats());
+  std::iota(index.begin(), index.end(), 0.0f);
+
+  for (const int shards : {1, 2, 4}) {
+    const FfnShape shape = ShardShape(kShape, shards);
+    std::vector<float> y_sum(kShape.hidden, 0.0f), dx_sum(kShape.hidden, 0.0f);
+    std::vector<float> rebuilt(w.size(), 0.0f);
+    for (int j = 0; j < shards; ++j) {
+      std::vector<float> shard(shape.weight_floats()), at(shape.weight_floats());
+      SliceExpertWeights(kShape, shards, j, w, shard);
+      SliceExpertWeights(kShape, shards, j, index, at);
+      PlaceShardWeights(kShape, shards, j, shard, rebuilt);
+      std::vector<float> y_j(kShape.hidden), a_j(shape.ffn), dx_j(kShape.hidden);
+      std::vector<float> scratch_j(shape.ffn);
+      std::vector<int64_t> gradient_j(shape.weight_floats(), 0);
+      ExpertForward(shape, shard.data(), x.data(), y_j.data(), a_j.data());
+      ExpertBackward(shape, shard.data(), x.data(), a_j.data(), dy.data(), gradient_j.data(),
+                     dx_j.data(), scratch_j.data());
+      for (int f = 0; f < shape.ffn; ++f) EXPECT_EQ(a_j[f], activation[j * shape.ffn + f]);
+      // The shard's weight gradient is the expert's, element for element, bit for bit.
+      for (size_t i = 0; i < at.size(); ++i) {
+        ASSERT_EQ(gradient_j[i], gradient[static_cast<size_t>(at[i])]) << shards << " " << i;
+      }
+      for (int i = 0; i < kShape.hidden; ++i) {
+        y_sum[i] += y_j[i];
+        dx_sum[i] += dx_j[i];
+      }
+    }
+    EXPECT_EQ(rebuilt, w);
+    // Outputs and input gradients add up to the expert's, to float rounding.
+    for (int i = 0; i < kShape.hidden; ++i) {
+      EXPECT_NEAR(y_sum[i], y[i], 1e-6f * (1 + std::fabs(y[i]))) << shards;
+      EXPECT_NEAR(dx_sum[i], dx[i], 1e-6f * (1 + std::fabs(dx[i]))) << shards;
+    }
+  }
+}
+
 TEST(DemoModelTest, ToFixedPointRoundsToNearestAndSaturates) {
   EXPECT_EQ(ToFixedPoint(0.0), 0);
   EXPECT_EQ(ToFixedPoint(1.4), 1);
