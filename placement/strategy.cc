@@ -42,14 +42,42 @@ int MpDegree(const StrategyConfig& config, int gpus_per_node) {
   return 1;
 }
 
-StrategyCost EpStrategyCost(const LayerCost& cost, double imbalance, double link_bytes) {
+namespace {
+
+// Messages each rank sends in one exchange there and back of `rows` [num_ranks * num_ranks]
+// (by source): one to each rank it sends rows to, one back to each rank it received rows from.
+std::vector<int> ExchangeMessages(std::span<const double> rows, int num_ranks) {
+  std::vector<int> messages(num_ranks, 0);
+  for (int src = 0; src < num_ranks; ++src) {
+    for (int dst = 0; dst < num_ranks; ++dst) {
+      if (src == dst || rows[static_cast<size_t>(src) * num_ranks + dst] <= 0) continue;
+      ++messages[src];  // dispatch
+      ++messages[dst];  // combine, back
+    }
+  }
+  return messages;
+}
+
+}  // namespace
+
+StrategyCost EpStrategyCost(const CostModel& cost, const LayerCost& layer,
+                            const StepRouting& routing) {
   StrategyCost out;
-  out.compute_seconds = cost.compute_seconds;
-  out.all_to_all_seconds = cost.all_to_all_seconds;
-  out.sync_seconds = cost.replica_sync_seconds + cost.transient_seconds;
-  out.migration_seconds = cost.exposed_migration_seconds;
-  out.compute_imbalance = imbalance;
-  out.link_bytes = link_bytes;
+  out.compute_seconds = layer.compute_seconds;
+  out.all_to_all_seconds = layer.all_to_all_seconds;
+  out.sync_seconds = layer.replica_sync_seconds + layer.transient_seconds;
+  out.migration_seconds = layer.exposed_migration_seconds;
+  out.compute_imbalance = routing.imbalance();
+  double rows = 0;
+  for (int src = 0; src < routing.num_ranks; ++src) {
+    for (int dst = 0; dst < routing.num_ranks; ++dst) {
+      if (src != dst)
+        rows += routing.sent_tokens[static_cast<size_t>(src) * routing.num_ranks + dst];
+    }
+  }
+  out.link_bytes = rows * cost.token_row_bytes() * cost.config().all_to_all_passes;
+  const std::vector<int> messages = ExchangeMessages(routing.sent_tokens, routing.num_ranks);
+  out.messages_per_rank = *std::max_element(messages.begin(), messages.end());
   return out;
 }
 
@@ -187,6 +215,7 @@ StrategyCost StrategyModel::EstimateSharded(const StepLoad& load, int group_size
       if (member != source) exchange[static_cast<size_t>(source) * num_ranks + member] += rows;
     }
   }
+  std::vector<int> messages = ExchangeMessages(exchange, num_ranks);
   double exchange_bytes = 0;
   for (double& rows : exchange) {
     rows *= row_bytes;
@@ -201,6 +230,15 @@ StrategyCost StrategyModel::EstimateSharded(const StepLoad& load, int group_size
   for (int group = 0; group < num_groups; ++group) {
     const std::span<const double> held(received.data() + group * group_size, group_size);
     gather_peak = std::max(gather_peak, GroupGatherPeakBytes(held, row_bytes, gather_bytes));
+    // A member sends its rows to each other member (all-gather), and each other member's
+    // block of partial outputs to that member (reduce-scatter).
+    for (int j = 0; j < group_size; ++j) {
+      for (int m = 0; m < group_size; ++m) {
+        if (m == j) continue;
+        if (held[j] > 0) ++messages[group * group_size + j];
+        if (held[m] > 0) ++messages[group * group_size + j];
+      }
+    }
   }
   const double gather_seconds = gather_peak / topology.intra_node_bytes_per_second();
 
@@ -221,6 +259,9 @@ StrategyCost StrategyModel::EstimateSharded(const StepLoad& load, int group_size
     for (int group = 0; group < num_groups; ++group) {
       const std::span<const double> held(source_rows.data() + group * group_size, group_size);
       mp_peak = std::max(mp_peak, GroupGatherPeakBytes(held, token_bytes, mp_bytes));
+      for (int j = 0; j < group_size; ++j) {
+        if (held[j] > 0) messages[group * group_size + j] += group_size - 1;
+      }
     }
     cost.all_reduce_seconds += mp_peak / topology.intra_node_bytes_per_second() * (passes / 2);
     gather_bytes += mp_bytes / 2;  // counted over `passes` below
@@ -239,6 +280,7 @@ StrategyCost StrategyModel::EstimateSharded(const StepLoad& load, int group_size
       cost_->ComputeSeconds(most_rows) / group_size / RelativeGemmEfficiency(shard_columns);
   cost.compute_imbalance = all_rows > 0 ? most_rows / (all_rows / num_groups) : 1.0;
   cost.link_bytes = (exchange_bytes + gather_bytes) * passes;
+  cost.messages_per_rank = *std::max_element(messages.begin(), messages.end());
   return cost;
 }
 
@@ -278,6 +320,8 @@ StrategyCost StrategyModel::EstimatePpmoe(const StepLoad& load) const {
   cost.all_reduce_seconds =
       ring * most_rows * token_bytes / topology.intra_node_bytes_per_second() * (passes / 2);
   cost.link_bytes = ring * all_rows * token_bytes * (passes / 2);
+  // A ring all-reduce sends P - 1 pieces to reduce and P - 1 to gather.
+  cost.messages_per_rank = most_rows > 0 ? 2 * (per_node - 1) : 0;
 
   // Each node holds every expert, so each slice has a copy per node whose gradients are reduced
   // and weights returned over the network, as a replica's are (replica_sync_passes).
@@ -286,7 +330,6 @@ StrategyCost StrategyModel::EstimatePpmoe(const StepLoad& load) const {
     const double per_rank = slice_bytes * constants.replica_sync_passes * (num_nodes - 1) /
                             static_cast<double>(num_nodes);
     cost.sync_seconds = per_rank / topology.inter_node_bytes_per_second();
-    cost.link_bytes += per_rank * topology.num_ranks();
   }
   return cost;
 }

@@ -45,6 +45,10 @@ struct StrategyCost {
   double migration_seconds = 0;  // exposed migration (ep) or strategy switch (auto)
   double compute_imbalance = 1;  // slowest rank's rows / mean rank's rows
   double link_bytes = 0;         // bytes sent over links by all ranks, all passes
+  // The most messages one rank sends to move the layer's tokens forward (dispatch and
+  // combine, and the collectives inside its group; the backward sends as many again): a
+  // message per peer that gets bytes from it.
+  int messages_per_rank = 0;
 
   double total_seconds() const {
     return compute_seconds + all_to_all_seconds + all_reduce_seconds + sync_seconds +
@@ -57,8 +61,10 @@ struct StrategyCost {
 int ShardDegree(const StrategyConfig& config, int gpus_per_node);
 int MpDegree(const StrategyConfig& config, int gpus_per_node);
 
-// ep's StrategyCost from CostModel's estimate of the policy's routing.
-StrategyCost EpStrategyCost(const LayerCost& cost, double imbalance, double link_bytes);
+// ep's StrategyCost: CostModel's estimate `layer` of the policy's `routing` (which must have
+// its sent_tokens), with the routing's imbalance, link bytes and messages.
+StrategyCost EpStrategyCost(const CostModel& cost, const LayerCost& layer,
+                            const StepRouting& routing);
 
 // Where a layer's expert state (weights + optimizer state) lives under a strategy, for the
 // price of switching between two strategies. `ep_homes` [num_experts]: the home rank of each

@@ -35,18 +35,6 @@ Result<int> StrategyIndex(const std::string& name) {
   return static_cast<int>(*strategy);
 }
 
-// The token rows an ep routing sends between ranks, all passes.
-double EpLinkBytes(const StepRouting& routing, const CostModel& cost) {
-  double rows = 0;
-  for (int src = 0; src < routing.num_ranks; ++src) {
-    for (int dst = 0; dst < routing.num_ranks; ++dst) {
-      if (src != dst)
-        rows += routing.sent_tokens[static_cast<size_t>(src) * routing.num_ranks + dst];
-    }
-  }
-  return rows * cost.token_row_bytes() * cost.config().all_to_all_passes;
-}
-
 // One layer walked through the trace: every fixed strategy's cost, and auto's.
 struct LayerWalk {
   // [num_steps][kFixed + 1]
@@ -148,6 +136,7 @@ StrategyReplayResult SummarizeStrategy(const std::string& name, int index, int n
       result.sync_seconds += cost.sync_seconds;
       result.migration_seconds += cost.migration_seconds;
       link_bytes += cost.link_bytes;
+      result.messages_per_rank += cost.messages_per_rank;
       imbalances.push_back(cost.compute_imbalance);
       imbalance_sum += cost.compute_imbalance;
     }
@@ -161,6 +150,7 @@ StrategyReplayResult SummarizeStrategy(const std::string& name, int index, int n
     *part /= steps;
   }
   result.link_gb_per_step = link_bytes / steps / 1e9;
+  result.messages_per_rank /= std::max(1.0, steps * num_layers);
   result.imbalance = Summarize(std::move(imbalances));
   result.sim_step_seconds = Summarize(result.step_seconds);
   if (index == kAuto) {
@@ -206,8 +196,7 @@ Result<StrategyReplayReport> ReplayStrategies(const Trace& trace, const KeelConf
   ep_options.heatmap_layer = options.heatmap_layer;
   ep_options.on_layer_step = [&](const ReplayLayerEvent& event) {
     EpStep& step = ep[static_cast<size_t>(event.step) * num_layers + event.layer];
-    step.cost =
-        EpStrategyCost(event.cost, event.routing->imbalance(), EpLinkBytes(*event.routing, cost));
+    step.cost = EpStrategyCost(cost, event.cost, *event.routing);
     step.homes = event.placement->home();
   };
   if (options.progress) {
@@ -348,6 +337,7 @@ nlohmann::json StrategyReplayReportToJson(const StrategyReplayReport& report) {
         {"migration_seconds", r.migration_seconds},
         {"imbalance", distribution(r.imbalance)},
         {"link_gb_per_step", r.link_gb_per_step},
+        {"messages_per_rank", r.messages_per_rank},
     };
     if (!r.layer_steps_in.empty()) {
       entry["switches"] = r.switches;
@@ -387,14 +377,16 @@ std::string FormatStrategyTable(const StrategyReplayReport& report) {
   out += line;
   out +=
       "strategy  sim step ms  compute  all-to-all  all-reduce     sync  migration  imbalance"
-      "    p99  GB/step  switches\n";
-  out += std::string(113, '-') + "\n";
+      "    p99  GB/step    msgs  switches\n";
+  out += std::string(121, '-') + "\n";
   for (const StrategyReplayResult& r : report.strategies) {
     std::snprintf(line, sizeof line,
-                  "%-8s  %11.3f  %7.3f  %10.3f  %10.3f  %7.3f  %9.3f  %9.3f  %5.3f  %7.2f  %8s\n",
+                  "%-8s  %11.3f  %7.3f  %10.3f  %10.3f  %7.3f  %9.3f  %9.3f  %5.3f  %7.2f  %6.1f  "
+                  "%8s\n",
                   r.name.c_str(), r.sim_step_seconds.mean * 1e3, r.compute_seconds * 1e3,
                   r.all_to_all_seconds * 1e3, r.all_reduce_seconds * 1e3, r.sync_seconds * 1e3,
                   r.migration_seconds * 1e3, r.imbalance.mean, r.imbalance.p99, r.link_gb_per_step,
+                  r.messages_per_rank,
                   r.layer_steps_in.empty() ? "-" : std::to_string(r.switches).c_str());
     out += line;
   }

@@ -50,8 +50,9 @@ struct StrategyReplayResult {
   double all_reduce_seconds = 0;
   double sync_seconds = 0;
   double migration_seconds = 0;
-  Distribution imbalance;       // per (step, layer): slowest rank's rows / mean rank's rows
-  double link_gb_per_step = 0;  // bytes over links per step, all layers and passes
+  Distribution imbalance;        // per (step, layer): slowest rank's rows / mean rank's rows
+  double link_gb_per_step = 0;   // token bytes over links per step, all layers and passes
+  double messages_per_rank = 0;  // mean over (step, layer) of StrategyCost::messages_per_rank
   // auto only: layer switches, and (step, layer)s spent in each strategy [kAllStrategies order].
   long switches = 0;
   std::vector<long> layer_steps_in;

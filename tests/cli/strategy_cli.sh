@@ -31,6 +31,7 @@ for name, m in s.items():
                                "sync_seconds", "migration_seconds"))
     assert abs(parts - m["sim_step_seconds"]["mean"]) <= 1e-9 * parts, (name, m)
     assert m["imbalance"]["mean"] >= 1.0 and m["link_gb_per_step"] > 0, (name, m)
+    assert m["messages_per_rank"] > 0, (name, m)
 # Shapes of the strategies: ppmoe never exchanges tokens between ranks, esp shards every expert
 # over the node so its compute is even.
 assert s["ppmoe"]["all_to_all_seconds"] == 0, s["ppmoe"]

@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "tests/placement/two_nodes.h"
+
 namespace keel {
 namespace {
 
@@ -24,15 +26,6 @@ CostModelConfig SmallModel() {
   config.all_to_all_passes = 4;
   config.replica_sync_passes = 2;
   return config;
-}
-
-Topology TwoNodesOfTwo() {
-  TopologyConfig config;
-  config.num_nodes = 2;
-  config.gpus_per_node = 2;
-  config.intra_node_gb_per_s = 100;
-  config.inter_node_gb_per_s = 10;
-  return Topology::Create(config).value();
 }
 
 StepRouting EmptyRouting(int ranks, int slots) {

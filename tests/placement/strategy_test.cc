@@ -7,6 +7,8 @@
 
 #include <vector>
 
+#include "tests/placement/two_nodes.h"
+
 namespace keel {
 namespace {
 
@@ -25,16 +27,6 @@ CostModelConfig HandModel() {
   config.replica_sync_passes = 2;
   config.top_k = 2;
   return config;
-}
-
-// Intra-node links 1e11 B/s, inter-node 1e10 B/s.
-Topology TwoNodesOfTwo() {
-  TopologyConfig config;
-  config.num_nodes = 2;
-  config.gpus_per_node = 2;
-  config.intra_node_gb_per_s = 100;
-  config.inter_node_gb_per_s = 10;
-  return Topology::Create(config).value();
 }
 
 // Four experts; rank 0 routes 100 rows to expert 0 and 50 to expert 2, the others nothing.
@@ -89,6 +81,32 @@ TEST(StrategyTest, EspShardsOverTheNodeAndGathersInside) {
   EXPECT_DOUBLE_EQ(cost.compute_imbalance, 100.0 / 75.0);
   EXPECT_DOUBLE_EQ(cost.sync_seconds, 0);
   EXPECT_DOUBLE_EQ(cost.link_bytes, 4 * (1e5 + 2e5 + 1e5));
+  // Rank 0 sends its expert-2 rows to rank 2, all-gathers its 100 rows to rank 1 and
+  // reduce-scatters nothing (rank 1 collected none): 2 messages. Rank 2 returns the outputs to
+  // rank 0, all-gathers to rank 3: 2. Rank 1 reduce-scatters rank 0's block back: 1.
+  EXPECT_EQ(cost.messages_per_rank, 2);
+}
+
+TEST(StrategyTest, MessagesCountEveryPeerThatGetsBytes) {
+  Fixture f;
+  // Every rank routes rows to every expert: esp's groups exchange with the other group's member
+  // at their position (there and back) and gather and reduce-scatter with their one peer.
+  std::vector<double> traffic(4 * 4, 10.0);
+  const StepLoad even = StepLoad::FromTraffic(4, 4, traffic).value();
+  const StrategyModel model = f.Model();
+  EXPECT_EQ(model.Estimate(Strategy::kEsp, even).value().messages_per_rank, 2 + 2);
+  // parm adds the MP group's all-gather to its one other member.
+  EXPECT_EQ(model.Estimate(Strategy::kParm, even).value().messages_per_rank, 2 + 2 + 1);
+  // ppmoe: a ring all-reduce over the node's 2 ranks, P - 1 pieces each way.
+  EXPECT_EQ(model.Estimate(Strategy::kPpmoe, even).value().messages_per_rank, 2);
+  // ep on the static placement (one expert per rank): each rank sends to the 3 others and gets
+  // rows back from them.
+  const Placement placement = Placement::Contiguous(4, 4, 1).value();
+  const StepRouting routing = RouteEvenly(placement, even);
+  const StrategyCost ep = EpStrategyCost(f.cost, f.cost.Estimate(placement, routing), routing);
+  EXPECT_EQ(ep.messages_per_rank, 6);
+  EXPECT_DOUBLE_EQ(ep.link_bytes, 4 * 12 * 10 * 2000.0);  // 12 off-rank pairs of 10 rows
+  EXPECT_DOUBLE_EQ(ep.compute_imbalance, 1.0);
 }
 
 TEST(StrategyTest, ParmOverlapsTheGatherAndAllGathersTheMpGroup) {
