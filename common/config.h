@@ -57,8 +57,8 @@ Result<std::vector<GemmEfficiencyPoint>> ParseGemmEfficiencyCurve(std::string_vi
 
 // How each MoE layer is parallelised (placement/strategy.h, docs/strategies.md).
 struct StrategyConfig {
-  std::string name = "ep";          // ep | esp | parm | ppmoe | auto
-  int shard_degree = 0;  // esp: ranks an expert is sharded over; 0 = gpus_per_node
+  std::string name = "ep";  // ep | esp | parm | ppmoe | auto
+  int shard_degree = 0;     // esp: ranks an expert is sharded over; 0 = gpus_per_node
   // parm: ranks of an MP group (they hold the same tokens); 0 = the smallest divisor of
   // gpus_per_node above 1.
   int mp_degree = 0;

@@ -8,6 +8,7 @@
 # are usage errors (exit 2).
 # $1: path of the keel binary.
 set -euo pipefail
+source "$(dirname "$0")/../common/mpi_demo.sh"
 
 keel="$1"
 work="$(mktemp -d "${TMPDIR:-/tmp}/keel-demo-cli-XXXXXX")"
@@ -89,16 +90,8 @@ got=0
   fail "help lacks --transport"
 
 # The same run as MPI processes over UCX, where both are there.
-if command -v mpirun >/dev/null 2>&1 && "$keel" version | grep -q "ucx=on mpi=on"; then
-  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 UCX_TLS=sm
-  # Under the sanitizer build: Open MPI and UCX keep allocations until exit; LeakSanitizer
-  # reports only Keel's own (the suppressions of the migration tests).
-  source_dir="${KEEL_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}"
-  export LSAN_OPTIONS="suppressions=$source_dir/tests/migration/lsan.supp:print_suppressions=0:fast_unwind_on_malloc=0"
-  export OMPI_MCA_mca_base_component_disable_dlclose=1
-  timeout 120 mpirun -np 4 --oversubscribe --mca btl self,vader --mca pml ob1 \
-    --mca oob_tcp_if_include lo -x UCX_TLS -x LSAN_OPTIONS -x ASAN_OPTIONS \
-    -x OMPI_MCA_mca_base_component_disable_dlclose "$keel" demo --comm mpi --transport ucx "${small[@]}" \
+if keel_can_run_mpi "$keel"; then
+  keel_mpi_demo 120 "$keel" "${small[@]}" \
     --report "$work/mpi.json" >"$work/out" 2>"$work/err" ||
     fail "mpi demo failed: $(tail -20 "$work/err")"
   check_report "$work/mpi.json" 4 || fail "mpi report: $(cat "$work/mpi.json")"

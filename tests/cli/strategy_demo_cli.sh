@@ -5,6 +5,7 @@
 # and trains bit for bit as the run without it; bad combinations exit 2 and say why.
 # $1: path of the keel binary.
 set -euo pipefail
+source "$(dirname "$0")/../common/mpi_demo.sh"
 
 keel="$1"
 work="$(mktemp -d "${TMPDIR:-/tmp}/keel-strategy-demo-XXXXXX")"
@@ -83,14 +84,8 @@ for flag in --strategy --shard-degree --mp; do
   grep -q -- "$flag" "$work/help" || fail "help lacks $flag"
 done
 
-if command -v mpirun >/dev/null 2>&1 && "$keel" version | grep -q "ucx=on mpi=on"; then
-  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 UCX_TLS=sm
-  source_dir="${KEEL_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}"
-  export LSAN_OPTIONS="suppressions=$source_dir/tests/migration/lsan.supp:print_suppressions=0:fast_unwind_on_malloc=0"
-  export OMPI_MCA_mca_base_component_disable_dlclose=1
-  timeout 180 mpirun -np 4 --oversubscribe --mca btl self,vader --mca pml ob1 \
-    --mca oob_tcp_if_include lo -x UCX_TLS -x LSAN_OPTIONS -x ASAN_OPTIONS \
-    -x OMPI_MCA_mca_base_component_disable_dlclose "$keel" demo --comm mpi --transport ucx \
+if keel_can_run_mpi "$keel"; then
+  keel_mpi_demo 180 "$keel" \
     "${small[@]}" --strategy esp --report "$work/mpi.json" \
     >"$work/out" 2>"$work/err" || fail "mpi esp failed: $(tail -20 "$work/err")"
   check_sharded "$work/mpi.json" esp || fail "mpi esp report is wrong"
