@@ -181,6 +181,12 @@ constexpr ConfigKey kConfigKeys[] = {
      .doc = "A home moves only if the predicted saving repays the move within this many steps."},
     {KEEL_CONFIG_FIELD(policy.keel.min_gain_fraction), .min = 0, .max = 1, .max_exclusive = true,
      .doc = "A move must cut the predicted layer step time by at least this fraction."},
+    {KEEL_CONFIG_FIELD(policy.keel.shard_experts),
+     .doc = "The engine chooses per expert at each replan between replicating a hot expert and "
+            "sharding it over ranks of its node (its FFN split; every row to every shard), "
+            "whichever the cost model prices lower; a change must repay its state moves within "
+            "home_payback_horizon_steps. Needs a trainer that runs shards "
+            "(docs/strategies.md, \"Sharded experts in the engine\")."},
     // strategy
     {KEEL_CONFIG_FIELD(strategy.name), .choices = kStrategyNames,
      .doc = "How each MoE layer is parallelised: ep (experts whole, placed by the policy), esp "

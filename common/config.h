@@ -106,6 +106,9 @@ struct KeelPolicyConfig {
   int max_moves_per_replan = 4;          // persistent slots changed per layer per replan, at most
   int home_payback_horizon_steps = 100;  // a home moves only if it pays back within this many steps
   double min_gain_fraction = 0.002;      // a move must cut predicted layer time by this fraction
+  // The engine shards a hot expert over ranks of its node instead of replicating it where that
+  // costs less (placement/shards.h, ChooseShards).
+  bool shard_experts = false;
 };
 
 struct PolicyConfig {

@@ -448,6 +448,11 @@ keel_status_t keel_engine_create(const keel_engine_options_t* options, keel_engi
     keel::EngineOptions engine_options;
     KEEL_RETURN_IF_ERROR(keel::BuildEngineOptions(known, engine_options));
     KEEL_ASSIGN_OR_RETURN(auto engine, keel::Engine::Create(engine_options));
+    if (engine->shards_experts()) {
+      return keel::InvalidArgument(
+          "policy.keel.shard_experts = true routes an entry of a sharded expert to every shard, "
+          "which needs the C++ API (LayerRoute::row_entry); the C API routes one row per entry");
+    }
 
     auto handle = std::make_unique<keel_engine>();
     handle->engine = std::move(engine);

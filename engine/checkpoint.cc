@@ -23,8 +23,12 @@ struct ExpertFileHeader {
 };
 static_assert(sizeof(ExpertFileHeader) == 24);
 
-std::string ExpertPath(const std::string& dir, int layer, int expert) {
-  return dir + "/layer-" + std::to_string(layer) + "/expert-" + std::to_string(expert) + ".bin";
+// Where an expert's file is; a shard of a sharded expert has a file of its own.
+std::string ExpertPath(const std::string& dir, int layer, int expert, int shard, int shards) {
+  const std::string name =
+      dir + "/layer-" + std::to_string(layer) + "/expert-" + std::to_string(expert);
+  if (shards == 1) return name + ".bin";
+  return name + ".shard-" + std::to_string(shard) + "-of-" + std::to_string(shards) + ".bin";
 }
 
 Result<std::vector<int32_t>> IntArray(const nlohmann::json& value, const std::string& where) {
@@ -49,6 +53,7 @@ std::string EngineStateToJson(const EngineState& state) {
   out["epoch"] = state.epoch;
   out["phy2log"] = state.phy2log;
   out["home"] = state.home;
+  if (!state.shards.empty()) out["shards"] = state.shards;
   return out.dump() + "\n";
 }
 
@@ -84,6 +89,17 @@ Result<EngineState> EngineStateFromJson(std::string_view text) {
     state.phy2log.push_back(std::move(phy2log));
     state.home.push_back(std::move(home));
   }
+  if (in.contains("shards")) {
+    if (!in["shards"].is_array() || in["shards"].size() != in["phy2log"].size()) {
+      return InvalidArgument("engine state: shards must be an array per layer, as phy2log is");
+    }
+    for (size_t l = 0; l < in["shards"].size(); ++l) {
+      KEEL_ASSIGN_OR_RETURN(
+          std::vector<int32_t> shards,
+          IntArray(in["shards"][l], "engine state: shards[" + std::to_string(l) + "]"));
+      state.shards.push_back(std::move(shards));
+    }
+  }
   return state;
 }
 
@@ -98,10 +114,17 @@ Status Engine::Impl::BeforeFirstRoute(const char* what) const {
 EngineState Engine::Impl::SaveState() const {
   EngineState state;
   state.epoch = stats_.epoch;
-  for (const Placement& p : placements_) {
+  bool sharded = false;
+  for (size_t l = 0; l < placements_.size(); ++l) {
+    const Placement& p = placements_[l];
     state.phy2log.emplace_back(p.phy2log().begin(), p.phy2log().end());
     state.home.emplace_back(p.home().begin(), p.home().end());
+    std::vector<int32_t> shards(options_.num_experts);
+    for (int e = 0; e < options_.num_experts; ++e) shards[e] = shards_[l].shards(e);
+    state.shards.push_back(std::move(shards));
+    sharded |= shards_[l].sharded();
   }
+  if (!sharded) state.shards.clear();
   return state;
 }
 
@@ -114,9 +137,40 @@ Status Engine::Impl::RestoreState(const EngineState& state) {
                            " layers of phy2log and " + std::to_string(state.home.size()) +
                            " of home; this engine has " + std::to_string(layers));
   }
+  if (!state.shards.empty() && static_cast<int>(state.shards.size()) != layers) {
+    return InvalidArgument("engine state has " + std::to_string(state.shards.size()) +
+                           " layers of shards; this engine has " + std::to_string(layers));
+  }
   std::vector<Placement> restored;
+  std::vector<ShardMap> units;
+  const int per_node = context_->topology.gpus_per_node();
+  const std::vector<ShardedTensor> weights =
+      RegionTensors(options_.shard_layout.weights, options_.shape.weight_bytes);
+  const std::vector<ShardedTensor> optimizer =
+      RegionTensors(options_.shard_layout.optimizer, options_.shape.optimizer_bytes);
   for (int l = 0; l < layers; ++l) {
     const std::string where = "engine state layer " + std::to_string(l) + ": ";
+    std::vector<int> shards(options_.num_experts, 1);
+    if (!state.shards.empty()) {
+      if (state.shards[l].size() != shards.size()) {
+        return InvalidArgument(where + "shards has " + std::to_string(state.shards[l].size()) +
+                               " experts; this engine has " + std::to_string(shards.size()));
+      }
+      for (size_t e = 0; e < shards.size(); ++e) {
+        shards[e] = state.shards[l][e];
+        if (shards[e] < 1 || shards[e] > per_node) {
+          return InvalidArgument(
+              where + "shards[" + std::to_string(e) + "] = " + std::to_string(shards[e]) +
+              " is not in [1, topology.gpus_per_node = " + std::to_string(per_node) + "]");
+        }
+        if (!ShardsDivide(weights, shards[e]) || !ShardsDivide(optimizer, shards[e])) {
+          return InvalidArgument(where + "shards[" + std::to_string(e) +
+                                 "] = " + std::to_string(shards[e]) +
+                                 " does not divide every tensor of shard_layout");
+        }
+      }
+    }
+    units.push_back(std::move(ShardMap::Create(std::move(shards))).value());
     if (static_cast<int>(state.phy2log[l].size()) != num_slots()) {
       return InvalidArgument(where + "phy2log has " + std::to_string(state.phy2log[l].size()) +
                              " slots; this engine has " + std::to_string(num_slots()) + " (" +
@@ -126,7 +180,7 @@ Status Engine::Impl::RestoreState(const EngineState& state) {
                              "only the experts (LoadExperts)");
     }
     Result<Placement> p =
-        Placement::Create(options_.num_experts, num_ranks_,
+        Placement::Create(units[l].num_units(), num_ranks_,
                           std::vector<int>(state.phy2log[l].begin(), state.phy2log[l].end()),
                           std::vector<int>(state.home[l].begin(), state.home[l].end()));
     if (!p.ok()) return InvalidArgument(where + p.status().message());
@@ -141,6 +195,7 @@ Status Engine::Impl::RestoreState(const EngineState& state) {
                              " restores another engine state than rank 0");
     }
   }
+  for (int l = 0; l < layers; ++l) KEEL_RETURN_IF_ERROR(SetUnits(l, std::move(units[l])));
   placements_ = std::move(restored);
   stats_.epoch = state.epoch;
   if (metrics_ != nullptr) metrics_->SetEpoch(stats_.epoch);
@@ -173,7 +228,8 @@ Status Engine::Impl::SaveExperts(const std::string& dir) const {
         KEEL_RETURN_IF_ERROR(memory_->Copy(
             data + weight_bytes, static_cast<const std::byte*>(b.optimizer), optimizer_bytes));
       }
-      KEEL_RETURN_IF_ERROR(WriteFileAtomically(ExpertPath(dir, l, home.expert), contents));
+      KEEL_RETURN_IF_ERROR(
+          WriteFileAtomically(ExpertPath(dir, l, home.expert, home.shard, home.shards), contents));
     }
   }
   return Status::Ok();
@@ -185,15 +241,18 @@ Status Engine::Impl::LoadExperts(const std::string& dir) {
   const size_t optimizer_bytes = options_.shape.optimizer_bytes;
   for (int l = 0; l < options_.num_layers; ++l) {
     const Placement& p = placements_[l];
+    const ShardMap& units = shards_[l];
     for (int i = 0; i < slots_per_rank_; ++i) {
       const int slot = rank_ * slots_per_rank_ + i;
-      const int expert = p.expert_at(slot);
-      if (expert < 0) continue;
+      const int unit = p.expert_at(slot);
+      if (unit < 0) continue;
       if (!is_registered_[static_cast<size_t>(l) * local_slots() + i]) {
         return FailedPrecondition("LoadExperts: layer " + std::to_string(l) + " slot " +
                                   std::to_string(i) + " is not registered");
       }
-      const std::string path = ExpertPath(dir, l, expert);
+      const int expert = units.expert_of(unit);
+      const std::string path =
+          ExpertPath(dir, l, expert, units.shard_of(unit), units.shards(expert));
       KEEL_ASSIGN_OR_RETURN(std::string contents, ReadFile(path));
       ExpertFileHeader header;
       if (contents.size() >= sizeof(header)) std::memcpy(&header, contents.data(), sizeof(header));
@@ -212,7 +271,7 @@ Status Engine::Impl::LoadExperts(const std::string& dir) {
       const auto* data = reinterpret_cast<const std::byte*>(contents.data() + sizeof(header));
       const SlotBuffers& b = Buffers(l, i);
       KEEL_RETURN_IF_ERROR(memory_->Copy(static_cast<std::byte*>(b.weights), data, weight_bytes));
-      if (optimizer_bytes > 0 && p.home_slot(expert) == slot) {
+      if (optimizer_bytes > 0 && p.home_slot(unit) == slot) {
         KEEL_RETURN_IF_ERROR(memory_->Copy(static_cast<std::byte*>(b.optimizer),
                                            data + weight_bytes, optimizer_bytes));
       }

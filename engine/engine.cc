@@ -35,6 +35,41 @@ Result<KeelConfig> ResolveConfig(const EngineOptions& options, int num_ranks) {
   return config;
 }
 
+// The layout must describe the regions whole, each tensor at least one element.
+Status CheckShardLayout(const EngineOptions& o) {
+  const std::pair<const char*, size_t> regions[] = {{"weights", o.shape.weight_bytes},
+                                                    {"optimizer", o.shape.optimizer_bytes}};
+  const std::vector<ShardedTensor>* layouts[] = {&o.shard_layout.weights,
+                                                 &o.shard_layout.optimizer};
+  for (int r = 0; r < 2; ++r) {
+    if (layouts[r]->empty()) continue;
+    size_t bytes = 0;
+    for (size_t t = 0; t < layouts[r]->size(); ++t) {
+      const ShardedTensor& tensor = (*layouts[r])[t];
+      if (tensor.rows == 0 || tensor.columns == 0 || tensor.element_bytes == 0) {
+        return InvalidArgument("shard_layout." + std::string(regions[r].first) + "[" +
+                               std::to_string(t) + "] has a zero dimension");
+      }
+      bytes += tensor.bytes();
+    }
+    if (bytes != regions[r].second) {
+      return InvalidArgument("shard_layout." + std::string(regions[r].first) + " covers " +
+                             std::to_string(bytes) + " bytes, but the shape's region has " +
+                             std::to_string(regions[r].second));
+    }
+  }
+  return Status::Ok();
+}
+
+std::string ShardsFingerprint(const EngineOptions& o) {
+  std::string text;
+  for (const ShardedExpert& s : o.sharded_experts) {
+    text += " shard " + std::to_string(s.layer) + ":" + std::to_string(s.expert) + "/" +
+            std::to_string(s.shards);
+  }
+  return text;
+}
+
 std::string ShapeFingerprint(const EngineOptions& o, const KeelConfig& config) {
   return ConfigToYaml(config) + "\nlayers " + std::to_string(o.num_layers) + " experts " +
          std::to_string(o.num_experts) + " top_k " + std::to_string(o.top_k) + " weights " +
@@ -42,7 +77,7 @@ std::string ShapeFingerprint(const EngineOptions& o, const KeelConfig& config) {
          std::to_string(o.shape.gradient_bytes) + " optimizer " +
          std::to_string(o.shape.optimizer_bytes) + " gradient type " +
          std::to_string(static_cast<int>(o.shape.gradient_type)) + " memory " +
-         std::to_string(static_cast<int>(o.shape.memory));
+         std::to_string(static_cast<int>(o.shape.memory)) + ShardsFingerprint(o);
 }
 
 }  // namespace
@@ -121,6 +156,7 @@ Status Engine::Impl::Init() {
     policies_.push_back(std::move(policy));
     placements_.push_back(std::move(initial));
   }
+  KEEL_RETURN_IF_ERROR(ShardExperts());
 
   const size_t slots = static_cast<size_t>(options_.num_layers) * local_slots();
   buffers_.resize(slots);
@@ -163,6 +199,68 @@ Status Engine::Impl::Init() {
   // The aggregating rank's outputs can fail where no other rank's can (a port in use, a missing
   // folder): every rank hears of it now, rather than at its first collective's deadline.
   return AgreeOnSetup(aggregating() ? OpenMonitorOutputs() : Status::Ok());
+}
+
+// Every layer's units: a layer with sharded experts places them with PlaceShards, starting from
+// its policy's first placement, and replans them with a policy over its units.
+Status Engine::Impl::ShardExperts() {
+  const int num_layers = options_.num_layers;
+  const int num_experts = options_.num_experts;
+  const int per_node = context_->topology.gpus_per_node();
+  KEEL_RETURN_IF_ERROR(CheckShardLayout(options_));
+  const std::vector<ShardedTensor> weights =
+      RegionTensors(options_.shard_layout.weights, options_.shape.weight_bytes);
+  const std::vector<ShardedTensor> optimizer =
+      RegionTensors(options_.shard_layout.optimizer, options_.shape.optimizer_bytes);
+  std::vector<std::vector<int>> shards(num_layers, std::vector<int>(num_experts, 1));
+  for (size_t i = 0; i < options_.sharded_experts.size(); ++i) {
+    const ShardedExpert& s = options_.sharded_experts[i];
+    const std::string field = "sharded_experts[" + std::to_string(i) + "]";
+    if (s.layer < 0 || s.layer >= num_layers) {
+      return InvalidArgument(field + ".layer = " + std::to_string(s.layer) + " is not in [0, " +
+                             std::to_string(num_layers) + ")");
+    }
+    if (s.expert < 0 || s.expert >= num_experts) {
+      return InvalidArgument(field + ".expert = " + std::to_string(s.expert) + " is not in [0, " +
+                             std::to_string(num_experts) + ")");
+    }
+    if (s.shards < 2 || s.shards > per_node) {
+      return InvalidArgument(field + ".shards = " + std::to_string(s.shards) +
+                             " is not in [2, topology.gpus_per_node = " + std::to_string(per_node) +
+                             "]");
+    }
+    if (!ShardsDivide(weights, s.shards) || !ShardsDivide(optimizer, s.shards)) {
+      return InvalidArgument(field + ".shards = " + std::to_string(s.shards) +
+                             " does not divide every tensor of shard_layout (or the regions' "
+                             "bytes)");
+    }
+    int& count = shards[s.layer][s.expert];
+    if (count != 1) {
+      return InvalidArgument(field + " shards layer " + std::to_string(s.layer) + " expert " +
+                             std::to_string(s.expert) + " a second time");
+    }
+    count = s.shards;
+  }
+  shards_.assign(num_layers, ShardMap::Whole(num_experts));
+  reshard_refusals_.assign(num_layers, "");
+  for (int l = 0; l < num_layers; ++l) {
+    KEEL_ASSIGN_OR_RETURN(ShardMap map, ShardMap::Create(std::move(shards[l])));
+    if (!map.sharded()) continue;
+    Result<Placement> units = PlaceShards(placements_[l], map, context_->topology);
+    if (!units.ok()) return units.status().WithContext("layer " + std::to_string(l));
+    placements_[l] = std::move(*units);
+    KEEL_RETURN_IF_ERROR(SetUnits(l, std::move(map)));
+  }
+  return Status::Ok();
+}
+
+Status Engine::Impl::SetUnits(int layer, ShardMap map) {
+  if (map.shard_counts() == shards_[layer].shard_counts()) return Status::Ok();
+  PolicyContext unit_context = *context_;
+  unit_context.num_experts = map.num_units();
+  KEEL_ASSIGN_OR_RETURN(policies_[layer], MakePolicy(config_.policy.name, unit_context));
+  shards_[layer] = std::move(map);
+  return Status::Ok();
 }
 
 // The metrics exporter and the trace recorder of the aggregating rank.
@@ -274,8 +372,12 @@ std::vector<HomeSlot> Engine::Impl::HomeSlots(int layer) const {
   std::vector<HomeSlot> homes;
   if (layer < 0 || layer >= options_.num_layers) return homes;
   const Placement& p = placements_[layer];
-  for (int e = 0; e < options_.num_experts; ++e) {
-    if (p.home(e) == rank_) homes.push_back({e, p.home_slot(e) % slots_per_rank_});
+  const ShardMap& units = shards_[layer];
+  for (int u = 0; u < p.num_experts(); ++u) {
+    if (p.home(u) != rank_) continue;
+    const int expert = units.expert_of(u);
+    homes.push_back(
+        {expert, p.home_slot(u) % slots_per_rank_, units.shard_of(u), units.shards(expert)});
   }
   return homes;
 }
@@ -302,6 +404,13 @@ int Engine::rank() const { return impl_->rank_; }
 int Engine::num_ranks() const { return impl_->num_ranks_; }
 int Engine::slots_per_rank() const { return impl_->slots_per_rank_; }
 int Engine::transient_per_rank() const { return impl_->transient_per_rank_; }
+bool Engine::shards_experts() const {
+  if (impl_->config_.policy.name == "keel" && impl_->config_.policy.keel.shard_experts) return true;
+  for (const ShardMap& map : impl_->shards_) {
+    if (map.sharded()) return true;
+  }
+  return false;
+}
 
 Status Engine::RegisterSlot(int layer, int local_slot, const SlotBuffers& buffers) {
   return impl_->RegisterSlot(layer, local_slot, buffers);
@@ -337,6 +446,12 @@ LayerPlacement Engine::placement(int layer) const {
   out.log2phy.assign(log2phy.begin(), log2phy.end());
   out.logcnt.assign(p.logcnt().begin(), p.logcnt().end());
   out.home.assign(p.home().begin(), p.home().end());
+  const ShardMap& units = impl_->shards_[layer];
+  for (int u = 0; u < units.num_units(); ++u) {
+    out.unit_expert.push_back(units.expert_of(u));
+    out.unit_shard.push_back(units.shard_of(u));
+    out.unit_shards.push_back(units.shards(units.expert_of(u)));
+  }
   return out;
 }
 int64_t Engine::epoch() const { return impl_->stats_.epoch; }

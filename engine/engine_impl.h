@@ -5,6 +5,7 @@
 //   replica_sync.cc  ReduceGradients (fixed-order sums into homes) and the weight push to replicas
 //   epochs.cc        StepEnd: the background planner and the epoch protocol (plan agreed by every
 //                    rank -> transfers -> verified -> switched at the same step, or discarded)
+//   resharding.cc    the keel policy's shard-or-replicate choice per expert, applied at a replan
 #pragma once
 
 #include <atomic>
@@ -12,6 +13,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -26,6 +28,7 @@
 #include "placement/load.h"
 #include "placement/policy.h"
 #include "placement/routing.h"
+#include "placement/shards.h"
 #include "placement/step_planner.h"
 
 namespace keel {
@@ -86,7 +89,9 @@ class Engine::Impl {
   int transients_planned_ = 0;  // transient replicas the quota planner may add per rank
   std::optional<PolicyContext> context_;
   std::vector<std::unique_ptr<Policy>> policies_;  // [layer]
-  std::vector<Placement> placements_;              // in force
+  std::vector<Placement> placements_;              // in force, over each layer's units
+  std::vector<ShardMap> shards_;                   // [layer] its experts' units
+  std::vector<std::string> reshard_refusals_;      // [layer] why its last reshard could not be
   EngineStats stats_;
 
  private:
@@ -109,6 +114,12 @@ class Engine::Impl {
   std::vector<int> TransientSlots(const StepRouting& routing) const;
   Status CheckAllRegistered() const;
   Status CheckRoutable(int layer) const;
+  // Every layer's units from options.sharded_experts (shards_, placements_, policies_).
+  Status ShardExperts();
+  // Makes `map` the units of `layer`, with a policy that plans over them.
+  Status SetUnits(int layer, ShardMap map);
+  // Reshards the layers whose experts the keel policy now shards otherwise (resharding.cc).
+  Status ReshardExperts();
   // Route's collective part: all-reduces the counts (`mine`: [num_experts] this rank's), plans
   // the quotas and transients, fills transient slots; returns all but `slot` and `send_counts`.
   Result<LayerRoute> PlanLayer(int layer, std::span<const int32_t> mine);

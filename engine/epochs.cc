@@ -80,8 +80,9 @@ void Engine::Impl::StartPlanner() {
   };
   auto snapshot = std::make_shared<Snapshot>();
   snapshot->current = placements_;
-  for (const LoadEstimator& estimator : estimators_) {
-    snapshot->traffic.push_back(estimator.Estimate());
+  // By unit: every unit of an expert sees all of its rows.
+  for (int l = 0; l < options_.num_layers; ++l) {
+    snapshot->traffic.push_back(shards_[l].UnitTraffic(estimators_[l].Estimate()));
   }
   planning_ = true;
   planner_started_ = std::chrono::steady_clock::now();
@@ -96,7 +97,7 @@ void Engine::Impl::StartPlanner() {
     // on the order, so every rank plans the same.
     ParallelFor(0, num_layers, [&](int l) {
       Result<StepLoad> traffic =
-          StepLoad::FromTraffic(num_ranks_, options_.num_experts, snapshot->traffic[l]);
+          StepLoad::FromTraffic(num_ranks_, shards_[l].num_units(), snapshot->traffic[l]);
       if (!traffic.ok()) {
         failed[l] = traffic.status();
         return;
@@ -211,6 +212,7 @@ Status Engine::Impl::AdvancePlanner() {
   }
   const int interval = config_.policy.replan_interval_steps;
   if (!migrating_ && config_.policy.name != "static" && stats_.steps % interval == 0) {
+    KEEL_RETURN_IF_ERROR(ReshardExperts());
     StartPlanner();
   }
   return Status::Ok();

@@ -48,7 +48,7 @@ Status Engine::Impl::ReduceGradients() {
 
   exchange_.Begin(num_ranks_);
   for (int l = 0; l < options_.num_layers; ++l) {
-    for (int e = 0; e < options_.num_experts; ++e) {
+    for (int e = 0; e < placements_[l].num_experts(); ++e) {
       if (!needs_reduction(l, e)) continue;
       const int destination = target[l].home(e);
       for_each_source(l, e, [&](int slot) {
@@ -70,7 +70,7 @@ Status Engine::Impl::ReduceGradients() {
   };
   std::vector<Sum> sums;
   for (int l = 0; l < options_.num_layers; ++l) {
-    for (int e = 0; e < options_.num_experts; ++e) {
+    for (int e = 0; e < placements_[l].num_experts(); ++e) {
       if (!needs_reduction(l, e) || target[l].home(e) != rank_) continue;
       sums.push_back({l, e, target[l].home_slot(e) % slots_per_rank_});
     }
@@ -127,7 +127,7 @@ Status Engine::Impl::PushWeights() {
   std::optional<uint64_t> last;
   for (int l = 0; l < options_.num_layers; ++l) {
     const Placement& p = placements_[l];
-    for (int e = 0; e < options_.num_experts; ++e) {
+    for (int e = 0; e < placements_[l].num_experts(); ++e) {
       if (p.logcnt()[e] < 2 || p.home(e) != rank_) continue;
       const int home_slot = p.home_slot(e);
       const std::byte* weights = Weights(l, home_slot % slots_per_rank_);
@@ -146,7 +146,7 @@ Status Engine::Impl::PushWeights() {
   KEEL_RETURN_IF_ERROR(exchange_.Run(communicator_, *memory_));
   for (int l = 0; l < options_.num_layers; ++l) {
     const Placement& p = placements_[l];
-    for (int e = 0; e < options_.num_experts; ++e) {
+    for (int e = 0; e < placements_[l].num_experts(); ++e) {
       if (p.logcnt()[e] < 2 || p.home(e) == rank_) continue;
       const int home_slot = p.home_slot(e);
       for (int slot : p.copies(e)) {

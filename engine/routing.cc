@@ -76,14 +76,32 @@ Result<LayerRoute> Engine::Impl::Route(int layer, std::span<const int32_t> topk_
   KEEL_RETURN_IF_ERROR(kernels::cpu::ExpertHistogram(
       topk_ids.data(), static_cast<int64_t>(topk_ids.size()), num_experts, mine.data(), &invalid));
   if (invalid > 0) return InvalidExpertId(topk_ids, num_experts);
+  // With sharded experts the rows are the entries with one row per shard, each naming a unit.
+  const ShardMap& units = shards_[layer];
+  std::span<const int32_t> ids = topk_ids;
+  std::vector<int32_t> unit_ids;
+  std::vector<int32_t> row_entry;
+  if (units.sharded()) {
+    for (size_t i = 0; i < topk_ids.size(); ++i) {
+      const int32_t e = topk_ids[i];
+      const int rows = e < 0 ? 1 : units.shards(e);
+      for (int j = 0; j < rows; ++j) {
+        unit_ids.push_back(e < 0 ? -1 : units.first_unit(e) + j);
+        row_entry.push_back(static_cast<int32_t>(i));
+      }
+    }
+    ids = unit_ids;
+    mine = units.UnitCounts(mine);
+  }
   KEEL_ASSIGN_OR_RETURN(LayerRoute route, PlanLayer(layer, mine));
+  route.row_entry = std::move(row_entry);
   const kernels::QuotaTable quotas = kernels::MakeQuotaTable(
       route.copy_begin, route.copy_slot, route.copy_quota, route.slot_rank, num_ranks_);
-  route.slot.resize(topk_ids.size());
+  route.slot.resize(ids.size());
   std::vector<int32_t> send_counts(num_ranks_);
-  KEEL_RETURN_IF_ERROR(
-      kernels::cpu::RemapWithQuotas(topk_ids.data(), static_cast<int64_t>(topk_ids.size()), quotas,
-                                    route.slot.data(), send_counts.data(), &invalid));
+  KEEL_RETURN_IF_ERROR(kernels::cpu::RemapWithQuotas(ids.data(), static_cast<int64_t>(ids.size()),
+                                                     quotas, route.slot.data(), send_counts.data(),
+                                                     &invalid));
   if (invalid > 0) {
     return Internal("the quota plan of layer " + std::to_string(layer) + " gave rank " +
                     std::to_string(rank_) + " no copy for " + std::to_string(invalid) +
@@ -97,6 +115,11 @@ Result<LayerRoute> Engine::Impl::Route(int layer, std::span<const int32_t> topk_
 Result<LayerRoute> Engine::Impl::RouteCounts(int layer, std::span<const int32_t> expert_counts) {
   const auto start = std::chrono::steady_clock::now();
   KEEL_RETURN_IF_ERROR(CheckRoutable(layer));
+  if (shards_[layer].sharded()) {
+    return FailedPrecondition("layer " + std::to_string(layer) +
+                              " has sharded experts, whose rows RouteCounts cannot assign; use "
+                              "Route");
+  }
   if (expert_counts.size() != static_cast<size_t>(options_.num_experts)) {
     return InvalidArgument("expert_counts has " + std::to_string(expert_counts.size()) +
                            " entries, not num_experts = " + std::to_string(options_.num_experts));
@@ -125,7 +148,8 @@ Result<LayerRoute> Engine::Impl::RouteCounts(int layer, std::span<const int32_t>
 }
 
 Result<LayerRoute> Engine::Impl::PlanLayer(int layer, std::span<const int32_t> mine) {
-  const int num_experts = options_.num_experts;
+  const ShardMap& units = shards_[layer];
+  const int num_experts = units.num_units();  // the placement's experts
   // Every rank's column of the traffic by expert arrives with one all-reduce: each entry is one
   // rank's count, so it stays a 32-bit count.
   const size_t num_ranks = static_cast<size_t>(num_ranks_);
@@ -192,6 +216,7 @@ Result<LayerRoute> Engine::Impl::PlanLayer(int layer, std::span<const int32_t> m
   for (size_t slot = 0; slot < route.slot_rank.size(); ++slot) {
     route.slot_rank[slot] = RankOfPhysical(static_cast<int>(slot));
   }
+  // Each local slot's unit, then the expert and shard it is.
   route.local_experts.assign(local_slots(), -1);
   for (int i = 0; i < slots_per_rank_; ++i) {
     route.local_experts[i] = placement.expert_at(rank_ * slots_per_rank_ + i);
@@ -201,14 +226,24 @@ Result<LayerRoute> Engine::Impl::PlanLayer(int layer, std::span<const int32_t> m
       route.local_experts[LocalOfPhysical(transient_slot[i])] = routing.transients[i].expert;
     }
   }
+  route.local_shard.assign(local_slots(), 0);
+  route.local_shards.assign(local_slots(), 0);
+  for (int i = 0; i < local_slots(); ++i) {
+    const int unit = route.local_experts[i];
+    if (unit < 0) continue;
+    route.local_experts[i] = units.expert_of(unit);
+    route.local_shard[i] = units.shard_of(unit);
+    route.local_shards[i] = units.shards(units.expert_of(unit));
+  }
 
   KEEL_RETURN_IF_ERROR(FillTransients(layer, placement, routing, transient_slot));
-  traffic_[layer] = std::move(traffic);
+  // The estimators and the trace keep the traffic by expert, whatever its shards.
+  traffic_[layer] = units.sharded() ? units.ExpertTraffic(traffic) : std::move(traffic);
   routed_[layer] = true;
   if (metrics_ != nullptr) {
-    std::vector<double> expert_tokens(num_experts, 0.0);
+    std::vector<double> expert_tokens(options_.num_experts, 0.0);
     for (size_t i = 0; i < traffic_[layer].size(); ++i) {
-      expert_tokens[i % num_experts] += traffic_[layer][i];
+      expert_tokens[i % options_.num_experts] += traffic_[layer][i];
     }
     metrics_->ObserveLayerRouting(
         layer, placement, routing, expert_tokens, {},

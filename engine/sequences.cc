@@ -44,6 +44,12 @@ Result<SequencePlacement> Engine::Impl::PlanSequences(int first_layer,
                               std::to_string(first_layer) + " to at most " +
                               std::to_string(options_.num_layers - 1));
     }
+    for (size_t l = first_layer; local.ok() && l < first_layer + layers; ++l) {
+      if (shards_[l].sharded()) {
+        local = FailedPrecondition("PlanSequences: layer " + std::to_string(l) +
+                                   " has sharded experts, which sequence plans do not model");
+      }
+    }
   }
   for (size_t s = 0; local.ok() && s < sequences.size(); ++s) {
     const SequenceRouting& sequence = sequences[s];

@@ -14,6 +14,7 @@
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <thread>
@@ -90,12 +91,16 @@ struct DemoFlags {
   std::string strategy = "ep";
   int shard_degree = 0;  // esp; 0 = gpus_per_node
   int mp = 0;            // > 0: Parm with MP groups of this many ranks, without and with de-dup
+  // Sharded experts in the engine (docs/strategies.md, "Sharded experts in the engine").
+  int shard_hot = 0;           // > 0: shard each layer's this many hottest experts from the start
+  bool shard_experts = false;  // the keel policy shards or replicates per expert
 };
 
 // The two runs a demo compares: static against keel by default; with --sequence-migration the
 // keel policy without and with it; with --condense exact against condensed training; with
 // --strategy whole experts under the keel policy against the strategy's sharded ones; with --mp
-// Parm's dispatch without and with its de-duplication.
+// Parm's dispatch without and with its de-duplication; with --shard-hot or --shard-experts the
+// keel policy without and with the engine's sharded experts.
 struct DemoRun {
   std::string name;
   std::string policy;
@@ -103,7 +108,10 @@ struct DemoRun {
   float condense_threshold = 0;
   std::string strategy = "ep";
   bool parm_dedup = true;
+  bool engine_shards = false;  // --shard-hot's experts, or policy.keel.shard_experts
 };
+
+bool EngineShardMode(const DemoFlags& f) { return f.shard_hot > 0 || f.shard_experts; }
 
 std::vector<DemoRun> DemoRuns(const DemoFlags& f) {
   if (f.sequence_migration) return {{"keel", "keel"}, {"keel+seq", "keel", true}};
@@ -114,6 +122,7 @@ std::vector<DemoRun> DemoRuns(const DemoFlags& f) {
     return {{"parm-all", "keel", false, 0, "parm", false}, {"parm", "keel", false, 0, "parm"}};
   }
   if (f.strategy != "ep") return {{"ep", "keel"}, {f.strategy, "keel", false, 0, f.strategy}};
+  if (EngineShardMode(f)) return {{"ep", "keel"}, {"shards", "keel", false, 0, "ep", true, true}};
   return {{"static", "static"}, {"keel", "keel"}};
 }
 
@@ -121,14 +130,37 @@ bool StrategyMode(const DemoFlags& f) { return f.mp > 0 || f.strategy != "ep"; }
 
 // The sharded strategy a demo runs, and the shards each expert has under it.
 std::pair<std::string, int> ShardsOf(const DemoFlags& f, const KeelConfig& config) {
-  const std::string name = f.mp > 0 ? "parm" : f.strategy;
   const int per_node = config.topology.gpus_per_node;
+  if (f.shard_hot > 0) return {"--shard-hot", ShardDegree(config.strategy, per_node)};
+  const std::string name = f.mp > 0 ? "parm" : f.strategy;
   if (name == "parm") return {name, MpDegree(config.strategy, per_node)};
   if (name == "esp") return {name, ShardDegree(config.strategy, per_node)};
   return {name, per_node};
 }
 
 bool SequenceMode(const DemoFlags& f) { return f.sequence_migration || f.condense > 0; }
+
+// Each layer's `count` hottest experts by the gate's first step (all ranks' rows; the lower id
+// first on a tie), each to be sharded `shards` ways.
+std::vector<ShardedExpert> HottestExperts(const TokenGate& gate, int count, int shards, int ranks) {
+  std::vector<ShardedExpert> hottest;
+  if (count <= 0) return hottest;
+  for (int l = 0; l < gate.num_layers(); ++l) {
+    std::vector<int64_t> rows;
+    for (int r = 0; r < ranks; ++r) {
+      const std::vector<int64_t> counts = gate.Counts(0, l, r);
+      rows.resize(counts.size(), 0);
+      for (size_t e = 0; e < counts.size(); ++e) rows[e] += counts[e];
+    }
+    std::vector<int> order(rows.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return rows[a] > rows[b]; });
+    for (int i = 0; i < count && i < static_cast<int>(order.size()); ++i) {
+      hottest.push_back({l, order[i], shards});
+    }
+  }
+  return hottest;
+}
 
 int Fail(const Status& status) {
   std::fprintf(stderr, "keel demo: %s\n", status.message().c_str());
@@ -243,6 +275,16 @@ Status CheckFlags(const DemoFlags& f) {
     return InvalidArgument(
         "--strategy and --mp train sharded experts in host memory, without --sequence-migration "
         "or --condense");
+  }
+  if (f.shard_hot < 0 || f.shard_hot > f.experts) {
+    return InvalidArgument("--shard-hot " + std::to_string(f.shard_hot) + " is not in [0, " +
+                           std::to_string(f.experts) + "] (the experts)");
+  }
+  if (EngineShardMode(f) && (StrategyMode(f) || SequenceMode(f))) {
+    return InvalidArgument(
+        "--shard-hot and --shard-experts compare the keel policy without and with the engine's "
+        "sharded experts; they do not combine with --strategy, --mp, --sequence-migration or "
+        "--condense");
   }
   if (!(f.learning_rate > 0.0 && f.learning_rate < 1.0)) {
     return InvalidArgument("--learning-rate " + std::to_string(f.learning_rate) +
@@ -545,7 +587,7 @@ int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator*
   sized.experts = model.experts;
   Result<KeelConfig> config = MakeConfig(sized, parser, ranks);
   if (!config.ok()) return Fail(config.status());
-  if (StrategyMode(flags)) {
+  if (StrategyMode(flags) || flags.shard_hot > 0) {
     // Checked before the first run, which trains whole experts.
     const auto [name, shards] = ShardsOf(flags, *config);
     if (flags.ffn % shards != 0) {
@@ -610,6 +652,8 @@ int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator*
   }
 
   const std::vector<DemoRun> demo_runs = DemoRuns(flags);
+  // The keel policy shards or replicates per expert: by the flag, or by the config.
+  const bool shard_experts = flags.shard_experts || config->policy.keel.shard_experts;
   std::vector<ModeRun> runs;
   for (const DemoRun& demo_run : demo_runs) {
     RankRunOptions options;
@@ -618,6 +662,14 @@ int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator*
     options.config.policy.name = demo_run.policy;
     options.config.strategy.name = demo_run.strategy;
     options.parm_dedup = demo_run.parm_dedup;
+    if (EngineShardMode(flags)) {
+      // Whole experts against the engine's shards: only the second run shards.
+      options.config.policy.keel.shard_experts = demo_run.engine_shards && shard_experts;
+      if (demo_run.engine_shards) {
+        options.sharded_experts =
+            HottestExperts(*gate, flags.shard_hot, ShardsOf(flags, *config).second, ranks);
+      }
+    }
     options.gate = &*gate;
     options.metrics = metrics.get();
     options.memory = flags.memory;
@@ -660,7 +712,8 @@ int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator*
 
   const bool identical = runs[0].result.final_weights == runs[1].result.final_weights;
   // Condensation below 1.0 changes the math, and sharded experts its rounding; nothing else may.
-  const bool sharded_vs_whole = flags.strategy != "ep" && flags.mp == 0;
+  const bool sharded_vs_whole = (flags.strategy != "ep" && flags.mp == 0) ||
+                                EngineShardMode(flags) || config->policy.keel.shard_experts;
   const bool must_be_identical = !(flags.condense > 0 && flags.condense < 1.0) && !sharded_vs_whole;
   const double weight_difference =
       RelativeDifference(runs[0].result.final_weights, runs[1].result.final_weights);
@@ -756,6 +809,29 @@ int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator*
           "%s)\n",
           weight_difference, kShardedWeightTolerance, within_tolerance ? "within" : "OUTSIDE");
     }
+  } else if (EngineShardMode(flags)) {
+    const EngineStats& stats = runs[1].result.stats;
+    report["engine_shards"] = {
+        {"shard_hot", flags.shard_hot},
+        {"shards", flags.shard_hot > 0 ? ShardsOf(flags, *config).second : 0},
+        {"shard_experts", shard_experts},
+        {"reshards", stats.reshards},
+        {"final_weights_relative_difference", weight_difference}};
+    report["targets"] = {{"sharded_parallel_step_ratio", Target(ratio, kTargetShardedRatio)}};
+    const std::string at_start =
+        flags.shard_hot > 0 ? std::to_string(flags.shard_hot) + " hottest experts per layer cut " +
+                                  std::to_string(ShardsOf(flags, *config).second) + " ways"
+                            : "none at the start";
+    std::printf("shards: %s%s, %lld layer reshards by the keel policy\n", at_start.c_str(),
+                shard_experts ? ", policy.keel.shard_experts on" : "",
+                static_cast<long long>(stats.reshards));
+    std::printf(
+        "shards / ep parallel step: %.3f (target <= %.2f with one expert at >= 40%% of the "
+        "tokens: %s)\n",
+        ratio, kTargetShardedRatio, ratio <= kTargetShardedRatio ? "met" : "missed");
+    std::printf(
+        "final weights vs ep:       %.2e of the largest weight apart (tolerance %.0e: %s)\n",
+        weight_difference, kShardedWeightTolerance, within_tolerance ? "within" : "OUTSIDE");
   } else if (flags.condense > 0) {
     const auto& exact_loss = modes[0]["loss"];
     const auto& condensed_loss = modes[1]["loss"];
@@ -792,7 +868,7 @@ int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator*
                 kTargetOverhead * 100, overhead <= kTargetOverhead ? "met" : "missed");
   }
   std::printf("final weights identical:     %s%s\n", identical ? "yes (bitwise)" : "NO",
-              must_be_identical  ? ""
+              must_be_identical || identical ? ""
               : sharded_vs_whole ? " (not expected: shards sum their outputs in another order)"
                                  : " (not expected: condensation below 1.0 changes the math)");
   if (!flags.report_path.empty()) {
@@ -916,13 +992,21 @@ int RunDemo(int argc, char** argv) {
              "(sharded over MP groups of strategy.mp_degree ranks, de-duplicated dispatch) or "
              "ppmoe (every expert sliced over a node's ranks); ep (default) runs static vs keel");
   parser.Add("shard-degree", "S", &flags.shard_degree,
-             "with --strategy esp: ranks each expert is sharded over (divides the ranks of a "
-             "node; default 0 = all of them)");
+             "with --strategy esp or --shard-hot: ranks each expert is sharded over (divides "
+             "the ranks of a node; default 0 = all of them)");
   parser.Add("mp", "M", &flags.mp,
              "Parm: pairs (M = 2) or groups of M ranks hold the same tokens; compare their "
              "dispatch without de-duplication (every member sends all the group's rows) and "
              "with it (each sends its share, then the group all-gathers); bitwise the same "
              "weights");
+  parser.Add("shard-hot", "N", &flags.shard_hot,
+             "the engine shards each layer's N hottest experts (by the first step's rows) over "
+             "--shard-degree ranks of their node from the start, and the keel policy places "
+             "their shards; compares the keel policy with whole experts (ep) against it");
+  parser.AddBool("shard-experts", &flags.shard_experts,
+                 "the keel policy chooses at every replan, per expert, between replicating and "
+                 "sharding it (policy.keel.shard_experts); compares the keel policy without and "
+                 "with it");
   parser.Add("link-gb-per-s", "X", &flags.link_gb_per_s,
              "emulate links of X GB/s between ranks: the bytes a rank exchanges with other "
              "ranks add bytes / X to its communication time (default 0: measured CPU time only)");
@@ -933,6 +1017,7 @@ int RunDemo(int argc, char** argv) {
       "Luffy:    keel demo --sequence-migration --link-gb-per-s 1\n"
       "Sharded:  keel demo --strategy esp --zipf 1.5 --config configs/demo-no-spares.yaml\n"
       "          keel demo --mp 2\n"
+      "          keel demo --shard-hot 1 --zipf 1.5   (the engine's sharded experts)\n"
       "          keel demo --condense 0.99\n"
       "Times are thread CPU seconds, so ranks sharing cores measure what separate GPUs would.\n"
       "Config keys: keel config --markdown");

@@ -110,6 +110,19 @@ void PlaceShardWeights(const FfnShape& full, int shards, int index,
   });
 }
 
+ShardLayout FfnShardLayout(const FfnShape& shape) {
+  const size_t hidden = static_cast<size_t>(shape.hidden);
+  const size_t ffn = static_cast<size_t>(shape.ffn);
+  const std::vector<ShardedTensor> matrices = {{ffn, hidden, sizeof(float), false},
+                                               {hidden, ffn, sizeof(float), true}};
+  ShardLayout layout;
+  layout.weights = matrices;
+  for (int moment = 0; moment < 2; ++moment) {
+    layout.optimizer.insert(layout.optimizer.end(), matrices.begin(), matrices.end());
+  }
+  return layout;
+}
+
 void DrawTokenInputs(uint64_t seed, int rank, int64_t step, std::span<float> inputs) {
   const uint64_t words[] = {seed, 2, static_cast<uint64_t>(rank), static_cast<uint64_t>(step)};
   RandomStream stream(MixSeed(words));

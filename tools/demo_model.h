@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/random.h"
+#include "keel/shard_layout.hpp"
 
 namespace keel::tools {
 
@@ -75,6 +76,9 @@ void SliceExpertWeights(const FfnShape& full, int shards, int index,
 // The inverse: writes shard `index`'s slice into the full expert's weights.
 void PlaceShardWeights(const FfnShape& full, int shards, int index,
                        std::span<const float> shard_weights, std::span<float> full_weights);
+// The engine's ShardLayout for this FFN, the cut SliceExpertWeights makes: W1's rows and W2's
+// columns, in the weights and in each of Adam's m and v.
+ShardLayout FfnShardLayout(const FfnShape& shape);
 
 // The model inputs of one rank's step: [num_tokens, hidden] float32 uniform in [-1, 1), drawn
 // from (seed, rank, step).

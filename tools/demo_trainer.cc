@@ -46,10 +46,13 @@ class CpuTimer {
 // What one layer's forward leaves for its backward. Without condensation every row is kept:
 // the kept rows are the rows.
 struct LayerActivations {
-  std::vector<uint32_t> send_order;  // (token, k) indices in dispatch order
-  std::vector<int64_t> send_rows;    // [ranks] rows dispatched to each rank
-  std::vector<int64_t> recv_rows;    // [ranks] rows received from each rank
-  std::vector<int32_t> recv_slot;    // [received rows] local slot of each received row
+  std::vector<uint32_t> send_order;  // row indices in dispatch order (rows: LayerRoute's)
+  // [rows] each row's (token, k) entry; empty when every entry is one row (no sharded expert).
+  std::vector<int32_t> row_entry;
+  std::vector<int32_t> local_shards;  // [local slots] shards of each slot's expert (1: whole)
+  std::vector<int64_t> send_rows;     // [ranks] rows dispatched to each rank
+  std::vector<int64_t> recv_rows;     // [ranks] rows received from each rank
+  std::vector<int32_t> recv_slot;     // [received rows] local slot of each received row
   // [sent rows] the row's kept row among those sent to its rank; [ranks] kept rows sent to and
   // received from each rank; [received rows] the kept row (index into recv_x) of each row.
   std::vector<int32_t> send_kept;
@@ -59,6 +62,11 @@ struct LayerActivations {
   std::vector<float> recv_x;      // [kept received rows, hidden] expert inputs
   std::vector<float> activation;  // [kept received rows, ffn] relu(W1 · x)
 };
+
+// The (token, k) entry of dispatch row `row`.
+size_t EntryOf(const LayerActivations& act, size_t row) {
+  return act.row_entry.empty() ? row : static_cast<size_t>(act.row_entry[row]);
+}
 
 // Per-rank CPU seconds of one step.
 struct StepTimes {
@@ -108,6 +116,15 @@ class RankTrainer {
     return optimizer_.data() +
            (static_cast<size_t>(layer) * slots_per_rank_ + persistent_slot) * 2 * weight_floats_;
   }
+  // The FFN a slot holding one of `shards` shards runs (the whole expert's for 1).
+  FfnShape ShapeOf(int shards) const {
+    return shards > 1 ? ShardShape(model_.ffn, shards) : model_.ffn;
+  }
+  // Adds every row's output (`rows` [rows, hidden], in row order) into its entry's place in
+  // `entries` [entries, hidden], the rows of an entry in shard order: the sharded experts'
+  // partial outputs sum to the expert's.
+  void FoldRows(const LayerActivations& act, std::span<const float> rows,
+                std::vector<float>& entries) const;
   // Device memory: the host copies of the slots follow and feed the registered device buffers.
   enum Region { kWeights, kGradients, kOptimizer };
   Status SetUpMemory();
@@ -177,6 +194,7 @@ class RankTrainer {
   std::vector<float> recv_;
   std::vector<float> expert_out_;  // [received rows, hidden]
   std::vector<float> gathered_;    // [tokens * top_k, hidden] in (token, k) order
+  std::vector<float> row_out_;     // [rows, hidden] in row order, with sharded experts
   double exposed_before_ = 0;
 };
 
@@ -191,6 +209,8 @@ Status RankTrainer::Init() {
   engine_options.shape.optimizer_bytes = model_.ffn.optimizer_bytes();
   engine_options.shape.gradient_type = GradientType::kFixedInt64;
   engine_options.communicator = &communicator_;
+  engine_options.sharded_experts = options_.sharded_experts;
+  engine_options.shard_layout = FfnShardLayout(model_.ffn);
   engine_options.local_group = options_.local_group;
   KEEL_RETURN_IF_ERROR(SetUpMemory());
   if (device_ != nullptr) {
@@ -215,10 +235,20 @@ Status RankTrainer::Init() {
       buffers.gradients = Gradients(l, s);
       if (s < slots_per_rank_) {
         buffers.optimizer = Optimizer(l, s);
-        // Every copy of an expert starts from the same bits as its home.
-        const int expert = placement.expert_at(rank_ * slots_per_rank_ + s);
-        if (expert >= 0) {
-          InitExpertWeights(model_.ffn, model_.seed, l, expert, {Weights(l, s), weight_floats_});
+        // Every copy of an expert starts from the same bits as its home; a shard from its
+        // slice of them.
+        const int unit = placement.expert_at(rank_ * slots_per_rank_ + s);
+        if (unit >= 0) {
+          const int expert = placement.unit_expert[unit];
+          const int shards = placement.unit_shards[unit];
+          std::vector<float> whole(weight_floats_);
+          InitExpertWeights(model_.ffn, model_.seed, l, expert, whole);
+          if (shards == 1) {
+            std::copy(whole.begin(), whole.end(), Weights(l, s));
+          } else {
+            SliceExpertWeights(model_.ffn, shards, placement.unit_shard[unit], whole,
+                               {Weights(l, s), ShapeOf(shards).weight_floats()});
+          }
         }
       }
       if (device_ != nullptr) {
@@ -385,7 +415,6 @@ Status RankTrainer::Forward(int64_t step, int layer, StepTimes& times, std::vect
   } else {
     options_.gate->Draw(step, layer, rank_, topk_ids_);
   }
-  const size_t choices = topk_ids_.size();
 
   KEEL_RETURN_IF_ERROR(SyncForTiming());
   const double route_start = ThreadCpuSeconds();
@@ -402,12 +431,15 @@ Status RankTrainer::Forward(int64_t step, int layer, StepTimes& times, std::vect
     for (int s = 0; s < local_slots_; ++s) KEEL_RETURN_IF_ERROR(Download(layer, s, kWeights));
   }
 
-  // Dispatch order: a counting sort on (rank, local slot), stable in (token, k).
+  // Dispatch order: a counting sort on (rank, local slot), stable in row order.
   LayerActivations& act = layers_[layer];
+  act.row_entry = route.row_entry;
+  act.local_shards = route.local_shards;
+  const size_t route_rows = route.slot.size();
   std::vector<uint32_t> bucket_rows(static_cast<size_t>(ranks_) * local_slots_ + 1, 0);
-  std::vector<uint32_t> bucket(choices);
+  std::vector<uint32_t> bucket(route_rows);
   act.send_rows.assign(ranks_, 0);
-  for (size_t i = 0; i < choices; ++i) {
+  for (size_t i = 0; i < route_rows; ++i) {
     const int32_t slot = route.slot[i];
     if (slot < 0) {
       bucket[i] = static_cast<uint32_t>(bucket_rows.size() - 1);  // dropped: not sent
@@ -428,13 +460,13 @@ Status RankTrainer::Forward(int64_t step, int layer, StepTimes& times, std::vect
   // [ranks * local slots + 1] the buckets' first rows, for condensation.
   const std::vector<int32_t> bucket_begin(start.begin(), start.end());
   act.send_order.resize(sent);
-  for (size_t i = 0; i < choices; ++i) {
+  for (size_t i = 0; i < route_rows; ++i) {
     if (route.slot[i] >= 0) act.send_order[start[bucket[i]]++] = static_cast<uint32_t>(i);
   }
   send_.resize(sent * hidden);
   const std::vector<float>& x = x_[layer];
   for (size_t r = 0; r < sent; ++r) {
-    const size_t token = act.send_order[r] / top_k;
+    const size_t token = EntryOf(act, act.send_order[r]) / top_k;
     std::memcpy(send_.data() + r * hidden, x.data() + token * hidden, hidden * sizeof(float));
   }
   act.recv_rows = route.recv_totals;
@@ -491,8 +523,9 @@ Status RankTrainer::Forward(int64_t step, int layer, StepTimes& times, std::vect
     act.activation.resize(kept * ffn);
     expert_out_.resize(kept * hidden);
     for (size_t r = 0; r < kept; ++r) {
-      ExpertForward(model_.ffn, Weights(layer, kept_slot[r]), act.recv_x.data() + r * hidden,
-                    expert_out_.data() + r * hidden, act.activation.data() + r * ffn);
+      ExpertForward(ShapeOf(act.local_shards[kept_slot[r]]), Weights(layer, kept_slot[r]),
+                    act.recv_x.data() + r * hidden, expert_out_.data() + r * hidden,
+                    act.activation.data() + r * ffn);
     }
   }
   rows_kept_ += static_cast<int64_t>(kept);
@@ -500,18 +533,21 @@ Status RankTrainer::Forward(int64_t step, int layer, StepTimes& times, std::vect
                                            "combine", &times.communication[layer]));
 
   // Combine: outputs come back per rank in the kept rows' order; every row takes its kept row's
-  // output, dropped choices add nothing.
+  // output, dropped choices add nothing. With sharded experts the rows land in row order first,
+  // and each entry adds up its shards' rows.
   std::vector<size_t> kept_begin(ranks_, 0);
   for (int r = 1; r < ranks_; ++r) kept_begin[r] = kept_begin[r - 1] + act.kept_to[r - 1];
-  gathered_.assign(choices * hidden, 0.0f);
+  std::vector<float>& by_row = act.row_entry.empty() ? gathered_ : row_out_;
+  by_row.assign(route_rows * hidden, 0.0f);
   size_t row = 0;
   for (int r = 0; r < ranks_; ++r) {
     for (int64_t i = 0; i < act.send_rows[r]; ++i, ++row) {
       const size_t from = kept_begin[r] + static_cast<size_t>(act.send_kept[row]);
-      std::memcpy(gathered_.data() + static_cast<size_t>(act.send_order[row]) * hidden,
+      std::memcpy(by_row.data() + static_cast<size_t>(act.send_order[row]) * hidden,
                   recv_.data() + from * hidden, hidden * sizeof(float));
     }
   }
+  if (!act.row_entry.empty()) FoldRows(act, row_out_, gathered_);
   const float gate = 1.0f / static_cast<float>(top_k);
   std::vector<float>& out = x_[layer + 1];
   for (int t = 0; t < tokens_; ++t) {
@@ -532,7 +568,7 @@ Status RankTrainer::Backward(int layer, StepTimes& times) {
   const size_t sent = act.send_order.size();
   send_.resize(sent * hidden);
   for (size_t r = 0; r < sent; ++r) {
-    const float* d_out = d_x_.data() + static_cast<size_t>(act.send_order[r] / top_k) * hidden;
+    const float* d_out = d_x_.data() + EntryOf(act, act.send_order[r]) / top_k * hidden;
     for (int i = 0; i < hidden; ++i) send_[r * hidden + i] = gate * d_out[i];
   }
   KEEL_RETURN_IF_ERROR(ExchangeRows<float>(send_, act.send_rows, act.recv_rows, hidden, recv_,
@@ -547,19 +583,24 @@ Status RankTrainer::Backward(int layer, StepTimes& times) {
     for (size_t r = 0; r < received; ++r) {
       const int slot = act.recv_slot[r];
       const size_t kept = static_cast<size_t>(act.recv_kept[r]);
-      ExpertBackward(model_.ffn, Weights(layer, slot), act.recv_x.data() + kept * hidden,
-                     act.activation.data() + kept * ffn, recv_.data() + r * hidden,
-                     Gradients(layer, slot), expert_out_.data() + r * hidden, scratch.data());
+      ExpertBackward(ShapeOf(act.local_shards[slot]), Weights(layer, slot),
+                     act.recv_x.data() + kept * hidden, act.activation.data() + kept * ffn,
+                     recv_.data() + r * hidden, Gradients(layer, slot),
+                     expert_out_.data() + r * hidden, scratch.data());
     }
   }
   KEEL_RETURN_IF_ERROR(ExchangeRows<float>(expert_out_, act.recv_rows, act.send_rows, hidden, recv_,
                                            "backward combine", &times.communication[layer]));
-  // d_in = d_out + Σ_k dx_k in k order (the residual plus every expert's input gradient).
-  gathered_.assign(topk_ids_.size() * hidden, 0.0f);
+  // d_in = d_out + Σ_k dx_k in k order (the residual plus every expert's input gradient; a
+  // sharded expert's is the sum of its shards').
+  const size_t route_rows = act.row_entry.empty() ? topk_ids_.size() : act.row_entry.size();
+  std::vector<float>& by_row = act.row_entry.empty() ? gathered_ : row_out_;
+  by_row.assign(route_rows * hidden, 0.0f);
   for (size_t r = 0; r < sent; ++r) {
-    std::memcpy(gathered_.data() + static_cast<size_t>(act.send_order[r]) * hidden,
+    std::memcpy(by_row.data() + static_cast<size_t>(act.send_order[r]) * hidden,
                 recv_.data() + r * hidden, hidden * sizeof(float));
   }
+  if (!act.row_entry.empty()) FoldRows(act, row_out_, gathered_);
   for (int t = 0; t < tokens_; ++t) {
     float* d = d_x_.data() + static_cast<size_t>(t) * hidden;
     const float* dx = gathered_.data() + static_cast<size_t>(t) * top_k * hidden;
@@ -570,6 +611,18 @@ Status RankTrainer::Backward(int layer, StepTimes& times) {
     }
   }
   return Status::Ok();
+}
+
+void RankTrainer::FoldRows(const LayerActivations& act, std::span<const float> rows,
+                           std::vector<float>& entries) const {
+  const size_t hidden = static_cast<size_t>(model_.ffn.hidden);
+  entries.assign(topk_ids_.size() * hidden, 0.0f);
+  for (size_t r = 0; r < act.row_entry.size(); ++r) {
+    float* entry = entries.data() + static_cast<size_t>(act.row_entry[r]) * hidden;
+    const float* row = rows.data() + r * hidden;
+    const bool first = r == 0 || act.row_entry[r - 1] != act.row_entry[r];
+    for (size_t i = 0; i < hidden; ++i) entry[i] = first ? row[i] : entry[i] + row[i];
+  }
 }
 
 Status RankTrainer::DrawBatch(int64_t step, StepTimes& times) {
@@ -735,10 +788,10 @@ Result<StepMeasurement> RankTrainer::Step(int64_t step) {
       }
       {
         CpuTimer timer(&times.optimizer);
-        AdamUpdate(model_.adam, step + 1, global_tokens,
-                   {Gradients(l, home.local_slot), weight_floats_},
-                   {Weights(l, home.local_slot), weight_floats_},
-                   {Optimizer(l, home.local_slot), 2 * weight_floats_});
+        const size_t floats = ShapeOf(home.shards).weight_floats();  // a shard's: its slice
+        AdamUpdate(model_.adam, step + 1, global_tokens, {Gradients(l, home.local_slot), floats},
+                   {Weights(l, home.local_slot), floats},
+                   {Optimizer(l, home.local_slot), 2 * floats});
       }
       if (device_ != nullptr) {
         KEEL_RETURN_IF_ERROR(Upload(l, home.local_slot, kWeights));
@@ -815,41 +868,59 @@ Result<StepMeasurement> RankTrainer::Step(int64_t step) {
   return m;
 }
 
-// Every rank contributes (layer, expert, weights) of its homes; every rank assembles them all.
+// Every rank contributes (layer, expert, shard, shards, weights) of its homes; every rank
+// assembles them all, a sharded expert from its shards' slices.
 Result<std::vector<float>> RankTrainer::GatherFinalWeights() {
   std::string mine;
-  const size_t weight_bytes = weight_floats_ * sizeof(float);
   for (int l = 0; l < model_.layers; ++l) {
     for (const HomeSlot& home : engine_->HomeSlots(l)) {
       if (device_ != nullptr) KEEL_RETURN_IF_ERROR(Download(l, home.local_slot, kWeights));
-      const int32_t key[2] = {l, home.expert};
+      const int32_t key[4] = {l, home.expert, home.shard, home.shards};
       mine.append(reinterpret_cast<const char*>(key), sizeof(key));
-      mine.append(reinterpret_cast<const char*>(Weights(l, home.local_slot)), weight_bytes);
+      mine.append(reinterpret_cast<const char*>(Weights(l, home.local_slot)),
+                  ShapeOf(home.shards).weight_floats() * sizeof(float));
     }
   }
   KEEL_ASSIGN_OR_RETURN(std::vector<std::string> all, communicator_.AllGather(mine));
   std::vector<float> weights(static_cast<size_t>(model_.layers) * model_.experts * weight_floats_,
                              0.0f);
-  std::vector<int> seen(static_cast<size_t>(model_.layers) * model_.experts, 0);
-  const size_t record = 2 * sizeof(int32_t) + weight_bytes;
+  // Each expert's parts: its whole home counts 1, each of s shards 1/s (as s parts of one).
+  std::vector<int> parts(static_cast<size_t>(model_.layers) * model_.experts, 0);
+  std::vector<int> expected(parts.size(), 1);
   for (const std::string& part : all) {
-    for (size_t at = 0; at + record <= part.size(); at += record) {
-      int32_t key[2];
+    for (size_t at = 0; at < part.size();) {
+      int32_t key[4];
+      if (at + sizeof(key) > part.size()) return Internal("final weights: a truncated record");
       std::memcpy(key, part.data() + at, sizeof(key));
-      const size_t index = static_cast<size_t>(key[0]) * model_.experts + key[1];
-      if (key[0] < 0 || key[0] >= model_.layers || key[1] < 0 || key[1] >= model_.experts) {
-        return Internal("final weights: bad (layer, expert) record");
+      const auto [layer, expert, shard, shards] = key;
+      if (layer < 0 || layer >= model_.layers || expert < 0 || expert >= model_.experts ||
+          shards < 1 || shard < 0 || shard >= shards) {
+        return Internal("final weights: bad (layer, expert, shard) record");
       }
-      ++seen[index];
-      std::memcpy(weights.data() + index * weight_floats_, part.data() + at + sizeof(key),
-                  weight_bytes);
+      const size_t floats = ShapeOf(shards).weight_floats();
+      at += sizeof(key);
+      if (at + floats * sizeof(float) > part.size()) {
+        return Internal("final weights: a truncated record");
+      }
+      std::vector<float> slice(floats);
+      std::memcpy(slice.data(), part.data() + at, floats * sizeof(float));
+      at += floats * sizeof(float);
+      const size_t index = static_cast<size_t>(layer) * model_.experts + expert;
+      std::span<float> whole(weights.data() + index * weight_floats_, weight_floats_);
+      if (shards == 1) {
+        std::copy(slice.begin(), slice.end(), whole.begin());
+      } else {
+        PlaceShardWeights(model_.ffn, shards, shard, slice, whole);
+      }
+      ++parts[index];
+      expected[index] = shards;
     }
   }
-  for (size_t i = 0; i < seen.size(); ++i) {
-    if (seen[i] != 1) {
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (parts[i] != expected[i]) {
       return Internal("final weights: expert " + std::to_string(i % model_.experts) + " of layer " +
-                      std::to_string(i / model_.experts) + " has " + std::to_string(seen[i]) +
-                      " homes");
+                      std::to_string(i / model_.experts) + " has " + std::to_string(parts[i]) +
+                      " home parts, expected " + std::to_string(expected[i]));
     }
   }
   return weights;

@@ -39,6 +39,7 @@ class TokenGate {
   // [experts] selection counts Draw uses.
   std::vector<int64_t> Counts(int64_t step, int layer, int rank) const;
   const std::string& description() const { return trace_.description; }
+  int num_layers() const { return trace_.num_layers; }
 
  private:
   TokenGate(Trace trace, int ranks, int tokens, int top_k, uint64_t seed);
@@ -105,6 +106,9 @@ struct RankRunOptions {
   // config.strategy.name other than "ep" trains sharded experts (tools/demo_strategies.h); for
   // parm, whether each MP rank sends only its share of the group's rows (Parm) or all of them.
   bool parm_dedup = true;
+  // Experts the engine shards from the start (EngineOptions::sharded_experts); the demo runs
+  // their shards as FFNs of their own, as it does for policy.keel.shard_experts.
+  std::vector<ShardedExpert> sharded_experts;
 
   // Luffy mode (docs/luffy.md). With a sequence gate each rank's tokens are its sequences and
   // their routing comes from it; null runs the plain demo, tokens drawn by `gate`.

@@ -222,6 +222,12 @@ class PythonEngine {
     options.communicator = communicator_.get();
     py::gil_scoped_release release;
     engine_ = ValueOrThrow(Engine::Create(options));
+    if (engine_->shards_experts()) {
+      engine_.reset();
+      throw StatusError(InvalidArgument(
+          "policy.keel.shard_experts = true routes an entry of a sharded expert to every shard, "
+          "which needs the C++ API (LayerRoute::row_entry); Python routes one row per entry"));
+    }
   }
   ~PythonEngine() { Close(); }
 

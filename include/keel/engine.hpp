@@ -17,6 +17,7 @@
 #include "keel/config.hpp"
 #include "keel/device_memory.hpp"
 #include "keel/local_group.hpp"
+#include "keel/shard_layout.hpp"
 #include "keel/status.hpp"
 #include "keel/transport.hpp"
 
@@ -36,6 +37,18 @@ struct ExpertShape {
   size_t optimizer_bytes = 0;  // master weights + moments (home copies only)
   GradientType gradient_type = GradientType::kFloat32;
   MemoryKind memory = MemoryKind::kHost;
+};
+
+// An expert split over `shards` slots, as ESP and Parm shard experts (docs/strategies.md): its
+// FFN's inner dimension split `shards` ways, each shard an FFN of its own with its slice of the
+// weights, gradients and optimizer state. Every (token, k) routed to the expert goes to all of its
+// shards, and the combine adds up their outputs. The engine places, replicates, moves and
+// optimizes every shard as an expert of its own. A shard's state comes first in its slot's
+// buffers, cut as EngineOptions::shard_layout says; the rest of the slot is unused.
+struct ShardedExpert {
+  int layer = 0;
+  int expert = 0;
+  int shards = 2;  // in [2, topology.gpus_per_node]: a sharded expert starts within one node
 };
 
 struct EngineOptions {
@@ -63,11 +76,20 @@ struct EngineOptions {
   // without device support (device_memory() null) is staged through host memory over it.
   // Ignored with kHost.
   std::shared_ptr<DeviceMemory> device_memory;
+  // Experts to shard, each (layer, expert) at most once; the others stay whole. Each shard j >= 1
+  // starts on an empty persistent slot of another rank of its expert's node (a free slot per shard
+  // is needed). A layer with sharded experts takes Route, not RouteCounts, and no sequence plans.
+  std::vector<ShardedExpert> sharded_experts;
+  // How a shard cuts the weights and optimizer state (keel/shard_layout.hpp), for resharding:
+  // every shard count the engine uses must divide each tensor's split dimension.
+  ShardLayout shard_layout;
 };
 
-// A layer's placement in force, in DeepSeek EPLB's shapes (the same on every rank).
+// A layer's placement in force, in DeepSeek EPLB's shapes (the same on every rank). Its experts are
+// the layer's units: each expert that is not sharded, and each shard of a sharded one
+// (EngineOptions::sharded_experts); without sharded experts, unit e is expert e.
 struct LayerPlacement {
-  int num_experts = 0;
+  int num_experts = 0;  // units
   int num_ranks = 0;
   int slots_per_rank = 0;  // persistent
   int max_copies = 0;      // the width of log2phy
@@ -78,6 +100,11 @@ struct LayerPlacement {
   std::vector<int32_t> log2phy;
   std::vector<int32_t> logcnt;  // [num_experts] int32: copies per expert
   std::vector<int32_t> home;    // [num_experts] int32: the rank of each expert's home
+  // [num_experts] int32 each: the expert each unit is a part of, which shard it is, and how many
+  // shards that expert has (1: the whole expert).
+  std::vector<int32_t> unit_expert;
+  std::vector<int32_t> unit_shard;
+  std::vector<int32_t> unit_shards;
 
   int expert_at(int slot) const { return phy2log[static_cast<size_t>(slot)]; }
 };
@@ -91,12 +118,17 @@ struct SlotBuffers {
   void* optimizer = nullptr;
 };
 
-// Route()'s answer for one layer on this rank.
+// Route()'s answer for one layer on this rank. Its rows are the (token, k) entries, except that an
+// entry of a sharded expert is one row per shard.
 struct LayerRoute {
-  // [num_tokens * top_k] int32: the physical slot of every (token, k), -1 where the expert id
-  // was -1 (a dropped token). Slots [0, num_slots) are persistent (rank = slot / slots_per_rank);
-  // slots num_slots + g * transient_per_rank + i are rank g's transient slots.
+  // [rows] int32: the physical slot of every row, -1 where the expert id was -1 (a dropped
+  // token). Slots [0, num_slots) are persistent (rank = slot / slots_per_rank); slots num_slots +
+  // g * transient_per_rank + i are rank g's transient slots.
   std::vector<int32_t> slot;
+  // [rows] int32: the (token, k) entry (token * top_k + k) of every row, in entry order, an
+  // entry's shards in shard order; empty when the layer has no sharded expert (then row i is
+  // entry i). A row's output is part of its entry's: the combine adds the rows of an entry up.
+  std::vector<int32_t> row_entry;
   // [num_ranks] int64: (token, k) rows this rank sends to each rank (the dispatch split).
   std::vector<int64_t> send_counts;
   // [num_ranks * local_slots] int64: rows each source rank sends to each of this rank's slots,
@@ -108,11 +140,16 @@ struct LayerRoute {
   // [local_slots] int32: the expert each of this rank's slots holds for this step (persistent
   // slots from the placement in force, transient slots as filled now), -1 where none.
   std::vector<int32_t> local_experts;
-  // This rank's quota table (kernels/remap.h), which `slot` was assigned from: the copies of
-  // expert e are c in [copy_begin[e], copy_begin[e + 1]); copy c is physical slot copy_slot[c]
-  // and takes copy_quota[c] of this rank's entries of e, in entry order; entries past the quotas
-  // go to e's last copy. kernels::gpu::RemapWithQuotas takes these four arrays as they are.
-  std::vector<int32_t> copy_begin;  // [num_experts + 1]
+  // [local_slots] int32: which shard of its expert each slot holds, of how many (0 of 1: the
+  // whole expert; 0 of 0 for an empty slot).
+  std::vector<int32_t> local_shard;
+  std::vector<int32_t> local_shards;
+  // This rank's quota table (kernels/remap.h), which `slot` was assigned from (over the layer's
+  // units: LayerPlacement): the copies of unit e are c in [copy_begin[e], copy_begin[e + 1]); copy
+  // c is physical slot copy_slot[c] and takes copy_quota[c] of this rank's entries of e, in entry
+  // order; entries past the quotas go to e's last copy. kernels::gpu::RemapWithQuotas takes these
+  // four arrays as they are.
+  std::vector<int32_t> copy_begin;  // [units + 1]
   std::vector<int32_t> copy_slot;   // [num_copies]
   std::vector<int32_t> copy_quota;  // [num_copies]
   std::vector<int32_t> slot_rank;   // [num_slots + num_ranks * transient_per_rank]
@@ -123,6 +160,8 @@ struct LayerRoute {
 struct HomeSlot {
   int expert = 0;
   int local_slot = 0;  // index into this rank's persistent slots
+  int shard = 0;       // the part of the expert it holds: shard `shard` of `shards`
+  int shards = 1;
 };
 
 // One of this rank's sequences, as Engine::PlanSequences sees it.
@@ -171,11 +210,12 @@ struct EngineStats {
   int64_t epoch = 0;
   int64_t epochs_committed = 0;
   int64_t epochs_aborted = 0;
-  int64_t plans_unchanged = 0;       // planner runs that kept the placement
-  int64_t plans_failed = 0;          // planner runs that failed (the placement stays)
-  int64_t watchdog_trips = 0;        // planner runs past policy.planner_watchdog_seconds (dropped)
-  bool migration_in_flight = false;  // an epoch's transfers are running
-  uint64_t bytes_moved = 0;          // migration bytes of all ranks (sent + copied locally)
+  int64_t plans_unchanged = 0;  // planner runs that kept the placement
+  int64_t plans_failed = 0;     // planner runs that failed (the placement stays)
+  int64_t watchdog_trips = 0;   // planner runs past policy.planner_watchdog_seconds (dropped)
+  int64_t reshards = 0;         // layers resharded by the keel policy (policy.keel.shard_experts)
+  bool migration_in_flight = false;      // an epoch's transfers are running
+  uint64_t bytes_moved = 0;              // migration bytes of all ranks (sent + copied locally)
   double exposed_migration_seconds = 0;  // ReduceGradients waiting for transfers
   double route_seconds = 0;              // time inside Route (the engine's hot path)
   double control_seconds = 0;            // ReduceGradients + StepEnd, excluding that waiting
@@ -188,8 +228,11 @@ struct EngineStats {
 // a restored engine plans again. The load estimates start over.
 struct EngineState {
   int64_t epoch = 0;
-  std::vector<std::vector<int32_t>> phy2log;  // [layer][num_ranks * slots_per_rank], -1 = empty
-  std::vector<std::vector<int32_t>> home;     // [layer][num_experts]: the rank of each home
+  // [layer][num_ranks * slots_per_rank]: the unit each slot holds (LayerPlacement), -1 = empty
+  std::vector<std::vector<int32_t>> phy2log;
+  std::vector<std::vector<int32_t>> home;  // [layer][units]: the rank of each unit's home
+  // [layer][num_experts]: each expert's shard count; empty when no layer has a sharded expert.
+  std::vector<std::vector<int32_t>> shards;
 };
 
 // A state as JSON text, and back (errors name the field and the value).
@@ -211,6 +254,9 @@ class Engine {
   int slots_per_rank() const;  // persistent
   int transient_per_rank() const;
   int local_slots() const { return slots_per_rank() + transient_per_rank(); }
+  // Whether a route may have more rows than entries: some expert is sharded
+  // (options.sharded_experts, a restored state) or may become so (policy.keel.shard_experts).
+  bool shards_experts() const;
 
   // Registers this rank's buffers of `layer`'s local slot `local_slot` (persistent slots
   // [0, slots_per_rank), then transient ones). Every slot of every layer must be registered

@@ -385,6 +385,12 @@ TEST_F(CApiEngineTest, CreateRejectsBadConfigs) {
   options_.config_yaml = "topology:\n  gpus_per_node: 4\n";
   EXPECT_TRUE(CreateFails(KEEL_INVALID_ARGUMENT,
                           {"options->comm has 1 ranks", "topology.gpus_per_node = 4"}));
+  // Sharded experts need LayerRoute::row_entry, which the C API does not carry.
+  options_.config_yaml =
+      "topology:\n  gpus_per_node: 1\nslots:\n  persistent_per_rank: 6\npolicy:\n  keel:\n    "
+      "shard_experts: true\n";
+  EXPECT_TRUE(CreateFails(KEEL_INVALID_ARGUMENT,
+                          {"policy.keel.shard_experts = true", "the C API routes one row"}));
 }
 
 TEST_F(CApiEngineTest, DefaultConfigFitsTheCommunicator) {

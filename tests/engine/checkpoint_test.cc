@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -43,12 +44,21 @@ struct Checkpoint {
   int64_t epoch = 0;
 };
 
-// Trains from step 0 and checkpoints into `dir` after the first StepEnd from step 6 on that leaves
-// a migration in flight after an epoch committed (at step 21 at the latest), then stops. On a
-// loaded machine the first plans come late, so the first migration may still be the one in
-// flight at step 6.
-Checkpoint TrainAndCheckpoint(const std::string& dir) {
-  const KeelConfig config = CheckpointConfig();
+// Whether to checkpoint after `step`: the same answer on every rank.
+using CheckpointWhen = std::function<bool(Engine& engine, int step)>;
+
+// From step 6 on, the first StepEnd that leaves a migration in flight after an epoch committed
+// (at step 21 at the latest). On a loaded machine the first plans come late, so the first
+// migration may still be the one in flight at step 6.
+bool MidMigration(Engine& engine, int step) {
+  // A migration starts at the same StepEnd on every rank, so every rank stops together.
+  const bool wanted = engine.stats().migration_in_flight && engine.epoch() > 0;
+  return step >= kFirstCheckpointStep && (wanted || step >= kLastCheckpointStep);
+}
+
+// Trains from step 0 and checkpoints into `dir` after the first step `when` names, then stops.
+Checkpoint TrainAndCheckpoint(const std::string& dir, const KeelConfig& config = CheckpointConfig(),
+                              const CheckpointWhen& when = MidMigration) {
   LocalCommunicatorGroup group(kRanks);
   LocalFabric fabric(kRanks);
   std::vector<RankBuffers> buffers(kRanks);
@@ -60,18 +70,13 @@ Checkpoint TrainAndCheckpoint(const std::string& dir) {
       std::unique_ptr<Communicator> communicator = group.Join(r);
       RunHooks hooks;
       hooks.after_step = [&, r](Engine& engine, int step) -> Result<bool> {
-        // A migration starts at the same StepEnd on every rank, so every rank stops together.
-        const bool in_flight = engine.stats().migration_in_flight;
-        const bool wanted = in_flight && engine.epoch() > 0;
-        if (step < kFirstCheckpointStep || (!wanted && step < kLastCheckpointStep)) {
-          return false;
-        }
+        if (!when(engine, step)) return false;
         KEEL_RETURN_IF_ERROR(engine.SaveExperts(dir));
         if (r == 0) {
           KEEL_RETURN_IF_ERROR(
               WriteFileAtomically(dir + kStateFile, EngineStateToJson(engine.SaveState())));
         }
-        taken[r] = {step, in_flight, engine.epoch()};
+        taken[r] = {step, engine.stats().migration_in_flight, engine.epoch()};
         return true;
       };
       records[r].status = RunRank(config, kSteps, *communicator, &fabric, buffers[r], records[r],
@@ -88,8 +93,8 @@ Checkpoint TrainAndCheckpoint(const std::string& dir) {
 
 // The resumed half: new engines restore the state, load the experts and train steps
 // [checkpoint + 1, kSteps); every copy must then hold the reference of kSteps steps.
-void ResumeAndCheck(const std::string& dir, int checkpoint_step, int64_t epoch) {
-  const KeelConfig config = CheckpointConfig();
+void ResumeAndCheck(const std::string& dir, int checkpoint_step, int64_t epoch,
+                    const KeelConfig& config = CheckpointConfig()) {
   Result<std::string> text = ReadFile(dir + kStateFile);
   ASSERT_TRUE(text.ok()) << text.status().ToString();
   Result<EngineState> state = EngineStateFromJson(*text);
@@ -173,6 +178,28 @@ TEST(CheckpointTest, MidMigrationCheckpointResumesBitExact) {
   ASSERT_EQ(waitpid(child, &status, 0), child);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
       << "the resumed run failed (wait status " << status << "); its output is above";
+  std::filesystem::remove_all(dir);
+}
+
+// With policy.keel.shard_experts the state carries every layer's shard counts: a checkpoint taken
+// while the hot experts are sharded resumes in new engines (created with no sharded expert) with
+// the same shards, each shard's slice in its own file, and training goes on exactly (the resumed
+// run joins the shards again as the load drifts).
+TEST(CheckpointTest, ShardedExpertsResumeExactly) {
+  KeelConfig config = TestConfig("keel");
+  config.policy.keel.shard_experts = true;
+  config.cost_model.expert_ffn_size = 8192;
+  const std::string dir = FreshFolder("sharded");
+  const Checkpoint taken = TrainAndCheckpoint(dir, config, [](Engine& engine, int step) {
+    return step >= 2 && engine.placement(0).num_experts > kExperts;
+  });
+  ASSERT_GE(taken.step, 2) << "layer 0 was never sharded";
+  const EngineState state = EngineStateFromJson(ReadFile(dir + kStateFile).value()).value();
+  ASSERT_EQ(state.shards.size(), static_cast<size_t>(kLayers));
+  EXPECT_EQ(state.shards[0][0], 2);
+  EXPECT_TRUE(std::filesystem::exists(dir + "/layer-0/expert-0.shard-1-of-2.bin"));
+  EXPECT_TRUE(std::filesystem::exists(dir + "/layer-0/expert-1.bin"));
+  ResumeAndCheck(dir, taken.step, taken.epoch, config);
   std::filesystem::remove_all(dir);
 }
 
@@ -263,6 +290,11 @@ TEST(CheckpointTest, StateRoundTripsAndBadJsonIsRefusedByField) {
   EXPECT_EQ(back->epoch, 7);
   EXPECT_EQ(back->phy2log, state.phy2log);
   EXPECT_EQ(back->home, state.home);
+  EXPECT_TRUE(back->shards.empty());
+  state.shards = {{1, 2, 1}, {1, 1, 1}};
+  back = EngineStateFromJson(EngineStateToJson(state));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->shards, state.shards);
   const std::pair<const char*, const char*> bad[] = {
       {"[]", "not a JSON object"},
       {R"({"epoch": 1, "phy2log": [], "home": []})", "keel_engine_state must be 1"},
@@ -272,6 +304,11 @@ TEST(CheckpointTest, StateRoundTripsAndBadJsonIsRefusedByField) {
        "phy2log[0][1] must be an integer >= -1, got \"x\""},
       {R"({"keel_engine_state": 1, "epoch": 0, "phy2log": [[0]], "home": []})",
        "phy2log has 1 layers, home 0"},
+      {R"({"keel_engine_state": 1, "epoch": 0, "phy2log": [[0]], "home": [[0]], "shards": 2})",
+       "shards must be an array per layer, as phy2log is"},
+      {R"({"keel_engine_state": 1, "epoch": 0, "phy2log": [[0]], "home": [[0]],
+           "shards": [[1, -3]]})",
+       "shards[0][1] must be an integer >= -1, got -3"},
   };
   for (const auto& [text, message] : bad) {
     Result<EngineState> parsed = EngineStateFromJson(text);

@@ -10,6 +10,7 @@
 //   --marks DIR        rank 0 creates DIR/step.<step> after each StepEnd, for a script that
 //                      cuts a link at a given step
 //   --expect-abort     at least one epoch must abort, and a later one commit
+//   --sharded          shard experts as ToyShardedExperts says (the shards train their slices)
 #include <mpi.h>
 
 #include <chrono>
@@ -39,6 +40,7 @@ struct Flags {
   double step_seconds = 0;
   std::string marks;
   bool expect_abort = false;
+  bool sharded = false;
 };
 
 Status Main(const std::string& policy, int steps, const std::string& memory, const Flags& flags) {
@@ -59,6 +61,7 @@ Status Main(const std::string& policy, int steps, const std::string& memory, con
   RankBuffers buffers;
   RankRecord record;
   RunHooks hooks;
+  if (flags.sharded) hooks.sharded_experts = ToyShardedExperts();
   std::optional<int64_t> committed_at_abort;  // epochs committed when the first one aborted
   hooks.after_step = [&](Engine& engine, int step) -> Result<bool> {
     const EngineStats stats = engine.stats();
@@ -118,6 +121,10 @@ int main(int argc, char** argv) {
   for (int i = 4; i < argc; ++i) {
     const std::string flag = argv[i];
     const char* value = i + 1 < argc ? argv[i + 1] : "";
+    if (flag == "--sharded") {
+      flags.sharded = true;
+      continue;
+    }
     if (flag == "--expect-abort") {
       flags.expect_abort = true;
       continue;

@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -62,7 +63,7 @@ std::shared_ptr<DeviceMemory> RankMemory(Memory memory) {
 
 TrainingRun RunAll(const KeelConfig& config, int steps, Memory memory,
                    const std::function<void(LocalFabric&)>& before = nullptr,
-                   Metrics* metrics = nullptr) {
+                   Metrics* metrics = nullptr, const RunHooks& hooks = {}) {
   LocalCommunicatorGroup group(kRanks);
   LocalFabric fabric(kRanks);
   if (before) before(fabric);
@@ -74,7 +75,7 @@ TrainingRun RunAll(const KeelConfig& config, int steps, Memory memory,
     threads.emplace_back([&, r] {
       std::unique_ptr<Communicator> communicator = group.Join(r);
       run.records[r].status = RunRank(config, steps, *communicator, &fabric, run.buffers[r],
-                                      run.records[r], metrics, RankMemory(memory));
+                                      run.records[r], metrics, RankMemory(memory), hooks);
     });
   }
   for (auto& t : threads) t.join();
@@ -166,6 +167,77 @@ TEST_P(EngineMemoryTest, KeelPolicySwitchesEpochsTogetherAndLosesNoUpdate) {
   }
   EXPECT_GE(run.records[0].stats.epochs_committed, 1) << "the skewed load should move experts";
   EXPECT_GT(run.records[0].stats.bytes_moved, 0u);
+  ExpectRoutingAgrees(run, kSteps);
+  ExpectMatchesReference(run, ComputeReference(kSteps));
+}
+
+// Layer 0 shards its expert 0 over 2 ranks, layer 1 its expert 3 over all 4: every entry reaches
+// each shard once, each shard trains its words of the expert exactly as the whole expert would,
+// and the keel policy places, replicates and moves shards as experts of their own.
+TEST_P(EngineMemoryTest, ShardedExpertsTrainTheirSlicesExactlyWhileShardsMove) {
+  constexpr int kSteps = 24;
+  RunHooks hooks;
+  hooks.sharded_experts = ToyShardedExperts();
+  TrainingRun run = RunAll(TestConfig("keel"), kSteps, GetParam(), nullptr, nullptr, hooks);
+  for (const RankRecord& record : run.records) {
+    ASSERT_TRUE(record.status.ok()) << record.status.ToString();
+  }
+  for (int r = 1; r < kRanks; ++r) {
+    EXPECT_EQ(run.records[r].epoch_after_step, run.records[0].epoch_after_step) << "rank " << r;
+    EXPECT_EQ(run.records[r].final_placements, run.records[0].final_placements);
+  }
+  const std::vector<LayerPlacement>& layouts = run.records[0].final_layouts;
+  ASSERT_EQ(layouts.size(), 2u);
+  EXPECT_EQ(layouts[0].num_experts, kExperts + 1);
+  EXPECT_EQ(layouts[1].num_experts, kExperts + 3);
+  EXPECT_EQ(layouts[1].unit_expert[3], 3);
+  EXPECT_EQ(layouts[1].unit_shard[5], 2);
+  EXPECT_EQ(layouts[1].unit_shards[6], 4);
+  EXPECT_EQ(layouts[1].unit_expert[7], 4);
+  EXPECT_GE(run.records[0].stats.epochs_committed, 1) << "the skewed load should move units";
+  // Some shard now lives (or has copies) in other slots than it started in.
+  int moved_shards = 0;
+  for (int l = 0; l < kLayers; ++l) {
+    const LayerPlacement& first = run.records[0].initial_layouts[l];
+    for (int unit = 0; unit < layouts[l].num_experts; ++unit) {
+      if (layouts[l].unit_shards[unit] == 1) continue;
+      const auto slots_of = [unit](const LayerPlacement& p) {
+        std::vector<int> slots;
+        for (size_t s = 0; s < p.phy2log.size(); ++s) {
+          if (p.phy2log[s] == unit) slots.push_back(static_cast<int>(s));
+        }
+        return slots;
+      };
+      if (slots_of(first) != slots_of(layouts[l])) ++moved_shards;
+    }
+  }
+  EXPECT_GT(moved_shards, 0);
+  ExpectRoutingAgrees(run, kSteps);
+  ExpectMatchesReference(run, ComputeReference(kSteps));
+}
+
+// policy.keel.shard_experts: the keel policy shards the hot experts (the toy's rows are few
+// against the cost model's 4 MiB experts, so sharding is cheaper than replicating) and joins
+// them again as the load drifts; every shard's words of its expert, and every home's optimizer
+// state, stay exact through the cuts and joins.
+TEST_P(EngineMemoryTest, KeelPolicyReshardsHotExpertsAndLosesNoUpdate) {
+  constexpr int kSteps = 24;
+  KeelConfig config = TestConfig("keel");
+  config.policy.keel.shard_experts = true;
+  config.cost_model.expert_ffn_size = 8192;  // the cost model's expert: 4 MiB of weights
+  TrainingRun run = RunAll(config, kSteps, GetParam());
+  for (const RankRecord& record : run.records) {
+    ASSERT_TRUE(record.status.ok()) << record.status.ToString();
+  }
+  for (int r = 1; r < kRanks; ++r) {
+    EXPECT_EQ(run.records[r].epoch_after_step, run.records[0].epoch_after_step) << "rank " << r;
+    EXPECT_EQ(run.records[r].final_placements, run.records[0].final_placements);
+    EXPECT_EQ(run.records[r].stats.reshards, run.records[0].stats.reshards);
+  }
+  // Each layer's hot expert is sharded at the first replan and joined again once the drift has
+  // cooled it below the mean rank's rows.
+  EXPECT_GE(run.records[0].stats.reshards, 4);
+  EXPECT_GE(run.records[0].stats.epochs_committed, 1);
   ExpectRoutingAgrees(run, kSteps);
   ExpectMatchesReference(run, ComputeReference(kSteps));
 }
@@ -684,6 +756,153 @@ TEST(EngineTest, StepsRefuseSlotsThatAreNotRegistered) {
               std::string::npos)
         << status.ToString();
   }
+}
+
+// Runs `body(rank, engine)` on two thread-ranks of a static engine of one layer with
+// `sharded` experts and `slots` persistent slots per rank; a failed creation is `body`'s status.
+void ShardedOnTwoRanks(int slots, const std::vector<ShardedExpert>& sharded,
+                       const std::function<void(int, Result<std::unique_ptr<Engine>>&)>& body,
+                       const ShardLayout& layout = {}) {
+  std::unique_ptr<LocalGroup> group = MakeGroup(2);
+  KeelConfig config = TestConfig("static");
+  config.topology.gpus_per_node = 2;
+  config.slots.persistent_per_rank = slots;
+  config.slots.transient_per_rank = 0;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      auto communicator = testing::ValueOrDie(group->Join(r));
+      EngineOptions options = SmallOptions(config, 1, communicator.get(), group.get());
+      options.sharded_experts = sharded;
+      options.shard_layout = layout;
+      Result<std::unique_ptr<Engine>> engine = Engine::Create(options);
+      body(r, engine);
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+}
+
+TEST(EngineTest, ShardedExpertOptionsAreCheckedAndNamed) {
+  const struct {
+    int slots;
+    std::vector<ShardedExpert> sharded;
+    std::string message;
+  } cases[] = {
+      {5, {{0, 9, 2}}, "sharded_experts[0].expert = 9 is not in [0, 8)"},
+      {5, {{3, 0, 2}}, "sharded_experts[0].layer = 3 is not in [0, 1)"},
+      {5, {{0, 0, 3}}, "sharded_experts[0].shards = 3 is not in [2, topology.gpus_per_node = 2]"},
+      {5, {{0, 0, 2}, {0, 0, 2}}, "sharded_experts[1] shards layer 0 expert 0 a second time"},
+      {4, {{0, 0, 2}}, "layer 0: expert 0's shard 1 of 2 finds no empty or replica slot"},
+  };
+  const auto expect_refused = [](const std::string& message) {
+    return [message](int, Result<std::unique_ptr<Engine>>& engine) {
+      ASSERT_FALSE(engine.ok()) << message;
+      EXPECT_NE(engine.status().message().find(message), std::string::npos)
+          << engine.status().ToString();
+    };
+  };
+  for (const auto& c : cases) ShardedOnTwoRanks(c.slots, c.sharded, expect_refused(c.message));
+  // The layout must cover each 8-byte region, and a shard count must divide its tensors.
+  ShardLayout short_layout;
+  short_layout.weights = {{2, 2, 1, false}};
+  ShardedOnTwoRanks(5, {},
+                    expect_refused("shard_layout.weights covers 4 bytes, but the shape's "
+                                   "region has 8"),
+                    short_layout);
+  ShardLayout one_row;
+  one_row.optimizer = {{1, 8, 1, false}};
+  ShardedOnTwoRanks(5, {{0, 0, 2}},
+                    expect_refused("sharded_experts[0].shards = 2 does not divide every tensor"),
+                    one_row);
+  one_row.optimizer[0].split_columns = true;  // 8 columns divide in 2
+  ShardedOnTwoRanks(
+      5, {{0, 0, 2}},
+      [](int, Result<std::unique_ptr<Engine>>& engine) {
+        EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+      },
+      one_row);
+}
+
+TEST(EngineTest, ShardedExpertRoutesEveryEntryToBothShards) {
+  ShardedOnTwoRanks(5, {{0, 1, 2}}, [](int rank, Result<std::unique_ptr<Engine>>& created) {
+    ASSERT_TRUE(created.ok()) << created.status().ToString();
+    Engine& engine = **created;
+    // Expert 1's home is rank 0 (slot 1); its shard 1 takes rank 1's free slot (local 4).
+    const LayerPlacement placement = engine.placement(0);
+    EXPECT_EQ(placement.num_experts, kExperts + 1);
+    EXPECT_EQ(placement.phy2log[1], 1);
+    EXPECT_EQ(placement.phy2log[9], 2);
+    EXPECT_EQ(placement.home[2], 1);
+    EXPECT_EQ(placement.unit_expert[2], 1);
+    EXPECT_EQ(placement.unit_expert[3], 2);
+    std::vector<std::vector<std::byte>> buffers(engine.local_slots(), std::vector<std::byte>(8));
+    for (int i = 0; i < engine.local_slots(); ++i) {
+      auto* b = buffers[i].data();
+      ASSERT_TRUE(engine.RegisterSlot(0, i, {b, b, b}).ok());
+    }
+    const std::vector<HomeSlot> homes = engine.HomeSlots(0);
+    const auto shard_home =
+        std::find_if(homes.begin(), homes.end(), [](const HomeSlot& h) { return h.expert == 1; });
+    ASSERT_NE(shard_home, homes.end());
+    EXPECT_EQ(shard_home->shard, rank);
+    EXPECT_EQ(shard_home->shards, 2);
+    EXPECT_EQ(shard_home->local_slot, rank == 0 ? 1 : 4);
+
+    const std::vector<int32_t> ids = {1, 0, 5, 1, -1, 1};  // 3 tokens, top-2
+    EXPECT_EQ(engine.RouteCounts(0, std::vector<int32_t>(kExperts, 1)).status().code(),
+              StatusCode::kFailedPrecondition);
+    auto route = engine.Route(0, ids);
+    ASSERT_TRUE(route.ok()) << route.status().ToString();
+    EXPECT_EQ(route->row_entry, (std::vector<int32_t>{0, 0, 1, 2, 3, 3, 4, 5, 5}));
+    EXPECT_EQ(route->slot, (std::vector<int32_t>{1, 9, 0, 6, 1, 9, -1, 1, 9}));
+    EXPECT_EQ(route->send_counts, (std::vector<int64_t>{4, 4}));
+    // Rank 1's local slot 4 holds shard 1 of expert 1 and gets each rank's 3 rows of it.
+    if (rank == 1) {
+      EXPECT_EQ(route->local_experts[4], 1);
+      EXPECT_EQ(route->local_shard[4], 1);
+      EXPECT_EQ(route->local_shards[4], 2);
+      EXPECT_EQ(route->recv_counts[0 * engine.local_slots() + 4], 3);
+      EXPECT_EQ(route->recv_counts[1 * engine.local_slots() + 4], 3);
+    } else {
+      EXPECT_EQ(route->local_shard[1], 0);
+      EXPECT_EQ(route->local_shards[1], 2);
+      EXPECT_EQ(route->local_shards[0], 1);
+    }
+    const Status planned = engine.PlanSequences(0, std::vector<SequenceRouting>{}).status();
+    EXPECT_TRUE(planned.ok()) << planned.ToString();
+    SequenceRouting sequence;
+    sequence.tokens = 1;
+    sequence.expert_rows.assign(kExperts, 0);
+    const Status refused = engine.PlanSequences(0, std::vector<SequenceRouting>{sequence}).status();
+    EXPECT_NE(refused.message().find("layer 0 has sharded experts"), std::string::npos)
+        << refused.ToString();
+  });
+}
+
+// A state carries the shards: restored into engines made without any, it brings its units back;
+// shard counts outside the node are refused by name.
+TEST(EngineTest, RestoreStateBringsBackTheShards) {
+  EngineState sharded_state;
+  ShardedOnTwoRanks(5, {{0, 1, 2}}, [&](int rank, Result<std::unique_ptr<Engine>>& created) {
+    ASSERT_TRUE(created.ok()) << created.status().ToString();
+    if (rank == 0) sharded_state = (*created)->SaveState();
+  });
+  ASSERT_EQ(sharded_state.shards.size(), 1u);
+  EXPECT_EQ(sharded_state.shards[0][1], 2);
+  ShardedOnTwoRanks(5, {}, [&](int, Result<std::unique_ptr<Engine>>& created) {
+    ASSERT_TRUE(created.ok()) << created.status().ToString();
+    Engine& engine = **created;
+    EngineState bad = sharded_state;
+    bad.shards[0][3] = 3;
+    EXPECT_NE(engine.RestoreState(bad).message().find(
+                  "engine state layer 0: shards[3] = 3 is not in [1, topology.gpus_per_node = 2]"),
+              std::string::npos);
+    ASSERT_TRUE(engine.RestoreState(sharded_state).ok());
+    const LayerPlacement placement = engine.placement(0);
+    EXPECT_EQ(placement.num_experts, kExperts + 1);
+    EXPECT_EQ(placement.unit_shards[2], 2);
+    EXPECT_EQ(engine.SaveState().shards, sharded_state.shards);
+  });
 }
 
 TEST(EngineTest, RouteCountsRejectsBadCountsNamingThem) {

@@ -3,6 +3,7 @@
 // of any number of steps is known without the engine, whatever the placement did.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -65,6 +66,25 @@ inline std::vector<int32_t> RouterIds(int step, int rank, int layer) {
 // A row routed to expert e adds this to its gradient, whichever copy computes it.
 inline int64_t RowGradient(int layer, int expert, int word) {
   return 1000 * (layer + 1) + 37 * expert + word + 1;
+}
+
+// A sharded expert's shard j of s holds the expert's words [j * W / s, (j + 1) * W / s) first in
+// its slot (W = kWeightWords); the rest of the slot is unused (zero, or what a reshard left). A
+// row routed to the shard adds the expert's row gradient of those words.
+// The sharded experts of the sharded runs: layer 0's expert 0 over 2 ranks, layer 1's expert 3
+// over all 4.
+inline std::vector<ShardedExpert> ToyShardedExperts() { return {{0, 0, 2}, {1, 3, 4}}; }
+
+struct UnitWords {
+  int expert = -1;
+  int first = 0;  // the expert's first word in this unit
+  int count = 0;  // words of the expert this unit holds
+};
+inline UnitWords WordsOfUnit(const LayerPlacement& placement, int unit) {
+  if (unit < 0) return {};
+  const int shards = placement.unit_shards[unit];
+  const int count = kWeightWords / shards;
+  return {placement.unit_expert[unit], placement.unit_shard[unit] * count, count};
 }
 
 // The toy optimizer: weights and an accumulated state, both exact functions of the gradient.
@@ -159,7 +179,9 @@ struct RankRecord {
   // [step][layer] (rows this rank sent to each physical slot) and its recv_counts.
   std::vector<std::vector<std::map<int, int64_t>>> sent;
   std::vector<std::vector<std::vector<int64_t>>> recv;
-  std::vector<Placement> final_placements;
+  std::vector<Placement> final_placements;      // over units
+  std::vector<LayerPlacement> final_layouts;    // the same, as the engine answers it
+  std::vector<LayerPlacement> initial_layouts;  // as the run started
   EngineStats stats;
   Status status;
   int local_slots = 0;
@@ -191,8 +213,9 @@ inline EngineOptions ToyOptions(const KeelConfig& config, Communicator& communic
 // Where a run starts and what it does around its steps, for the checkpoint tests: RunRank
 // calls `before_fill` after creating the engine (RestoreState goes there), `after_register` once
 // the slots are filled and registered (LoadExperts), and `after_step` after each StepEnd (true:
-// stop after this step).
+// stop after this step). `sharded_experts` go to the engine's options.
 struct RunHooks {
+  std::vector<ShardedExpert> sharded_experts;
   int first_step = 0;
   std::function<Status(Engine&)> before_fill;
   std::function<Status(Engine&)> after_register;
@@ -213,6 +236,7 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
   options.shape.memory = device != nullptr ? MemoryKind::kDevice : MemoryKind::kHost;
   options.device_memory = device;
   options.transport = transport.get();
+  options.sharded_experts = hooks.sharded_experts;
   // Declared before the engine, which it outlives.
   SlotMemory slots(device, mine);
   KEEL_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, EngineFactory::Create(options, metrics));
@@ -221,6 +245,7 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
   const int slots_per_rank = engine->slots_per_rank();
   record.local_slots = local_slots;
   record.slots_per_rank = slots_per_rank;
+  for (int l = 0; l < kLayers; ++l) record.initial_layouts.push_back(engine->placement(l));
   const size_t regions = static_cast<size_t>(kLayers) * local_slots;
   mine.weights.assign(regions, std::vector<float>(kWeightWords));
   mine.gradients.assign(regions, std::vector<int64_t>(kWeightWords));
@@ -229,9 +254,11 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
     for (int i = 0; i < local_slots; ++i) {
       const size_t index = static_cast<size_t>(l) * local_slots + i;
       if (i < slots_per_rank) {
-        const int expert = engine->placement(l).expert_at(rank * slots_per_rank + i);
-        for (int j = 0; j < kWeightWords; ++j) {
-          mine.weights[index][j] = expert < 0 ? 0.0f : static_cast<float>(expert * 100 + j);
+        const LayerPlacement placement = engine->placement(l);
+        const UnitWords unit =
+            WordsOfUnit(placement, placement.expert_at(rank * slots_per_rank + i));
+        for (int j = 0; j < unit.count; ++j) {
+          mine.weights[index][j] = static_cast<float>(unit.expert * 100 + unit.first + j);
         }
       }
       KEEL_ASSIGN_OR_RETURN(const SlotBuffers slot, slots.Buffers(index, i < slots_per_rank));
@@ -252,39 +279,65 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
     for (int l = 0; l < kLayers; ++l) {
       const std::vector<int32_t> ids = RouterIds(step, rank, l);
       KEEL_ASSIGN_OR_RETURN(LayerRoute route, engine->Route(l, ids));
+      const LayerPlacement layout = engine->placement(l);
+      const auto entry_of = [&](size_t row) {
+        return route.row_entry.empty() ? row : static_cast<size_t>(route.row_entry[row]);
+      };
+      if (!route.row_entry.empty() && route.row_entry.size() != route.slot.size()) {
+        return Internal("row_entry and slot have different lengths");
+      }
       std::map<int, int64_t> sent;
       int64_t valid = 0;
-      for (size_t i = 0; i < ids.size(); ++i) {
-        if (ids[i] < 0) {
-          if (route.slot[i] != -1) return Internal("dropped choice got a slot");
+      for (size_t row = 0; row < route.slot.size(); ++row) {
+        if (ids[entry_of(row)] < 0) {
+          if (route.slot[row] != -1) return Internal("dropped choice got a slot");
           continue;
         }
         ++valid;
-        ++sent[route.slot[i]];
+        ++sent[route.slot[row]];
       }
       int64_t sent_total = 0;
       for (int64_t c : route.send_counts) sent_total += c;
-      if (sent_total != valid) return Internal("send_counts do not add up to the valid choices");
-      // Every routed choice lands on a copy of the expert it asked for.
-      KEEL_ASSIGN_OR_RETURN(const Placement placement, ToPlacement(engine->placement(l)));
-      for (size_t i = 0; i < ids.size(); ++i) {
-        const int slot = route.slot[i];
+      if (sent_total != valid) return Internal("send_counts do not add up to the valid rows");
+      // Every row lands on a copy of the expert its entry asked for, an entry of a sharded expert
+      // on each of its shards once, in shard order; transient slots are checked by their owners.
+      KEEL_ASSIGN_OR_RETURN(const Placement placement, ToPlacement(layout));
+      std::vector<int> rows_of_entry(ids.size(), 0);
+      for (size_t row = 0; row < route.slot.size(); ++row) {
+        const int slot = route.slot[row];
+        const size_t entry = entry_of(row);
+        const int shard = rows_of_entry[entry]++;
         if (slot < 0) continue;
         if (slot < placement.num_slots()) {
-          if (placement.expert_at(slot) != ids[i]) return Internal("slot holds another expert");
+          const int unit = placement.expert_at(slot);
+          if (layout.unit_expert[unit] != ids[entry] || layout.unit_shard[unit] != shard) {
+            return Internal("slot holds another expert or shard");
+          }
         } else if (slot >= placement.num_slots() + kRanks * engine->transient_per_rank()) {
           return Internal("slot out of range");
         }
       }
-      // The slot owner computes its rows: gradient = rows x the expert's row gradient.
+      std::vector<int> shards_of(kExperts, 1);
+      for (size_t u = 0; u < layout.unit_expert.size(); ++u) {
+        shards_of[layout.unit_expert[u]] = layout.unit_shards[u];
+      }
+      for (size_t entry = 0; entry < ids.size(); ++entry) {
+        if (rows_of_entry[entry] != (ids[entry] < 0 ? 1 : shards_of[ids[entry]])) {
+          return Internal("entry " + std::to_string(entry) + " has " +
+                          std::to_string(rows_of_entry[entry]) + " rows, not one per shard");
+        }
+      }
+      // The slot owner computes its rows: gradient = rows x the unit's row gradients.
       for (int src = 0; src < kRanks; ++src) {
         for (int i = 0; i < local_slots; ++i) {
           const int64_t rows = route.recv_counts[static_cast<size_t>(src) * local_slots + i];
           if (rows == 0) continue;
           const int expert = route.local_experts[i];
           if (expert < 0) return Internal("rows sent to an empty slot");
+          const int count = kWeightWords / route.local_shards[i];
+          const int first = route.local_shard[i] * count;
           int64_t* g = mine.gradients[static_cast<size_t>(l) * local_slots + i].data();
-          for (int j = 0; j < kWeightWords; ++j) g[j] += rows * RowGradient(l, expert, j);
+          for (int j = 0; j < count; ++j) g[j] += rows * RowGradient(l, expert, first + j);
         }
       }
       record.sent[step].push_back(std::move(sent));
@@ -311,7 +364,8 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
     }
   }
   for (int l = 0; l < kLayers; ++l) {
-    KEEL_ASSIGN_OR_RETURN(Placement placement, ToPlacement(engine->placement(l)));
+    record.final_layouts.push_back(engine->placement(l));
+    KEEL_ASSIGN_OR_RETURN(Placement placement, ToPlacement(record.final_layouts.back()));
     record.final_placements.push_back(std::move(placement));
   }
   for (size_t index = 0; index < regions; ++index) {
@@ -365,16 +419,23 @@ inline Status CheckAgainstReference(int rank, const RankBuffers& buffers, const 
     const Placement& p = record.final_placements[l];
     for (int i = 0; i < record.slots_per_rank; ++i) {
       const int slot = rank * record.slots_per_rank + i;
-      const int e = p.expert_at(slot);
-      if (e < 0) continue;
+      const int unit = p.expert_at(slot);
+      if (unit < 0) continue;
+      const UnitWords words = WordsOfUnit(record.final_layouts[l], unit);
+      const int e = words.expert;
       const size_t index = static_cast<size_t>(l) * record.local_slots + i;
       const std::string where = "rank " + std::to_string(rank) + " layer " + std::to_string(l) +
-                                " slot " + std::to_string(slot) + " expert " + std::to_string(e);
-      if (buffers.weights[index] != ref.weights[l * kExperts + e]) {
+                                " slot " + std::to_string(slot) + " expert " + std::to_string(e) +
+                                " words from " + std::to_string(words.first);
+      // The unit's words of the expert come first in the slot.
+      const auto differs = [&](const auto& have, const auto& want) {
+        return !std::equal(have.begin(), have.begin() + words.count, want.begin() + words.first);
+      };
+      if (differs(buffers.weights[index], ref.weights[l * kExperts + e])) {
         return Internal(where + ": weights differ from the reference");
       }
-      if (p.home(e) == rank && p.home_slot(e) == slot &&
-          buffers.optimizer[index] != ref.state[l * kExperts + e]) {
+      if (p.home(unit) == rank && p.home_slot(unit) == slot &&
+          differs(buffers.optimizer[index], ref.state[l * kExperts + e])) {
         return Internal(where + ": optimizer state differs from the reference");
       }
     }

@@ -12,23 +12,6 @@
 namespace keel {
 namespace {
 
-// Row bytes 2000 (hidden 1000 x 2 bytes), as many per token, top-2 rows per token, 8e6 parameters
-// per expert (weights 1.6e7 bytes, a home 1.12e8), 4.8e7 training FLOPs per row at 1e12 FLOP/s.
-CostModelConfig HandModel() {
-  CostModelConfig config;
-  config.expert_tflops = 1.0;
-  config.hidden_size = 1000;
-  config.expert_ffn_size = 4000;
-  config.expert_matrices = 2;
-  config.dtype_bytes = 2;
-  config.home_move_bytes_per_parameter = 14;
-  config.train_flops_multiplier = 3;
-  config.all_to_all_passes = 4;
-  config.replica_sync_passes = 2;
-  config.top_k = 2;
-  return config;
-}
-
 // Four experts; rank 0 routes 100 rows to expert 0 and 50 to expert 2, the others nothing.
 StepLoad OneBusyRank() {
   std::vector<double> traffic(4 * 4, 0.0);

@@ -59,6 +59,11 @@ def bad_inputs(rank: int, world: int) -> List[str]:
     expect_error(keel.InvalidArgumentError, lambda: kt.KeelMoE(
         kt.ffn_expert(8, 16), num_layers=1, num_experts=4, top_k=2,
         config=dict(config, policy={"name": "roundrobin"})))
+    # Sharded experts route an entry to every shard: only the C++ API carries those rows.
+    expect_error(keel.InvalidArgumentError, lambda: kt.KeelMoE(
+        kt.ffn_expert(8, 16), num_layers=1, num_experts=4, top_k=2,
+        config=dict(config, policy={"name": "keel", "keel": {"shard_experts": True,
+                                                            "transient_replicas": False}})))
     return messages
 
 
@@ -75,6 +80,7 @@ def test_bad_input_names_the_argument_and_value() -> None:
         "optimizer is SGD, but KeelMoE was created with optimizer='adam'",
         "topology.num_nodes x topology.gpus_per_node = 4 ranks, but the communicator has 1",
         "policy.name: roundrobin is not allowed",
+        "policy.keel.shard_experts = true routes an entry of a sharded expert to every shard",
     ]
     assert len(messages) == len(expected), messages
     for got, want in zip(messages, expected):
