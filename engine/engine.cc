@@ -77,7 +77,8 @@ std::string ShapeFingerprint(const EngineOptions& o, const KeelConfig& config) {
          std::to_string(o.shape.gradient_bytes) + " optimizer " +
          std::to_string(o.shape.optimizer_bytes) + " gradient type " +
          std::to_string(static_cast<int>(o.shape.gradient_type)) + " memory " +
-         std::to_string(static_cast<int>(o.shape.memory)) + ShardsFingerprint(o);
+         std::to_string(static_cast<int>(o.shape.memory)) + " mp " +
+         std::to_string(o.mp_group_size) + ShardsFingerprint(o);
 }
 
 }  // namespace
@@ -120,6 +121,12 @@ Status Engine::Impl::Init() {
     return InvalidArgument(
         "shape.gradient_bytes = " + std::to_string(options_.shape.gradient_bytes) +
         " must be a positive multiple of the gradient element size " + std::to_string(element));
+  }
+  if (options_.mp_group_size < 1 || config.topology.gpus_per_node % options_.mp_group_size != 0) {
+    return InvalidArgument("mp_group_size = " + std::to_string(options_.mp_group_size) +
+                           " does not divide topology.gpus_per_node = " +
+                           std::to_string(config.topology.gpus_per_node) +
+                           " (an MP group lives in one node)");
   }
   if (options_.top_k > options_.num_experts) {
     return InvalidArgument("top_k = " + std::to_string(options_.top_k) +

@@ -73,6 +73,12 @@ class Engine::Impl {
     return slot < num_slots() ? slot / slots_per_rank_
                               : (slot - num_slots()) / std::max(1, transient_per_rank_);
   }
+  // The tokens [begin, end) of `tokens` that this rank routes: its share in its MP group.
+  std::pair<int64_t, int64_t> Share(int64_t tokens) const {
+    const int64_t size = options_.mp_group_size;
+    const int64_t member = rank_ % size;
+    return {tokens * member / size, tokens * (member + 1) / size};
+  }
   int LocalOfPhysical(int slot) const {
     return slot < num_slots() ? slot % slots_per_rank_
                               : slots_per_rank_ + (slot - num_slots()) % transient_per_rank_;

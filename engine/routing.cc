@@ -71,6 +71,17 @@ Result<LayerRoute> Engine::Impl::Route(int layer, std::span<const int32_t> topk_
     return InvalidArgument("topk_ids has " + std::to_string(topk_ids.size()) +
                            " entries, not a multiple of top_k = " + std::to_string(options_.top_k));
   }
+  // In an MP group every member holds the same tokens and routes only its share of them.
+  const auto [share_begin, share_end] =
+      Share(static_cast<int64_t>(topk_ids.size()) / options_.top_k);
+  std::vector<int32_t> share_ids;
+  if (options_.mp_group_size > 1) {
+    share_ids.assign(topk_ids.size(), -1);
+    std::copy(topk_ids.begin() + share_begin * options_.top_k,
+              topk_ids.begin() + share_end * options_.top_k,
+              share_ids.begin() + share_begin * options_.top_k);
+    topk_ids = share_ids;
+  }
   std::vector<int32_t> mine(num_experts);
   int32_t invalid = 0;
   KEEL_RETURN_IF_ERROR(kernels::cpu::ExpertHistogram(
@@ -95,6 +106,8 @@ Result<LayerRoute> Engine::Impl::Route(int layer, std::span<const int32_t> topk_
   }
   KEEL_ASSIGN_OR_RETURN(LayerRoute route, PlanLayer(layer, mine));
   route.row_entry = std::move(row_entry);
+  route.share_begin = share_begin;
+  route.share_end = share_end;
   const kernels::QuotaTable quotas = kernels::MakeQuotaTable(
       route.copy_begin, route.copy_slot, route.copy_quota, route.slot_rank, num_ranks_);
   route.slot.resize(ids.size());

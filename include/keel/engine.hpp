@@ -62,6 +62,13 @@ struct EngineOptions {
   int num_layers = 1;   // in [1, 65536]
   int num_experts = 1;  // in [1, 65536]
   int top_k = 1;        // routing choices per token
+  // Parm's de-duplicated dispatch (docs/strategies.md): ranks [g * M, (g + 1) * M) form a
+  // tensor-parallel (MP) group that holds the same tokens and passes the same topk_ids to Route.
+  // Each member routes and dispatches only its share of them (LayerRoute::share_begin,
+  // share_end), and the trainer all-gathers the group's combined outputs afterwards, so no
+  // (token, k) travels twice. M must divide topology.gpus_per_node; 1: every rank routes all of
+  // its tokens.
+  int mp_group_size = 1;
   ExpertShape shape;
   // This rank's communicator (rank and size come from it); must outlive the engine.
   Communicator* communicator = nullptr;
@@ -154,6 +161,12 @@ struct LayerRoute {
   std::vector<int32_t> copy_quota;  // [num_copies]
   std::vector<int32_t> slot_rank;   // [num_slots + num_ranks * transient_per_rank]
   int64_t epoch = 0;                // the placement epoch this routing used
+  // The tokens [share_begin, share_end) of topk_ids this rank routes: member m of an MP group of
+  // M (EngineOptions::mp_group_size) takes [m * T / M, (m + 1) * T / M) of the T tokens; the
+  // other tokens' entries get slot -1. Without MP groups, every token. (Route only: RouteCounts
+  // leaves both 0.)
+  int64_t share_begin = 0;
+  int64_t share_end = 0;
 };
 
 // A slot of this rank that holds an expert's home: the trainer runs the optimizer there.
@@ -272,7 +285,8 @@ class Engine {
   Result<LayerRoute> Route(int layer, std::span<const int32_t> topk_ids);
 
   // Route for a trainer that counts and assigns its entries on the GPU (kernels/): it passes
-  // this rank's count per expert (kernels::gpu::ExpertHistogram), gets everything Route returns
+  // this rank's count per expert (kernels::gpu::ExpertHistogram; in an MP group, of its share's
+  // entries only), gets everything Route returns
   // except `slot` (empty), and assigns slots with kernels::gpu::RemapWithQuotas from the
   // returned quota table, which gives the same slots Route would. expert_counts: [num_experts]
   // int32, each >= 0. Collective like Route; a layer takes one of the two per step.

@@ -11,6 +11,7 @@
 //                      cuts a link at a given step
 //   --expect-abort     at least one epoch must abort, and a later one commit
 //   --sharded          shard experts as ToyShardedExperts says (the shards train their slices)
+//   --mp-group M       MP groups of M ranks hold the same tokens; each routes its share
 #include <mpi.h>
 
 #include <chrono>
@@ -41,6 +42,7 @@ struct Flags {
   std::string marks;
   bool expect_abort = false;
   bool sharded = false;
+  int mp_group_size = 1;
 };
 
 Status Main(const std::string& policy, int steps, const std::string& memory, const Flags& flags) {
@@ -62,6 +64,7 @@ Status Main(const std::string& policy, int steps, const std::string& memory, con
   RankRecord record;
   RunHooks hooks;
   if (flags.sharded) hooks.sharded_experts = ToyShardedExperts();
+  hooks.mp_group_size = flags.mp_group_size;
   std::optional<int64_t> committed_at_abort;  // epochs committed when the first one aborted
   hooks.after_step = [&](Engine& engine, int step) -> Result<bool> {
     const EngineStats stats = engine.stats();
@@ -135,6 +138,8 @@ int main(int argc, char** argv) {
       flags.step_seconds = std::atof(value);
     } else if (flag == "--marks") {
       flags.marks = value;
+    } else if (flag == "--mp-group") {
+      flags.mp_group_size = std::atoi(value);
     } else {
       std::fprintf(stderr, "engine_mpi: unknown flag %s\n", flag.c_str());
       MPI_Finalize();

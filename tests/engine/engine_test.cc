@@ -242,6 +242,31 @@ TEST_P(EngineMemoryTest, KeelPolicyReshardsHotExpertsAndLosesNoUpdate) {
   ExpectMatchesReference(run, ComputeReference(kSteps));
 }
 
+// Parm's de-duplicated dispatch: pairs of ranks pass the pair's tokens and each routes its half,
+// so every (token, k) is routed once, exactly the rows of the run without MP groups (static
+// placement: the routing depends on the counts alone), and training under the keel policy loses
+// no update.
+TEST_P(EngineMemoryTest, MpGroupsRouteEachTokenOnceAsWithoutThem) {
+  constexpr int kSteps = 6;
+  RunHooks pairs;
+  pairs.mp_group_size = 2;
+  TrainingRun plain = RunAll(TestConfig("static"), kSteps, GetParam());
+  TrainingRun shared = RunAll(TestConfig("static"), kSteps, GetParam(), nullptr, nullptr, pairs);
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_TRUE(plain.records[r].status.ok()) << plain.records[r].status.ToString();
+    ASSERT_TRUE(shared.records[r].status.ok()) << shared.records[r].status.ToString();
+    EXPECT_EQ(FlattenSent(shared.records[r]), FlattenSent(plain.records[r])) << "rank " << r;
+  }
+  constexpr int kKeelSteps = 24;
+  TrainingRun keel = RunAll(TestConfig("keel"), kKeelSteps, GetParam(), nullptr, nullptr, pairs);
+  for (const RankRecord& record : keel.records) {
+    ASSERT_TRUE(record.status.ok()) << record.status.ToString();
+  }
+  EXPECT_GE(keel.records[0].stats.epochs_committed, 1);
+  ExpectRoutingAgrees(keel, kKeelSteps);
+  ExpectMatchesReference(keel, ComputeReference(kKeelSteps));
+}
+
 TEST_P(EngineMemoryTest, AbortedEpochKeepsOldPlacementAndLosesNoUpdate) {
   constexpr int kSteps = 24;
   // The first data chunk between every pair of ranks arrives corrupted: the first epoch that
@@ -955,6 +980,16 @@ TEST(EngineTest, CreateRejectsBadOptionsNamingTheField) {
     auto engine = Engine::Create(bad);
     ASSERT_FALSE(engine.ok());
     EXPECT_NE(engine.status().ToString().find("num_experts = 2000000000 is more than 65536"),
+              std::string::npos)
+        << engine.status().ToString();
+  }
+  {
+    EngineOptions bad = options;
+    bad.mp_group_size = 2;
+    auto engine = Engine::Create(bad);
+    ASSERT_FALSE(engine.ok());
+    EXPECT_NE(engine.status().ToString().find(
+                  "mp_group_size = 2 does not divide topology.gpus_per_node = 1"),
               std::string::npos)
         << engine.status().ToString();
   }

@@ -45,15 +45,20 @@ if(KEEL_WITH_MPI AND KEEL_WITH_UCX AND KEEL_MPIRUN)
           TIMEOUT 180 PROCESSORS 2)
     endforeach()
   endforeach()
-  # Sharded experts across processes: shards placed, moved and trained over UCX shared memory.
-  add_test(NAME engine.mpirun_keel_ucx_sm_sharded
-           COMMAND ${KEEL_MPIRUN} -np 4 --oversubscribe --mca btl self,vader --mca pml ob1
-                   --mca oob_tcp_if_include lo --mca btl_tcp_if_include lo -x UCX_TLS
-                   -x LSAN_OPTIONS -x ASAN_OPTIONS $<TARGET_FILE:keel_engine_mpi> keel 24 host
-                   --sharded)
-  set_tests_properties(engine.mpirun_keel_ucx_sm_sharded PROPERTIES
-      ENVIRONMENT "UCX_TLS=sm;${_engine_lsan};OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
-      TIMEOUT 180 PROCESSORS 2)
+  # Sharded experts, and MP pairs that route their shares (Parm's de-duplicated dispatch), across
+  # processes over UCX shared memory.
+  foreach(_variant sharded:--sharded mp2:--mp-group:2)
+    string(REPLACE ":" ";" _variant "${_variant}")
+    list(POP_FRONT _variant _suffix)
+    add_test(NAME engine.mpirun_keel_ucx_sm_${_suffix}
+             COMMAND ${KEEL_MPIRUN} -np 4 --oversubscribe --mca btl self,vader --mca pml ob1
+                     --mca oob_tcp_if_include lo --mca btl_tcp_if_include lo -x UCX_TLS
+                     -x LSAN_OPTIONS -x ASAN_OPTIONS $<TARGET_FILE:keel_engine_mpi> keel 24 host
+                     ${_variant})
+    set_tests_properties(engine.mpirun_keel_ucx_sm_${_suffix} PROPERTIES
+        ENVIRONMENT "UCX_TLS=sm;${_engine_lsan};OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
+        TIMEOUT 180 PROCESSORS 2)
+  endforeach()
   # Four hosts in network namespaces (MPI on a management network, UCX on a data network whose
   # link to host 1 is cut for 3 s mid-training); needs root, skips otherwise.
   add_test(NAME engine.netns_data_link_cut

@@ -213,9 +213,12 @@ inline EngineOptions ToyOptions(const KeelConfig& config, Communicator& communic
 // Where a run starts and what it does around its steps, for the checkpoint tests: RunRank
 // calls `before_fill` after creating the engine (RestoreState goes there), `after_register` once
 // the slots are filled and registered (LoadExperts), and `after_step` after each StepEnd (true:
-// stop after this step). `sharded_experts` go to the engine's options.
+// stop after this step). `sharded_experts` go to the engine's options; with `mp_group_size` M,
+// ranks [g * M, (g + 1) * M) hold the same tokens, those RouterIds gives ranks g * M to
+// (g + 1) * M - 1, and each member routes its share: the same rows as without MP groups.
 struct RunHooks {
   std::vector<ShardedExpert> sharded_experts;
+  int mp_group_size = 1;
   int first_step = 0;
   std::function<Status(Engine&)> before_fill;
   std::function<Status(Engine&)> after_register;
@@ -237,6 +240,7 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
   options.device_memory = device;
   options.transport = transport.get();
   options.sharded_experts = hooks.sharded_experts;
+  options.mp_group_size = hooks.mp_group_size;
   // Declared before the engine, which it outlives.
   SlotMemory slots(device, mine);
   KEEL_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, EngineFactory::Create(options, metrics));
@@ -277,8 +281,23 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
   for (int step = hooks.first_step; step < steps; ++step) {
     for (auto& g : mine.gradients) std::fill(g.begin(), g.end(), 0);
     for (int l = 0; l < kLayers; ++l) {
-      const std::vector<int32_t> ids = RouterIds(step, rank, l);
+      // This rank's tokens, or its MP group's, each member's in turn.
+      std::vector<int32_t> ids;
+      const int first = rank - rank % hooks.mp_group_size;
+      for (int member = first; member < first + hooks.mp_group_size; ++member) {
+        const std::vector<int32_t> own = RouterIds(step, member, l);
+        ids.insert(ids.end(), own.begin(), own.end());
+      }
       KEEL_ASSIGN_OR_RETURN(LayerRoute route, engine->Route(l, ids));
+      if (route.share_begin != static_cast<int64_t>(rank - first) * kTokens ||
+          route.share_end != route.share_begin + kTokens) {
+        return Internal("the share is not this member's tokens");
+      }
+      // The entries this rank routes: a chosen expert, in its share.
+      const auto routes = [&](size_t entry) {
+        const int64_t token = static_cast<int64_t>(entry / kTopK);
+        return ids[entry] >= 0 && token >= route.share_begin && token < route.share_end;
+      };
       const LayerPlacement layout = engine->placement(l);
       const auto entry_of = [&](size_t row) {
         return route.row_entry.empty() ? row : static_cast<size_t>(route.row_entry[row]);
@@ -289,8 +308,8 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
       std::map<int, int64_t> sent;
       int64_t valid = 0;
       for (size_t row = 0; row < route.slot.size(); ++row) {
-        if (ids[entry_of(row)] < 0) {
-          if (route.slot[row] != -1) return Internal("dropped choice got a slot");
+        if (!routes(entry_of(row))) {
+          if (route.slot[row] != -1) return Internal("a dropped or unshared choice got a slot");
           continue;
         }
         ++valid;
@@ -322,7 +341,7 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
         shards_of[layout.unit_expert[u]] = layout.unit_shards[u];
       }
       for (size_t entry = 0; entry < ids.size(); ++entry) {
-        if (rows_of_entry[entry] != (ids[entry] < 0 ? 1 : shards_of[ids[entry]])) {
+        if (rows_of_entry[entry] != (routes(entry) ? shards_of[ids[entry]] : 1)) {
           return Internal("entry " + std::to_string(entry) + " has " +
                           std::to_string(rows_of_entry[entry]) + " rows, not one per shard");
         }
