@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -307,6 +308,11 @@ class PythonEngine {
       return ValueOrThrow(
           e.Route(layer, {Address<const int32_t>(topk_ids), static_cast<size_t>(num_entries)}));
     }();
+    if (value.slot.size() != static_cast<size_t>(num_entries)) {
+      throw StatusError(Internal("the route of layer " + std::to_string(layer) + " has " +
+                                 std::to_string(value.slot.size()) + " rows for " +
+                                 std::to_string(num_entries) + " entries"));
+    }
     if (num_entries > 0) {
       std::memcpy(Address<int32_t>(slot_out), value.slot.data(),
                   value.slot.size() * sizeof(int32_t));
@@ -340,6 +346,13 @@ class PythonEngine {
   void RestoreState(const std::string& json) {
     Result<EngineState> state = EngineStateFromJson(json);
     ThrowIfError(state.status());
+    for (const std::vector<int32_t>& layer : state->shards) {
+      if (std::any_of(layer.begin(), layer.end(), [](int32_t shards) { return shards > 1; })) {
+        throw StatusError(
+            InvalidArgument("the state has sharded experts, whose routes need the C++ API "
+                            "(LayerRoute::row_entry); Python routes one row per entry"));
+      }
+    }
     Engine& e = engine();
     py::gil_scoped_release release;
     ThrowIfError(e.RestoreState(*state));

@@ -5,6 +5,7 @@ the engine state and the experts loads into a new engine."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any, Dict, List
@@ -51,6 +52,10 @@ def bad_inputs(rank: int, world: int) -> List[str]:
     messages.append(f"ok {list(out.shape)}")
     expect_error(keel.InvalidArgumentError, lambda: moe.attach(torch.optim.SGD(
         moe.parameters(), lr=0.1)))
+    # A state with sharded experts would route more rows than entries: refused before it is used.
+    state = json.loads(moe.engine.save_state())
+    state["shards"] = [[1, 2, 1, 1]]
+    expect_error(keel.InvalidArgumentError, lambda: moe.engine.restore_state(json.dumps(state)))
     moe.close()
     # A config whose ranks differ from the group's.
     four = dict(config, topology={"num_nodes": 1, "gpus_per_node": 4})
@@ -78,6 +83,7 @@ def test_bad_input_names_the_argument_and_value() -> None:
         "topk_ids[7] = 9 is not an expert id in [0, 4) or -1",
         "ok [5, 8]",
         "optimizer is SGD, but KeelMoE was created with optimizer='adam'",
+        "the state has sharded experts, whose routes need the C++ API",
         "topology.num_nodes x topology.gpus_per_node = 4 ranks, but the communicator has 1",
         "policy.name: roundrobin is not allowed",
         "policy.keel.shard_experts = true routes an entry of a sharded expert to every shard",
