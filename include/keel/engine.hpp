@@ -286,10 +286,10 @@ class Engine {
 
   // Route for a trainer that counts and assigns its entries on the GPU (kernels/): it passes
   // this rank's count per expert (kernels::gpu::ExpertHistogram; in an MP group, of its share's
-  // entries only), gets everything Route returns
-  // except `slot` (empty), and assigns slots with kernels::gpu::RemapWithQuotas from the
-  // returned quota table, which gives the same slots Route would. expert_counts: [num_experts]
-  // int32, each >= 0. Collective like Route; a layer takes one of the two per step.
+  // entries only), gets everything Route returns except `slot` (empty), and assigns slots with
+  // kernels::gpu::RemapWithQuotas from the returned quota table, which gives the same slots Route
+  // would. expert_counts: [num_experts] int32, each >= 0. Collective like Route; a layer takes
+  // one of the two per step.
   Result<LayerRoute> RouteCounts(int layer, std::span<const int32_t> expert_counts);
 
   // Collective, after the backward of every layer and before the optimizer. If an epoch's
