@@ -144,10 +144,6 @@ Status Engine::Impl::RestoreState(const EngineState& state) {
   std::vector<Placement> restored;
   std::vector<ShardMap> units;
   const int per_node = context_->topology.gpus_per_node();
-  const std::vector<ShardedTensor> weights =
-      RegionTensors(options_.shard_layout.weights, options_.shape.weight_bytes);
-  const std::vector<ShardedTensor> optimizer =
-      RegionTensors(options_.shard_layout.optimizer, options_.shape.optimizer_bytes);
   for (int l = 0; l < layers; ++l) {
     const std::string where = "engine state layer " + std::to_string(l) + ": ";
     std::vector<int> shards(options_.num_experts, 1);
@@ -163,7 +159,7 @@ Status Engine::Impl::RestoreState(const EngineState& state) {
               where + "shards[" + std::to_string(e) + "] = " + std::to_string(shards[e]) +
               " is not in [1, topology.gpus_per_node = " + std::to_string(per_node) + "]");
         }
-        if (!ShardsDivide(weights, shards[e]) || !ShardsDivide(optimizer, shards[e])) {
+        if (!ShardsFit(shards[e])) {
           return InvalidArgument(where + "shards[" + std::to_string(e) +
                                  "] = " + std::to_string(shards[e]) +
                                  " does not divide every tensor of shard_layout");

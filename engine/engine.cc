@@ -215,10 +215,8 @@ Status Engine::Impl::ShardExperts() {
   const int num_experts = options_.num_experts;
   const int per_node = context_->topology.gpus_per_node();
   KEEL_RETURN_IF_ERROR(CheckShardLayout(options_));
-  const std::vector<ShardedTensor> weights =
-      RegionTensors(options_.shard_layout.weights, options_.shape.weight_bytes);
-  const std::vector<ShardedTensor> optimizer =
-      RegionTensors(options_.shard_layout.optimizer, options_.shape.optimizer_bytes);
+  shard_weights_ = RegionTensors(options_.shard_layout.weights, options_.shape.weight_bytes);
+  shard_optimizer_ = RegionTensors(options_.shard_layout.optimizer, options_.shape.optimizer_bytes);
   std::vector<std::vector<int>> shards(num_layers, std::vector<int>(num_experts, 1));
   for (size_t i = 0; i < options_.sharded_experts.size(); ++i) {
     const ShardedExpert& s = options_.sharded_experts[i];
@@ -236,7 +234,7 @@ Status Engine::Impl::ShardExperts() {
                              " is not in [2, topology.gpus_per_node = " + std::to_string(per_node) +
                              "]");
     }
-    if (!ShardsDivide(weights, s.shards) || !ShardsDivide(optimizer, s.shards)) {
+    if (!ShardsFit(s.shards)) {
       return InvalidArgument(field + ".shards = " + std::to_string(s.shards) +
                              " does not divide every tensor of shard_layout (or the regions' "
                              "bytes)");

@@ -98,6 +98,14 @@ class Engine::Impl {
   std::vector<Placement> placements_;              // in force, over each layer's units
   std::vector<ShardMap> shards_;                   // [layer] its experts' units
   std::vector<std::string> reshard_refusals_;      // [layer] why its last reshard could not be
+  // The weights' and optimizer state's tensors as a shard cuts them (RegionTensors of
+  // options.shard_layout), set at creation.
+  std::vector<ShardedTensor> shard_weights_;
+  std::vector<ShardedTensor> shard_optimizer_;
+  // Whether `shards` shards can cut both regions.
+  bool ShardsFit(int shards) const {
+    return ShardsDivide(shard_weights_, shards) && ShardsDivide(shard_optimizer_, shards);
+  }
   EngineStats stats_;
 
  private:

@@ -17,8 +17,8 @@ Status Engine::Impl::ReshardExperts() {
   KEEL_ASSIGN_OR_RETURN(const StrategyModel curve,
                         StrategyModel::Create(context_->cost, config_.strategy));
   ShardChoiceOptions choice;
-  choice.weights = RegionTensors(options_.shard_layout.weights, options_.shape.weight_bytes);
-  choice.optimizer = RegionTensors(options_.shard_layout.optimizer, options_.shape.optimizer_bytes);
+  choice.weights = shard_weights_;
+  choice.optimizer = shard_optimizer_;
   choice.state_bytes = context_->cost.home_move_bytes();
   choice.payback_steps = config_.policy.keel.home_payback_horizon_steps;
   struct Change {
