@@ -86,6 +86,9 @@ monitor:
   per_expert: aggregated
 EOF
 
+# The log exists before the background replay opens it, so the polling below never reads a
+# missing file (under load the loop can run before the replay's redirection does).
+: >"$work/keel.err"
 "$keel" replay --trace synthetic --config "$work/keel.yaml" --serve-metrics 127.0.0.1:0 \
   --pace 0.05 --loop --serve-seconds 120 --quiet >"$work/keel.out" 2>"$work/keel.err" &
 keel_pid=$!
