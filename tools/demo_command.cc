@@ -96,11 +96,12 @@ struct DemoFlags {
   bool shard_experts = false;  // the keel policy shards or replicates per expert
 };
 
-// The two runs a demo compares: static against keel by default; with --sequence-migration the
+// The runs a demo compares: static against keel by default; with --sequence-migration the
 // keel policy without and with it; with --condense exact against condensed training; with
 // --strategy whole experts under the keel policy against the strategy's sharded ones; with --mp
-// Parm's dispatch without and with its de-duplication; with --shard-hot or --shard-experts the
-// keel policy without and with the engine's sharded experts.
+// Parm's dispatch without and with its de-duplication, then whole experts under the keel policy
+// without and with the engine's MP groups; with --shard-hot or --shard-experts the keel policy
+// without and with the engine's sharded experts.
 struct DemoRun {
   std::string name;
   std::string policy;
@@ -109,6 +110,7 @@ struct DemoRun {
   std::string strategy = "ep";
   bool parm_dedup = true;
   bool engine_shards = false;  // --shard-hot's experts, or policy.keel.shard_experts
+  int mp_group_size = 1;       // the engine's MP groups (EngineOptions::mp_group_size)
 };
 
 bool EngineShardMode(const DemoFlags& f) { return f.shard_hot > 0 || f.shard_experts; }
@@ -119,7 +121,10 @@ std::vector<DemoRun> DemoRuns(const DemoFlags& f) {
     return {{"exact", "keel"}, {"condensed", "keel", false, static_cast<float>(f.condense)}};
   }
   if (f.mp > 0) {
-    return {{"parm-all", "keel", false, 0, "parm", false}, {"parm", "keel", false, 0, "parm"}};
+    return {{"parm-all", "keel", false, 0, "parm", false},
+            {"parm", "keel", false, 0, "parm"},
+            {"keel", "keel"},
+            {"engine-mp", "keel", false, 0, "ep", true, false, f.mp}};
   }
   if (f.strategy != "ep") return {{"ep", "keel"}, {f.strategy, "keel", false, 0, f.strategy}};
   if (EngineShardMode(f)) return {{"ep", "keel"}, {"shards", "keel", false, 0, "ep", true, true}};
@@ -408,17 +413,33 @@ Result<ModeRun> RunThreads(const RankRunOptions& base, int ranks, DemoProgress* 
   return run;
 }
 
-// Runs both modes on this process's ranks; `communicator` is null for threads. Returns the
-// exit code.
-int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator* communicator) {
-  const bool mpi = communicator != nullptr;
-  const int ranks = mpi ? communicator->size() : flags.ranks;
-  const bool rank0 = !mpi || communicator->rank() == 0;
-  if (mpi && parser.IsSet("ranks") && flags.ranks != ranks) {
-    return Fail(InvalidArgument("--ranks " + std::to_string(flags.ranks) + " but mpirun started " +
-                                std::to_string(ranks) + " processes"));
-  }
+// What every run of one demo shares. Filled in place (SetUpDemo): the sequence gate refers to
+// the token gate.
+struct DemoSetup {
+  Communicator* communicator = nullptr;  // null: the ranks are threads of this process
+  int ranks = 0;
+  bool rank0 = true;
   DemoModelOptions model;
+  std::optional<TokenGate> gate;
+  KeelConfig config;
+  std::unique_ptr<Metrics> metrics;       // the exporter, in the aggregating rank's process
+  std::optional<SequenceGate> sequences;  // Luffy's runs
+  bool mpi() const { return communicator != nullptr; }
+};
+
+// The model, the gate (synthetic or --trace), the config, the exporter and Luffy's sequences
+// of a demo; prints what it will train.
+Status SetUpDemo(const DemoFlags& flags, const FlagParser& parser, Communicator* communicator,
+                 DemoSetup& setup) {
+  setup.communicator = communicator;
+  setup.ranks = setup.mpi() ? communicator->size() : flags.ranks;
+  setup.rank0 = !setup.mpi() || communicator->rank() == 0;
+  const int ranks = setup.ranks;
+  if (setup.mpi() && parser.IsSet("ranks") && flags.ranks != ranks) {
+    return InvalidArgument("--ranks " + std::to_string(flags.ranks) + " but mpirun started " +
+                           std::to_string(ranks) + " processes");
+  }
+  DemoModelOptions& model = setup.model;
   model.layers = flags.layers;
   model.experts = flags.experts;
   model.top_k = flags.top_k;
@@ -429,7 +450,6 @@ int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator*
   model.seed = flags.seed;
   model.adam.learning_rate = flags.learning_rate;
 
-  std::optional<TokenGate> gate;
   if (flags.trace_path.empty()) {
     SyntheticTraceOptions synthetic;
     synthetic.seed = flags.seed;
@@ -440,138 +460,147 @@ int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator*
     synthetic.tokens_per_source = flags.tokens;
     synthetic.top_k = flags.top_k;
     synthetic.zipf_exponent = flags.zipf;
-    Result<TokenGate> made = TokenGate::Synthetic(synthetic);
-    if (!made.ok()) return Fail(made.status());
-    gate.emplace(std::move(*made));
+    KEEL_ASSIGN_OR_RETURN(TokenGate made, TokenGate::Synthetic(synthetic));
+    setup.gate.emplace(std::move(made));
   } else {
     Result<Trace> trace = ReadTrace(flags.trace_path);
-    if (!trace.ok()) return Fail(trace.status().WithContext(flags.trace_path));
+    if (!trace.ok()) return trace.status().WithContext(flags.trace_path);
     // The model takes the trace's shape unless the flags name another one.
     for (auto [flag, value, traced] : {std::tuple{"layers", flags.layers, trace->num_layers},
                                        std::tuple{"experts", flags.experts, trace->num_experts}}) {
       if (parser.IsSet(flag) && value != traced) {
-        return Fail(InvalidArgument("--" + std::string(flag) + " " + std::to_string(value) +
-                                    " differs from the trace's " + std::to_string(traced)));
+        return InvalidArgument("--" + std::string(flag) + " " + std::to_string(value) +
+                               " differs from the trace's " + std::to_string(traced));
       }
     }
     model.layers = trace->num_layers;
     model.experts = trace->num_experts;
     if (model.top_k > model.experts) {
-      return Fail(InvalidArgument("--top-k " + std::to_string(model.top_k) +
-                                  " exceeds the trace's " + std::to_string(model.experts) +
-                                  " experts"));
+      return InvalidArgument("--top-k " + std::to_string(model.top_k) + " exceeds the trace's " +
+                             std::to_string(model.experts) + " experts");
     }
     Result<TokenGate> made = TokenGate::FromTrace(std::move(*trace), model, ranks);
-    if (!made.ok()) return Fail(made.status().WithContext(flags.trace_path));
-    gate.emplace(std::move(*made));
+    if (!made.ok()) return made.status().WithContext(flags.trace_path);
+    setup.gate.emplace(std::move(*made));
   }
   DemoFlags sized = flags;
   sized.layers = model.layers;
   sized.experts = model.experts;
-  Result<KeelConfig> config = MakeConfig(sized, parser, ranks);
-  if (!config.ok()) return Fail(config.status());
+  KEEL_ASSIGN_OR_RETURN(setup.config, MakeConfig(sized, parser, ranks));
+  KeelConfig& config = setup.config;
   if (StrategyMode(flags) || flags.shard_hot > 0) {
     // Checked before the first run, which trains whole experts.
-    const auto [name, shards] = ShardsOf(flags, *config);
+    const auto [name, shards] = ShardsOf(flags, config);
     if (flags.ffn % shards != 0) {
-      return Fail(InvalidArgument(name + ": --ffn " + std::to_string(flags.ffn) +
-                                  " does not split into " + std::to_string(shards) + " shards"));
+      return InvalidArgument(name + ": --ffn " + std::to_string(flags.ffn) +
+                             " does not split into " + std::to_string(shards) + " shards");
     }
   }
-  if (mpi && config->migration.transport == "local") {
-    return Fail(InvalidArgument(
-        "--comm mpi needs --transport ucx: the local transport joins threads of one process"));
+  if (setup.mpi() && config.migration.transport == "local") {
+    return InvalidArgument(
+        "--comm mpi needs --transport ucx: the local transport joins threads of one process");
   }
-  if (config->migration.transport == "ucx" && !kWithUcx) {
-    return Fail(InvalidArgument("--transport ucx: this keel was built without UCX"));
+  if (config.migration.transport == "ucx" && !kWithUcx) {
+    return InvalidArgument("--transport ucx: this keel was built without UCX");
   }
 
-  // The exporter lives in the process of the aggregating rank and outlives both runs.
-  std::unique_ptr<Metrics> metrics;
-  const int aggregating = config->monitor.aggregating_rank;
-  if (!mpi || communicator->rank() == aggregating) {
-    Result<std::unique_ptr<Metrics>> made = Metrics::Create(
-        MetricsLayout::FromConfig(*config, model.layers, model.experts, aggregating));
-    if (!made.ok()) return Fail(made.status());
-    metrics = std::move(*made);
-    if (!config->monitor.metrics_address.empty()) {
-      Status served = metrics->Serve(config->monitor.metrics_address);
-      if (!served.ok()) return Fail(served);
+  // The exporter lives in the process of the aggregating rank and outlives every run.
+  const int aggregating = config.monitor.aggregating_rank;
+  if (!setup.mpi() || communicator->rank() == aggregating) {
+    KEEL_ASSIGN_OR_RETURN(setup.metrics, Metrics::Create(MetricsLayout::FromConfig(
+                                             config, model.layers, model.experts, aggregating)));
+    if (!config.monitor.metrics_address.empty()) {
+      KEEL_RETURN_IF_ERROR(setup.metrics->Serve(config.monitor.metrics_address));
       if (!flags.quiet) {
         std::fprintf(stderr, "keel demo: metrics on http://%s/metrics\n",
-                     metrics->bound_address().c_str());
+                     setup.metrics->bound_address().c_str());
       }
     }
   }
-  config->monitor.metrics_address.clear();  // served above, not again by an engine
+  config.monitor.metrics_address.clear();  // served above, not again by an engine
 
-  if (rank0 && !flags.quiet) {
+  if (setup.rank0 && !flags.quiet) {
     std::fprintf(stderr,
                  "keel demo: %d ranks (%s, %s transport, %s memory), %d layers x %d experts "
                  "top-%d, %d tokens per rank, FFN %dx%d, %d steps; gate: %s\n",
-                 ranks, mpi ? "mpi processes" : "threads", config->migration.transport.c_str(),
-                 flags.memory.c_str(), model.layers, model.experts, model.top_k, model.tokens,
-                 model.ffn.hidden, model.ffn.ffn, model.steps, gate->description().c_str());
+                 ranks, setup.mpi() ? "mpi processes" : "threads",
+                 config.migration.transport.c_str(), flags.memory.c_str(), model.layers,
+                 model.experts, model.top_k, model.tokens, model.ffn.hidden, model.ffn.ffn,
+                 model.steps, setup.gate->description().c_str());
   }
 
-  std::optional<SequenceGate> sequences;
   if (SequenceMode(flags)) {
     SequenceWorkload workload;
     workload.tokens_per_sequence = flags.sequence_tokens;
     workload.affinity = flags.affinity;
     workload.repeat = flags.repeat;
-    sequences.emplace(workload, *gate, model, ranks);
-    if (rank0 && !flags.quiet) {
+    setup.sequences.emplace(workload, *setup.gate, model, ranks);
+    if (setup.rank0 && !flags.quiet) {
       std::fprintf(
           stderr,
           "keel demo: %d sequences of %d tokens per rank, affinity %.2f, token repeats "
           "%.2f%s\n",
-          sequences->sequences_per_rank(), flags.sequence_tokens, workload.affinity,
+          setup.sequences->sequences_per_rank(), flags.sequence_tokens, workload.affinity,
           workload.repeat,
           flags.link_gb_per_s > 0
               ? (", links emulated at " + FormatFixed(flags.link_gb_per_s, 2) + " GB/s").c_str()
               : "");
     }
   }
+  return Status::Ok();
+}
 
-  const std::vector<DemoRun> demo_runs = DemoRuns(flags);
-  // The keel policy shards or replicates per expert: by the flag, or by the config.
-  const bool shard_experts = flags.shard_experts || config->policy.keel.shard_experts;
+// The keel policy shards or replicates per expert: by the flag, or by the config.
+bool ShardExperts(const DemoFlags& flags, const KeelConfig& config) {
+  return flags.shard_experts || config.policy.keel.shard_experts;
+}
+
+// What one of the demo's runs trains with.
+RankRunOptions RunOptionsOf(const DemoFlags& flags, const DemoSetup& setup, const DemoRun& run) {
+  RankRunOptions options;
+  options.model = setup.model;
+  options.config = setup.config;
+  options.config.policy.name = run.policy;
+  options.config.strategy.name = run.strategy;
+  options.parm_dedup = run.parm_dedup;
+  options.mp_group_size = run.mp_group_size;
+  if (EngineShardMode(flags)) {
+    // Whole experts against the engine's shards: only the second run shards.
+    options.config.policy.keel.shard_experts =
+        run.engine_shards && ShardExperts(flags, setup.config);
+    if (run.engine_shards) {
+      options.sharded_experts = HottestExperts(*setup.gate, flags.shard_hot,
+                                               ShardsOf(flags, setup.config).second, setup.ranks);
+    }
+  }
+  options.gate = &*setup.gate;
+  options.metrics = setup.metrics.get();
+  options.memory = flags.memory;
+  options.barrier_before_timing = setup.mpi();
+  options.sequences = setup.sequences ? &*setup.sequences : nullptr;
+  options.migrate_sequences = run.migrate_sequences;
+  options.condense_threshold = run.condense_threshold;
+  options.link_gb_per_s = flags.link_gb_per_s;
+  options.sequence_objective = flags.sequence_objective == "traffic"
+                                   ? SequencePlanObjective::kTraffic
+                                   : SequencePlanObjective::kStepTime;
+  return options;
+}
+
+// Trains the demo's runs one after the other from the same seed, with live progress on rank 0.
+Result<std::vector<ModeRun>> RunModes(const DemoFlags& flags, const DemoSetup& setup,
+                                      const std::vector<DemoRun>& demo_runs) {
   std::vector<ModeRun> runs;
   for (const DemoRun& demo_run : demo_runs) {
-    RankRunOptions options;
-    options.model = model;
-    options.config = *config;
-    options.config.policy.name = demo_run.policy;
-    options.config.strategy.name = demo_run.strategy;
-    options.parm_dedup = demo_run.parm_dedup;
-    if (EngineShardMode(flags)) {
-      // Whole experts against the engine's shards: only the second run shards.
-      options.config.policy.keel.shard_experts = demo_run.engine_shards && shard_experts;
-      if (demo_run.engine_shards) {
-        options.sharded_experts =
-            HottestExperts(*gate, flags.shard_hot, ShardsOf(flags, *config).second, ranks);
-      }
-    }
-    options.gate = &*gate;
-    options.metrics = metrics.get();
-    options.memory = flags.memory;
-    options.barrier_before_timing = mpi;
-    options.sequences = sequences ? &*sequences : nullptr;
-    options.migrate_sequences = demo_run.migrate_sequences;
-    options.condense_threshold = demo_run.condense_threshold;
-    options.link_gb_per_s = flags.link_gb_per_s;
-    options.sequence_objective = flags.sequence_objective == "traffic"
-                                     ? SequencePlanObjective::kTraffic
-                                     : SequencePlanObjective::kStepTime;
+    RankRunOptions options = RunOptionsOf(flags, setup, demo_run);
     std::optional<DemoProgress> progress;
-    if (rank0 && !flags.quiet) {
-      progress.emplace(demo_run.name, model.steps);
-    }
+    if (setup.rank0 && !flags.quiet) progress.emplace(demo_run.name, setup.model.steps);
     const auto start = std::chrono::steady_clock::now();
     Result<ModeRun> run = [&]() -> Result<ModeRun> {
-      if (!mpi) return RunThreads(options, ranks, progress ? &*progress : nullptr);
-      options.communicator = communicator;
+      if (!setup.mpi()) {
+        return RunThreads(options, setup.ranks, progress ? &*progress : nullptr);
+      }
+      options.communicator = setup.communicator;
       if (progress) {
         options.on_step = [&progress](const StepMeasurement& m) { progress->OnStep(m); };
       }
@@ -579,42 +608,228 @@ int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator*
       std::unique_ptr<Transport> sequence_transport;
       if (options.migrate_sequences) {
         KEEL_ASSIGN_OR_RETURN(sequence_transport,
-                              CreateTransport(options.config.migration, *communicator));
+                              CreateTransport(options.config.migration, *setup.communicator));
         options.sequence_transport = sequence_transport.get();
       }
       KEEL_ASSIGN_OR_RETURN(RankRunResult result, RunRank(options));
       return ModeRun{demo_run.name, std::move(result), 0.0};
     }();
     if (progress) progress->Finish();
-    if (!run.ok()) return Fail(run.status().WithContext("run " + demo_run.name));
+    if (!run.ok()) return run.status().WithContext("run " + demo_run.name);
     run->policy = demo_run.name;
     run->wall_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     runs.push_back(std::move(*run));
   }
+  return runs;
+}
 
-  const bool identical = runs[0].result.final_weights == runs[1].result.final_weights;
-  // Condensation below 1.0 changes the math, and sharded experts its rounding; nothing else may.
-  const bool sharded_vs_whole = (flags.strategy != "ep" && flags.mp == 0) ||
-                                EngineShardMode(flags) || config->policy.keel.shard_experts;
-  const bool must_be_identical = !(flags.condense > 0 && flags.condense < 1.0) && !sharded_vs_whole;
-  const double weight_difference =
-      RelativeDifference(runs[0].result.final_weights, runs[1].result.final_weights);
-  const bool within_tolerance = !sharded_vs_whole || weight_difference <= kShardedWeightTolerance;
-  const int exit_code = (identical || !must_be_identical) && within_tolerance ? 0 : 1;
-  if (!rank0) return exit_code;
+// How the final weights of a demo's first two runs must compare, and how they do. Placement
+// never changes the math, so they are bitwise identical, except where the compared runs change
+// it (condensation below 1.0) or its rounding (sharded against whole experts: within
+// kShardedWeightTolerance of the largest weight).
+struct WeightsVerdict {
+  bool identical = false;
+  bool must_be_identical = true;
+  bool sharded_vs_whole = false;
+  double difference = 0;  // RelativeDifference
+  bool within_tolerance = true;
+  bool ok() const { return (identical || !must_be_identical) && within_tolerance; }
+};
 
-  std::vector<nlohmann::json> modes;
-  for (const ModeRun& run : runs) modes.push_back(ModeJson(run));
-  const double first_step = modes[0]["parallel_step_seconds"]["mean"].get<double>();
-  const double second_step = modes[1]["parallel_step_seconds"]["mean"].get<double>();
-  const double ratio = first_step > 0 ? second_step / first_step : 0.0;
-  const std::string first = demo_runs[0].name;
-  const std::string second = demo_runs[1].name;
+WeightsVerdict CheckWeights(const DemoFlags& flags, const KeelConfig& config,
+                            const std::vector<ModeRun>& runs) {
+  WeightsVerdict v;
+  const std::vector<float>& first = runs[0].result.final_weights;
+  const std::vector<float>& second = runs[1].result.final_weights;
+  v.identical = first == second;
+  v.sharded_vs_whole = (flags.strategy != "ep" && flags.mp == 0) || EngineShardMode(flags) ||
+                       config.policy.keel.shard_experts;
+  v.must_be_identical = !(flags.condense > 0 && flags.condense < 1.0) && !v.sharded_vs_whole;
+  v.difference = RelativeDifference(first, second);
+  v.within_tolerance = !v.sharded_vs_whole || v.difference <= kShardedWeightTolerance;
+  return v;
+}
+
+// What the summaries below read: the runs, their reports and the first comparison.
+struct DemoOutcome {
+  const DemoFlags& flags;
+  const DemoSetup& setup;
+  const std::vector<ModeRun>& runs;
+  std::vector<nlohmann::json> modes;  // ModeJson of each run
+  double ratio = 0;                   // mean parallel step: the second run's / the first's
+  WeightsVerdict weights;
+};
+
+// Each mode's comparison: printed and added to the report (SummarizeStrategy also returns
+// whether its own checks passed).
+void SummarizeSequenceMigration(const DemoOutcome& o, nlohmann::json& report) {
+  report["targets"] = {{"sequence_migration_step_ratio", Target(o.ratio, kTargetSequenceRatio)}};
+  for (const nlohmann::json& m : o.modes) {
+    std::printf("%-9s rows to other ranks %.1f%%, sequences moved per step %.1f (%.2f MB)\n",
+                m["policy"].get<std::string>().c_str(),
+                100 * m["remote_row_fraction"].get<double>(),
+                m["sequences_moved_per_step"].get<double>(),
+                m["sequence_bytes_per_step"].get<double>() / 1e6);
+  }
+  std::printf("keel+seq / keel parallel step: %.3f (target <= %.2f: %s)\n", o.ratio,
+              kTargetSequenceRatio, o.ratio <= kTargetSequenceRatio ? "met" : "missed");
+}
+
+double BytesPerStep(const nlohmann::json& mode) {
+  return mode["all_to_all_bytes_per_step"].get<double>();
+}
+
+// --strategy and --mp. With --mp the last two runs train whole experts without and with the
+// engine's MP groups: each (token, k) of a group must be dispatched once, and the weights must
+// be bitwise those without MP groups.
+bool SummarizeStrategy(const DemoOutcome& o, nlohmann::json& report) {
+  const DemoFlags& flags = o.flags;
+  const KeelConfig& config = o.setup.config;
+  const double bytes_ratio =
+      BytesPerStep(o.modes[0]) > 0 ? BytesPerStep(o.modes[1]) / BytesPerStep(o.modes[0]) : 0.0;
+  for (const nlohmann::json& m : o.modes) {
+    std::printf("%-9s all-to-all %.2f MB per step, in-group collectives %.2f MB\n",
+                m["policy"].get<std::string>().c_str(), BytesPerStep(m) / 1e6,
+                m["group_bytes_per_step"].get<double>() / 1e6);
+  }
+  report["strategy"] = {
+      {"name", flags.mp > 0 ? "parm" : flags.strategy},
+      {"shard_degree", ShardDegree(config.strategy, config.topology.gpus_per_node)},
+      {"mp_degree", MpDegree(config.strategy, config.topology.gpus_per_node)},
+      {"final_weights_relative_difference", o.weights.difference}};
+  const std::string second = o.runs[1].policy;
+  if (flags.mp == 0) {
+    report["targets"] = {{"sharded_parallel_step_ratio", Target(o.ratio, kTargetShardedRatio)}};
+    std::printf(
+        "%s / ep parallel step: %.3f (target <= %.2f with one expert at >= 40%% of the "
+        "tokens: %s)\n",
+        second.c_str(), o.ratio, kTargetShardedRatio,
+        o.ratio <= kTargetShardedRatio ? "met" : "missed");
+    std::printf(
+        "final weights vs ep:       %.2e of the largest weight apart (tolerance %.0e: %s)\n",
+        o.weights.difference, kShardedWeightTolerance,
+        o.weights.within_tolerance ? "within" : "OUTSIDE");
+    return true;
+  }
+  report["targets"] = {{"parm_all_to_all_bytes_ratio", Target(bytes_ratio, kTargetParmBytes)}};
+  std::printf("parm / parm-all all-to-all bytes: %.3f (target <= %.2f: %s)\n", bytes_ratio,
+              kTargetParmBytes, bytes_ratio <= kTargetParmBytes ? "met" : "missed");
+  std::printf("parm / parm-all parallel step:    %.3f\n", o.ratio);
+
+  // The engine's MP groups: every member routes its group's (token, k) entries and dispatches
+  // only its share, so each entry is dispatched once, as without MP groups.
+  const nlohmann::json& engine = o.modes[3];
+  const double entries = static_cast<double>(o.setup.ranks) * o.setup.model.tokens *
+                         o.setup.model.top_k * o.setup.model.layers;
+  const double dispatched = engine["rows_dispatched_per_step"].get<double>();
+  const bool once = dispatched == entries;
+  const bool identical = o.runs[2].result.final_weights == o.runs[3].result.final_weights;
+  const double keel_step = o.modes[2]["parallel_step_seconds"]["mean"].get<double>();
+  const double engine_ratio =
+      keel_step > 0 ? engine["parallel_step_seconds"]["mean"].get<double>() / keel_step : 0.0;
+  report["engine_mp"] = {{"mp_group_size", flags.mp},
+                         {"entries_per_step", entries},
+                         {"rows_dispatched_per_step", dispatched},
+                         {"final_weights_identical_to_keel", identical},
+                         {"parallel_step_ratio_to_keel", engine_ratio}};
+  std::printf("engine-mp: %.0f (token, k) rows dispatched per step for %.0f entries: %s\n",
+              dispatched, entries, once ? "each once per MP group" : "NOT each once");
+  std::printf("engine-mp / keel parallel step:   %.3f (the MP groups' all-gathers added)\n",
+              engine_ratio);
+  std::printf("engine-mp final weights:          %s\n",
+              identical ? "bitwise those of keel without MP groups" : "DIFFER from keel's");
+  if (!once) {
+    std::fprintf(stderr,
+                 "keel demo: the engine's MP groups dispatched %.0f rows for %.0f entries\n",
+                 dispatched, entries);
+  }
+  if (!identical) {
+    std::fprintf(stderr, "keel demo: the final expert weights differ between keel and engine-mp\n");
+  }
+  return once && identical;
+}
+
+void SummarizeEngineShards(const DemoOutcome& o, nlohmann::json& report) {
+  const DemoFlags& flags = o.flags;
+  const bool shard_experts = ShardExperts(flags, o.setup.config);
+  const EngineStats& stats = o.runs[1].result.stats;
+  const int shards = ShardsOf(flags, o.setup.config).second;
+  report["engine_shards"] = {{"shard_hot", flags.shard_hot},
+                             {"shards", flags.shard_hot > 0 ? shards : 0},
+                             {"shard_experts", shard_experts},
+                             {"reshards", stats.reshards},
+                             {"final_weights_relative_difference", o.weights.difference}};
+  report["targets"] = {{"sharded_parallel_step_ratio", Target(o.ratio, kTargetShardedRatio)}};
+  const std::string at_start = flags.shard_hot > 0 ? std::to_string(flags.shard_hot) +
+                                                         " hottest experts per layer cut " +
+                                                         std::to_string(shards) + " ways"
+                                                   : "none at the start";
+  std::printf("shards: %s%s, %lld layer reshards by the keel policy\n", at_start.c_str(),
+              shard_experts ? ", policy.keel.shard_experts on" : "",
+              static_cast<long long>(stats.reshards));
+  std::printf(
+      "shards / ep parallel step: %.3f (target <= %.2f with one expert at >= 40%% of the "
+      "tokens: %s)\n",
+      o.ratio, kTargetShardedRatio, o.ratio <= kTargetShardedRatio ? "met" : "missed");
+  std::printf("final weights vs ep:       %.2e of the largest weight apart (tolerance %.0e: %s)\n",
+              o.weights.difference, kShardedWeightTolerance,
+              o.weights.within_tolerance ? "within" : "OUTSIDE");
+}
+
+void SummarizeCondensation(const DemoOutcome& o, nlohmann::json& report) {
+  const auto& exact_loss = o.modes[0]["loss"];
+  const auto& condensed_loss = o.modes[1]["loss"];
+  double mean_difference = 0;
+  for (size_t i = 0; i < exact_loss.size(); ++i) {
+    mean_difference += condensed_loss[i].get<double>() - exact_loss[i].get<double>();
+  }
+  mean_difference /= static_cast<double>(std::max<size_t>(1, exact_loss.size()));
+  const double kept = o.modes[1]["kept_row_fraction"].get<double>();
+  report["condensation"] = {{"threshold", o.flags.condense},
+                            {"rows_saved_fraction", 1.0 - kept},
+                            {"loss_last_exact", exact_loss.back()},
+                            {"loss_last_condensed", condensed_loss.back()},
+                            {"mean_loss_difference", mean_difference}};
+  std::printf("rows saved by condensation: %.1f%% of the forward dispatch (threshold %.4g)\n",
+              100 * (1.0 - kept), o.flags.condense);
+  std::printf("loss, condensed - exact:    last %+.3e, mean over steps %+.3e\n",
+              condensed_loss.back().get<double>() - exact_loss.back().get<double>(),
+              mean_difference);
+  std::printf("condensed / exact parallel step: %.3f\n", o.ratio);
+}
+
+// The default demo: static against keel, and the targets for keel.
+void SummarizeStaticVsKeel(const DemoOutcome& o, nlohmann::json& report) {
+  const nlohmann::json& keel = o.modes[1];
+  const double imbalance = keel["mean_imbalance"].get<double>();
+  const double overhead = keel["engine_overhead_fraction"].get<double>();
+  report["targets"] = {{"keel_parallel_step_ratio", Target(o.ratio, kTargetStepRatio)},
+                       {"keel_mean_imbalance", Target(imbalance, kTargetImbalance)},
+                       {"keel_engine_overhead_fraction", Target(overhead, kTargetOverhead)}};
+  std::printf("keel / static parallel step: %.3f (target <= %.2f: %s)\n", o.ratio, kTargetStepRatio,
+              o.ratio <= kTargetStepRatio ? "met" : "missed");
+  std::printf("keel mean imbalance:         %.3f (target <= %.2f: %s)\n", imbalance,
+              kTargetImbalance, imbalance <= kTargetImbalance ? "met" : "missed");
+  std::printf("keel engine overhead:        %.2f%% (target <= %.0f%%: %s)\n", overhead * 100,
+              kTargetOverhead * 100, overhead <= kTargetOverhead ? "met" : "missed");
+}
+
+// The report's fields every mode has.
+nlohmann::json CommonReport(const DemoFlags& flags, const DemoOutcome& o) {
+  const DemoSetup& setup = o.setup;
+  const DemoModelOptions& model = setup.model;
+  const KeelConfig& config = setup.config;
+  nlohmann::json order = nlohmann::json::array();
+  nlohmann::json modes = nlohmann::json::object();
+  for (size_t i = 0; i < o.runs.size(); ++i) {
+    order.push_back(o.runs[i].policy);
+    modes[o.runs[i].policy] = o.modes[i];
+  }
   nlohmann::json report = {
-      {"ranks", ranks},
-      {"comm", mpi ? "mpi" : "local"},
-      {"transport", config->migration.transport},
+      {"ranks", setup.ranks},
+      {"comm", setup.mpi() ? "mpi" : "local"},
+      {"transport", config.migration.transport},
       {"memory", flags.memory},
       {"model",
        {{"layers", model.layers},
@@ -626,146 +841,77 @@ int RunBothModes(const DemoFlags& flags, const FlagParser& parser, Communicator*
         {"steps", model.steps},
         {"seed", model.seed},
         {"learning_rate", model.adam.learning_rate},
-        {"gate", gate->description()}}},
+        {"gate", setup.gate->description()}}},
       {"config",
-       {{"num_ranks", config->num_ranks()},
-        {"persistent_per_rank", config->slots.persistent_per_rank},
-        {"transient_per_rank", config->slots.transient_per_rank},
-        {"yaml", ConfigToYaml(*config)}}},
-      {"mode_order", {first, second}},
-      {"modes", {{first, modes[0]}, {second, modes[1]}}},
-      {"final_weights_identical", identical},
-      {"final_weights_checksum", FinalWeightsChecksum(runs[1].result.final_weights)},
+       {{"num_ranks", config.num_ranks()},
+        {"persistent_per_rank", config.slots.persistent_per_rank},
+        {"transient_per_rank", config.slots.transient_per_rank},
+        {"yaml", ConfigToYaml(config)}}},
+      {"mode_order", order},
+      {"modes", modes},
+      {"final_weights_identical", o.weights.identical},
+      {"final_weights_checksum", FinalWeightsChecksum(o.runs[1].result.final_weights)},
   };
-  if (sequences) {
+  if (setup.sequences) {
     report["sequences"] = {{"tokens_per_sequence", flags.sequence_tokens},
                            {"affinity", flags.affinity},
                            {"token_repeat", flags.repeat},
                            {"link_gb_per_s", flags.link_gb_per_s},
                            {"objective", flags.sequence_objective}};
   }
+  return report;
+}
+
+// Runs the demo's modes on this process's ranks; `communicator` is null for threads. Returns
+// the exit code.
+int RunAllModes(const DemoFlags& flags, const FlagParser& parser, Communicator* communicator) {
+  DemoSetup setup;
+  Status set_up = SetUpDemo(flags, parser, communicator, setup);
+  if (!set_up.ok()) return Fail(set_up);
+  Result<std::vector<ModeRun>> runs = RunModes(flags, setup, DemoRuns(flags));
+  if (!runs.ok()) return Fail(runs.status());
+
+  DemoOutcome o{flags, setup, *runs, {}, 0.0, CheckWeights(flags, setup.config, *runs)};
+  if (!setup.rank0) return o.weights.ok() ? 0 : 1;
+  for (const ModeRun& run : *runs) o.modes.push_back(ModeJson(run));
+  const double first_step = o.modes[0]["parallel_step_seconds"]["mean"].get<double>();
+  const double second_step = o.modes[1]["parallel_step_seconds"]["mean"].get<double>();
+  o.ratio = first_step > 0 ? second_step / first_step : 0.0;
+  nlohmann::json report = CommonReport(flags, o);
 
   std::printf("\n");
-  PrintModeTable(modes);
+  PrintModeTable(o.modes);
   std::printf("\n");
+  bool checks_passed = true;
   if (flags.sequence_migration) {
-    report["targets"] = {{"sequence_migration_step_ratio", Target(ratio, kTargetSequenceRatio)}};
-    for (const nlohmann::json& m : modes) {
-      std::printf("%-9s rows to other ranks %.1f%%, sequences moved per step %.1f (%.2f MB)\n",
-                  m["policy"].get<std::string>().c_str(),
-                  100 * m["remote_row_fraction"].get<double>(),
-                  m["sequences_moved_per_step"].get<double>(),
-                  m["sequence_bytes_per_step"].get<double>() / 1e6);
-    }
-    std::printf("keel+seq / keel parallel step: %.3f (target <= %.2f: %s)\n", ratio,
-                kTargetSequenceRatio, ratio <= kTargetSequenceRatio ? "met" : "missed");
+    SummarizeSequenceMigration(o, report);
   } else if (StrategyMode(flags)) {
-    const double bytes_ratio = modes[0]["all_to_all_bytes_per_step"].get<double>() > 0
-                                   ? modes[1]["all_to_all_bytes_per_step"].get<double>() /
-                                         modes[0]["all_to_all_bytes_per_step"].get<double>()
-                                   : 0.0;
-    for (const nlohmann::json& m : modes) {
-      std::printf("%-9s all-to-all %.2f MB per step, in-group collectives %.2f MB\n",
-                  m["policy"].get<std::string>().c_str(),
-                  m["all_to_all_bytes_per_step"].get<double>() / 1e6,
-                  m["group_bytes_per_step"].get<double>() / 1e6);
-    }
-    report["strategy"] = {
-        {"name", flags.mp > 0 ? "parm" : flags.strategy},
-        {"shard_degree", ShardDegree(config->strategy, config->topology.gpus_per_node)},
-        {"mp_degree", MpDegree(config->strategy, config->topology.gpus_per_node)},
-        {"final_weights_relative_difference", weight_difference}};
-    if (flags.mp > 0) {
-      report["targets"] = {{"parm_all_to_all_bytes_ratio", Target(bytes_ratio, kTargetParmBytes)}};
-      std::printf("parm / parm-all all-to-all bytes: %.3f (target <= %.2f: %s)\n", bytes_ratio,
-                  kTargetParmBytes, bytes_ratio <= kTargetParmBytes ? "met" : "missed");
-      std::printf("parm / parm-all parallel step:    %.3f\n", ratio);
-    } else {
-      report["targets"] = {{"sharded_parallel_step_ratio", Target(ratio, kTargetShardedRatio)}};
-      std::printf(
-          "%s / ep parallel step: %.3f (target <= %.2f with one expert at >= 40%% of the "
-          "tokens: %s)\n",
-          second.c_str(), ratio, kTargetShardedRatio,
-          ratio <= kTargetShardedRatio ? "met" : "missed");
-      std::printf(
-          "final weights vs ep:       %.2e of the largest weight apart (tolerance %.0e: "
-          "%s)\n",
-          weight_difference, kShardedWeightTolerance, within_tolerance ? "within" : "OUTSIDE");
-    }
+    checks_passed = SummarizeStrategy(o, report);
   } else if (EngineShardMode(flags)) {
-    const EngineStats& stats = runs[1].result.stats;
-    report["engine_shards"] = {
-        {"shard_hot", flags.shard_hot},
-        {"shards", flags.shard_hot > 0 ? ShardsOf(flags, *config).second : 0},
-        {"shard_experts", shard_experts},
-        {"reshards", stats.reshards},
-        {"final_weights_relative_difference", weight_difference}};
-    report["targets"] = {{"sharded_parallel_step_ratio", Target(ratio, kTargetShardedRatio)}};
-    const std::string at_start =
-        flags.shard_hot > 0 ? std::to_string(flags.shard_hot) + " hottest experts per layer cut " +
-                                  std::to_string(ShardsOf(flags, *config).second) + " ways"
-                            : "none at the start";
-    std::printf("shards: %s%s, %lld layer reshards by the keel policy\n", at_start.c_str(),
-                shard_experts ? ", policy.keel.shard_experts on" : "",
-                static_cast<long long>(stats.reshards));
-    std::printf(
-        "shards / ep parallel step: %.3f (target <= %.2f with one expert at >= 40%% of the "
-        "tokens: %s)\n",
-        ratio, kTargetShardedRatio, ratio <= kTargetShardedRatio ? "met" : "missed");
-    std::printf(
-        "final weights vs ep:       %.2e of the largest weight apart (tolerance %.0e: %s)\n",
-        weight_difference, kShardedWeightTolerance, within_tolerance ? "within" : "OUTSIDE");
+    SummarizeEngineShards(o, report);
   } else if (flags.condense > 0) {
-    const auto& exact_loss = modes[0]["loss"];
-    const auto& condensed_loss = modes[1]["loss"];
-    double mean_difference = 0;
-    for (size_t i = 0; i < exact_loss.size(); ++i) {
-      mean_difference += condensed_loss[i].get<double>() - exact_loss[i].get<double>();
-    }
-    mean_difference /= static_cast<double>(std::max<size_t>(1, exact_loss.size()));
-    const double kept = modes[1]["kept_row_fraction"].get<double>();
-    report["condensation"] = {{"threshold", flags.condense},
-                              {"rows_saved_fraction", 1.0 - kept},
-                              {"loss_last_exact", exact_loss.back()},
-                              {"loss_last_condensed", condensed_loss.back()},
-                              {"mean_loss_difference", mean_difference}};
-    std::printf("rows saved by condensation: %.1f%% of the forward dispatch (threshold %.4g)\n",
-                100 * (1.0 - kept), flags.condense);
-    std::printf("loss, condensed - exact:    last %+.3e, mean over steps %+.3e\n",
-                condensed_loss.back().get<double>() - exact_loss.back().get<double>(),
-                mean_difference);
-    std::printf("condensed / exact parallel step: %.3f\n", ratio);
+    SummarizeCondensation(o, report);
   } else {
-    report["targets"] = {
-        {"keel_parallel_step_ratio", Target(ratio, kTargetStepRatio)},
-        {"keel_mean_imbalance", Target(modes[1]["mean_imbalance"].get<double>(), kTargetImbalance)},
-        {"keel_engine_overhead_fraction",
-         Target(modes[1]["engine_overhead_fraction"].get<double>(), kTargetOverhead)}};
-    std::printf("keel / static parallel step: %.3f (target <= %.2f: %s)\n", ratio, kTargetStepRatio,
-                ratio <= kTargetStepRatio ? "met" : "missed");
-    const double keel_imbalance = modes[1]["mean_imbalance"].get<double>();
-    std::printf("keel mean imbalance:         %.3f (target <= %.2f: %s)\n", keel_imbalance,
-                kTargetImbalance, keel_imbalance <= kTargetImbalance ? "met" : "missed");
-    const double overhead = modes[1]["engine_overhead_fraction"].get<double>();
-    std::printf("keel engine overhead:        %.2f%% (target <= %.0f%%: %s)\n", overhead * 100,
-                kTargetOverhead * 100, overhead <= kTargetOverhead ? "met" : "missed");
+    SummarizeStaticVsKeel(o, report);
   }
-  std::printf("final weights identical:     %s%s\n", identical ? "yes (bitwise)" : "NO",
-              must_be_identical || identical ? ""
-              : sharded_vs_whole ? " (not expected: shards sum their outputs in another order)"
-                                 : " (not expected: condensation below 1.0 changes the math)");
+  const WeightsVerdict& weights = o.weights;
+  std::printf("final weights identical:     %s%s\n", weights.identical ? "yes (bitwise)" : "NO",
+              weights.must_be_identical || weights.identical ? ""
+              : weights.sharded_vs_whole
+                  ? " (not expected: shards sum their outputs in another order)"
+                  : " (not expected: condensation below 1.0 changes the math)");
   if (!flags.report_path.empty()) {
     Status written = WriteFileAtomically(flags.report_path, report.dump(2) + "\n");
     if (!written.ok()) return Fail(written);
     std::printf("report: %s\n", flags.report_path.c_str());
   }
   std::fflush(stdout);
-  if (exit_code != 0) {
+  if (!weights.ok()) {
     std::fprintf(stderr, "keel demo: the final expert weights differ between %s and %s%s\n",
-                 first.c_str(), second.c_str(),
-                 sharded_vs_whole ? " by more than the rounding tolerance" : "");
+                 (*runs)[0].policy.c_str(), (*runs)[1].policy.c_str(),
+                 weights.sharded_vs_whole ? " by more than the rounding tolerance" : "");
   }
-  return exit_code;
+  return weights.ok() && checks_passed ? 0 : 1;
 }
 
 int RunDemoOverMpi(int argc, char** argv, const DemoFlags& flags, const FlagParser& parser) {
@@ -774,7 +920,7 @@ int RunDemoOverMpi(int argc, char** argv, const DemoFlags& flags, const FlagPars
   int code = 0;
   {
     Result<std::unique_ptr<Communicator>> communicator = CreateMpiCommunicator();
-    code = communicator.ok() ? RunBothModes(flags, parser, communicator->get())
+    code = communicator.ok() ? RunAllModes(flags, parser, communicator->get())
                              : Fail(communicator.status());
   }
   MPI_Finalize();
@@ -880,7 +1026,9 @@ int RunDemo(int argc, char** argv) {
   parser.Add("mp", "M", &flags.mp,
              "Parm: pairs (M = 2) or groups of M ranks hold the same tokens; compare their "
              "dispatch without de-duplication (every member sends all the group's rows) and "
-             "with it (each sends its share, then the group all-gathers); bitwise the same "
+             "with it (each sends its share, then the group all-gathers), experts sharded over "
+             "the group; then whole experts under the keel policy without and with the "
+             "engine's MP groups (EngineOptions::mp_group_size). Each pair: bitwise the same "
              "weights");
   parser.Add("shard-hot", "N", &flags.shard_hot,
              "the engine shards each layer's N hottest experts (by the first step's rows) over "
@@ -919,7 +1067,7 @@ int RunDemo(int argc, char** argv) {
   Status checked = CheckFlags(flags);
   if (!checked.ok()) return Fail(checked);
   if (flags.comm == "mpi") return RunDemoOverMpi(argc, argv, flags, parser);
-  return RunBothModes(flags, parser, nullptr);
+  return RunAllModes(flags, parser, nullptr);
 }
 
 }  // namespace keel::tools

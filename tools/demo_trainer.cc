@@ -141,6 +141,14 @@ class RankTrainer {
   Status ExchangeRows(std::span<const T> send, std::span<const int64_t> rows_to,
                       std::span<const int64_t> expected_from, int width, std::vector<T>& recv,
                       std::string_view what, double* cpu);
+  // MP groups: sends this rank's rows (`mine`, [tokens_, hidden]) to the other members of its
+  // group and returns the group's [group tokens, hidden] in member order, this rank's own in
+  // its place. The bytes count as group bytes.
+  Status AllGatherInMpGroup(std::span<const float> mine, std::vector<float>& group, double* cpu);
+  // The token of dispatch row `row` among this rank's tokens (rows index the group's entries).
+  size_t TokenOf(const LayerActivations& act, size_t row) const {
+    return EntryOf(act, row) / model_.top_k - static_cast<size_t>(share_token_);
+  }
   // Seconds the emulated links take for this rank's `sent` and `received` off-rank bytes.
   double LinkSeconds(double sent, double received) const {
     if (options_.link_gb_per_s <= 0) return 0.0;
@@ -181,7 +189,12 @@ class RankTrainer {
   std::vector<float> d_x_;             // [tokens, hidden] gradient at the current layer output
   std::vector<LayerActivations> layers_;
   std::vector<int32_t> topk_ids_;
-  int tokens_ = 0;                               // this step's tokens on this rank
+  int tokens_ = 0;  // this step's tokens on this rank
+  // MP groups: the group's size, and where this rank's tokens begin among the group's (both
+  // its own share of them and its place in topk_ids_); 1 and 0 without.
+  int mp_ = 1;
+  int64_t share_token_ = 0;
+  std::vector<float> group_rows_;  // [group tokens, hidden] what the MP group gathered
   std::vector<std::vector<int32_t>> layer_ids_;  // [layers][tokens_ * top_k] with sequences
   // This step's Luffy counters (this rank's).
   int64_t rows_dispatched_ = 0;
@@ -190,6 +203,7 @@ class RankTrainer {
   int64_t sequences_moved_ = 0;
   double sequence_bytes_ = 0;
   double all_to_all_bytes_ = 0;  // this step's bytes to other ranks in ExchangeRows
+  double group_bytes_ = 0;       // this step's bytes to the other members of its MP group
   std::vector<float> send_;
   std::vector<float> recv_;
   std::vector<float> expert_out_;  // [received rows, hidden]
@@ -211,6 +225,7 @@ Status RankTrainer::Init() {
   engine_options.communicator = &communicator_;
   engine_options.sharded_experts = options_.sharded_experts;
   engine_options.shard_layout = FfnShardLayout(model_.ffn);
+  engine_options.mp_group_size = options_.mp_group_size;
   engine_options.local_group = options_.local_group;
   KEEL_RETURN_IF_ERROR(SetUpMemory());
   if (device_ != nullptr) {
@@ -274,8 +289,13 @@ Status RankTrainer::Init() {
   targets_.resize(activations);
   d_x_.resize(activations);
   layers_.resize(model_.layers);
-  topk_ids_.resize(static_cast<size_t>(model_.tokens) * model_.top_k);
   tokens_ = model_.tokens;
+  mp_ = options_.mp_group_size;
+  share_token_ = static_cast<int64_t>(rank_ % mp_) * tokens_;
+  topk_ids_.resize(static_cast<size_t>(mp_) * tokens_ * model_.top_k);
+  if (mp_ > 1 && (options_.sequences != nullptr || options_.condense_threshold > 0)) {
+    return InvalidArgument("MP groups do not combine with Luffy's sequences or condensation");
+  }
   if (options_.migrate_sequences &&
       (options_.sequences == nullptr || options_.sequence_transport == nullptr)) {
     return InvalidArgument("sequence migration needs a sequence gate and a sequence transport");
@@ -358,6 +378,44 @@ Status RankTrainer::ExchangeRows(std::span<const T> send, std::span<const int64_
   return Status::Ok();
 }
 
+Status RankTrainer::AllGatherInMpGroup(std::span<const float> mine, std::vector<float>& group,
+                                       double* cpu) {
+  KEEL_RETURN_IF_ERROR(SyncForTiming());
+  CpuTimer timer(cpu);
+  const int first_member = rank_ - rank_ % mp_;
+  std::vector<size_t> send_bytes(ranks_, 0);
+  std::vector<float> send;
+  for (int peer = first_member; peer < first_member + mp_; ++peer) {
+    if (peer == rank_) continue;
+    send_bytes[peer] = mine.size_bytes();
+    send.insert(send.end(), mine.begin(), mine.end());
+  }
+  std::vector<std::byte> received;
+  std::vector<size_t> recv_bytes;
+  KEEL_RETURN_IF_ERROR(communicator_.AllToAllV(std::as_bytes(std::span<const float>(send)),
+                                               send_bytes, received, recv_bytes));
+  group.clear();
+  size_t at = 0;
+  for (int peer = first_member; peer < first_member + mp_; ++peer) {
+    if (peer == rank_) {
+      group.insert(group.end(), mine.begin(), mine.end());
+      continue;
+    }
+    if (recv_bytes[peer] != mine.size_bytes()) {
+      return Internal("MP group all-gather: rank " + std::to_string(rank_) + " received " +
+                      std::to_string(recv_bytes[peer]) + " bytes from rank " +
+                      std::to_string(peer) + ", expected " + std::to_string(mine.size_bytes()));
+    }
+    group.resize(group.size() + mine.size());
+    std::memcpy(group.data() + group.size() - mine.size(), received.data() + at, recv_bytes[peer]);
+    at += recv_bytes[peer];
+  }
+  const double bytes = static_cast<double>(send.size() * sizeof(float));
+  *cpu += LinkSeconds(bytes, static_cast<double>(received.size()));
+  group_bytes_ += bytes;
+  return Status::Ok();
+}
+
 Status RankTrainer::DispatchCondensed(int layer, const std::vector<int32_t>& bucket_begin,
                                       LayerActivations& act, StepTimes& times) {
   const int hidden = model_.ffn.hidden;
@@ -413,7 +471,13 @@ Status RankTrainer::Forward(int64_t step, int layer, StepTimes& times, std::vect
   if (options_.sequences != nullptr) {
     topk_ids_ = layer_ids_[layer];
   } else {
-    options_.gate->Draw(step, layer, rank_, topk_ids_);
+    // With MP groups: every member's tokens, in member order (the group's tokens).
+    const size_t ids = static_cast<size_t>(tokens_) * top_k;
+    const int first_member = rank_ - rank_ % mp_;
+    for (int m = 0; m < mp_; ++m) {
+      options_.gate->Draw(step, layer, first_member + m,
+                          std::span<int32_t>(topk_ids_).subspan(m * ids, ids));
+    }
   }
 
   KEEL_RETURN_IF_ERROR(SyncForTiming());
@@ -425,6 +489,11 @@ Status RankTrainer::Forward(int64_t step, int layer, StepTimes& times, std::vect
   if (!routed.ok())
     return routed.status().WithContext("Route(layer " + std::to_string(layer) + ")");
   const LayerRoute& route = *routed;
+  if (route.share_begin != share_token_ || route.share_end != share_token_ + tokens_) {
+    return Internal("Route(layer " + std::to_string(layer) + ") on rank " + std::to_string(rank_) +
+                    " gave the share [" + std::to_string(route.share_begin) + ", " +
+                    std::to_string(route.share_end) + ") of its group's tokens, not its own");
+  }
   if (device_ != nullptr) {
     // The engine may have changed any slot's weights since the last step (pushes, migration,
     // this step's transient fills): the CPU experts read them from the device.
@@ -466,7 +535,7 @@ Status RankTrainer::Forward(int64_t step, int layer, StepTimes& times, std::vect
   send_.resize(sent * hidden);
   const std::vector<float>& x = x_[layer];
   for (size_t r = 0; r < sent; ++r) {
-    const size_t token = EntryOf(act, act.send_order[r]) / top_k;
+    const size_t token = TokenOf(act, act.send_order[r]);
     std::memcpy(send_.data() + r * hidden, x.data() + token * hidden, hidden * sizeof(float));
   }
   act.recv_rows = route.recv_totals;
@@ -550,10 +619,14 @@ Status RankTrainer::Forward(int64_t step, int layer, StepTimes& times, std::vect
   if (!act.row_entry.empty()) FoldRows(act, row_out_, gathered_);
   const float gate = 1.0f / static_cast<float>(top_k);
   std::vector<float>& out = x_[layer + 1];
+  const float* entries = gathered_.data() + static_cast<size_t>(share_token_) * top_k * hidden;
   for (int t = 0; t < tokens_; ++t) {
     const size_t token_row = static_cast<size_t>(t) * hidden;
-    CombineRow(hidden, top_k, gate, x.data() + token_row, gathered_.data() + token_row * top_k,
+    CombineRow(hidden, top_k, gate, x.data() + token_row, entries + token_row * top_k,
                out.data() + token_row);
+  }
+  if (mp_ > 1) {
+    KEEL_RETURN_IF_ERROR(AllGatherInMpGroup(out, group_rows_, &times.communication[layer]));
   }
   return Status::Ok();
 }
@@ -568,7 +641,7 @@ Status RankTrainer::Backward(int layer, StepTimes& times) {
   const size_t sent = act.send_order.size();
   send_.resize(sent * hidden);
   for (size_t r = 0; r < sent; ++r) {
-    const float* d_out = d_x_.data() + EntryOf(act, act.send_order[r]) / top_k * hidden;
+    const float* d_out = d_x_.data() + TokenOf(act, act.send_order[r]) * hidden;
     for (int i = 0; i < hidden; ++i) send_[r * hidden + i] = gate * d_out[i];
   }
   KEEL_RETURN_IF_ERROR(ExchangeRows<float>(send_, act.send_rows, act.recv_rows, hidden, recv_,
@@ -601,14 +674,18 @@ Status RankTrainer::Backward(int layer, StepTimes& times) {
                 recv_.data() + r * hidden, hidden * sizeof(float));
   }
   if (!act.row_entry.empty()) FoldRows(act, row_out_, gathered_);
+  const float* entries = gathered_.data() + static_cast<size_t>(share_token_) * top_k * hidden;
   for (int t = 0; t < tokens_; ++t) {
     float* d = d_x_.data() + static_cast<size_t>(t) * hidden;
-    const float* dx = gathered_.data() + static_cast<size_t>(t) * top_k * hidden;
+    const float* dx = entries + static_cast<size_t>(t) * top_k * hidden;
     for (int i = 0; i < hidden; ++i) {
       float sum = d[i];
       for (int k = 0; k < top_k; ++k) sum += dx[static_cast<size_t>(k) * hidden + i];
       d[i] = sum;
     }
+  }
+  if (mp_ > 1) {
+    KEEL_RETURN_IF_ERROR(AllGatherInMpGroup(d_x_, group_rows_, &times.communication[layer]));
   }
   return Status::Ok();
 }
@@ -755,7 +832,7 @@ Result<StepMeasurement> RankTrainer::Step(int64_t step) {
   std::vector<int64_t> rows(static_cast<size_t>(ranks_) * layers, 0);  // [rank, layer]
 
   rows_dispatched_ = rows_remote_ = rows_kept_ = sequences_moved_ = 0;
-  sequence_bytes_ = all_to_all_bytes_ = 0;
+  sequence_bytes_ = all_to_all_bytes_ = group_bytes_ = 0;
   KEEL_RETURN_IF_ERROR(DrawBatch(step, times));
   TeacherTargets(hidden, teacher_, x_[0], targets_);
   std::fill(gradients_.begin(), gradients_.end(), 0);
@@ -822,7 +899,8 @@ Result<StepMeasurement> RankTrainer::Step(int64_t step) {
                               static_cast<double>(rows_kept_),
                               static_cast<double>(sequences_moved_),
                               sequence_bytes_,
-                              all_to_all_bytes_};
+                              all_to_all_bytes_,
+                              group_bytes_};
   KEEL_RETURN_IF_ERROR(communicator_.AllReduce(sums, ReduceOp::kSum));
   KEEL_RETURN_IF_ERROR(communicator_.AllReduce(rows, ReduceOp::kSum));
 
@@ -835,6 +913,7 @@ Result<StepMeasurement> RankTrainer::Step(int64_t step) {
   m.sequences_moved = static_cast<int64_t>(sums[4]);
   m.sequence_bytes = sums[5];
   m.all_to_all_bytes = sums[6];
+  m.group_bytes = sums[7];
   for (int l = 0; l < layers; ++l) {
     m.expert_seconds += maxima[l];
     m.communication_seconds += maxima[layers + l];

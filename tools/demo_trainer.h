@@ -109,6 +109,13 @@ struct RankRunOptions {
   // Experts the engine shards from the start (EngineOptions::sharded_experts); the demo runs
   // their shards as FFNs of their own, as it does for policy.keel.shard_experts.
   std::vector<ShardedExpert> sharded_experts;
+  // > 1: the engine's MP groups (EngineOptions::mp_group_size) of this many consecutive ranks.
+  // The members of a group hold the group's tokens (each member's drawn tokens, in member
+  // order) and route them all; each dispatches only its share (its own tokens) and the group
+  // all-gathers the combined outputs after every layer's forward and the input gradients after
+  // its backward. The demo's model is token-wise, so a member's next layer reads only its share
+  // of what it gathered.
+  int mp_group_size = 1;
 
   // Luffy mode (docs/luffy.md). With a sequence gate each rank's tokens are its sequences and
   // their routing comes from it; null runs the plain demo, tokens drawn by `gate`.

@@ -2,7 +2,8 @@
 # End-to-end test of `keel demo` with sharded experts: esp, ppmoe and parm train the same model as
 # whole experts (ep) to float rounding, and the same on threads and MPI processes; Parm's
 # de-duplicated dispatch sends each (token, k) row once per MP group instead of once per member
-# and trains bit for bit as the run without it; bad combinations exit 2 and say why.
+# and trains bit for bit as the run without it, in the demo's exchanges and through the engine's
+# MP groups; bad combinations exit 2 and say why.
 # $1: path of the keel binary.
 set -euo pipefail
 source "$(dirname "$0")/../common/mpi_demo.sh"
@@ -53,18 +54,37 @@ python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); assert r["strategy"
   "$work/esp2.json" || fail "esp over 2 did not exchange between groups"
 
 # Parm: each member sends its share, so exactly half the all-to-all bytes of every member
-# sending the pair's rows, and bitwise the same weights.
-"$keel" demo "${small[@]}" --mp 2 --report "$work/mp.json" >"$work/out" 2>"$work/err" ||
-  fail "--mp 2: $(cat "$work/err" "$work/out")"
-grep -q "final weights identical:     yes (bitwise)" "$work/out" || fail "--mp 2: $(cat "$work/out")"
-python3 - "$work/mp.json" <<'PY' || fail "--mp 2 report is wrong"
+# sending the pair's rows, and bitwise the same weights. Through the engine's MP groups (whole
+# experts): every (token, k) dispatched once, the same rows as without MP groups plus the pairs'
+# all-gathers, and bitwise the same weights.
+check_mp() {
+  python3 - "$1" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
+assert r["mode_order"] == ["parm-all", "parm", "keel", "engine-mp"], r["mode_order"]
 every, share = r["modes"]["parm-all"], r["modes"]["parm"]
 assert every["all_to_all_bytes_per_step"] == 2 * share["all_to_all_bytes_per_step"] > 0, r["modes"]
 assert every["loss"] == share["loss"]
 assert r["final_weights_identical"] and r["targets"]["parm_all_to_all_bytes_ratio"]["met"]
+keel, engine = r["modes"]["keel"], r["modes"]["engine-mp"]
+m = r["model"]
+entries = r["ranks"] * m["tokens_per_rank"] * m["top_k"] * m["layers"]
+assert r["engine_mp"]["rows_dispatched_per_step"] == entries == engine["rows_dispatched_per_step"], r["engine_mp"]
+assert r["engine_mp"]["final_weights_identical_to_keel"], r["engine_mp"]
+assert engine["all_to_all_bytes_per_step"] == keel["all_to_all_bytes_per_step"] > 0, (keel, engine)
+# Each member all-gathers its outputs (forward) and input gradients (backward) to its partner:
+# tokens x hidden floats per layer and pass.
+hidden = m["hidden"]
+assert engine["group_bytes_per_step"] == r["ranks"] * m["tokens_per_rank"] * hidden * 4 * 2 * m["layers"], engine
+assert keel["group_bytes_per_step"] == 0 and engine["loss"] == keel["loss"]
 PY
+}
+"$keel" demo "${small[@]}" --mp 2 --report "$work/mp.json" >"$work/out" 2>"$work/err" ||
+  fail "--mp 2: $(cat "$work/err" "$work/out")"
+grep -q "final weights identical:     yes (bitwise)" "$work/out" || fail "--mp 2: $(cat "$work/out")"
+grep -q "engine-mp final weights: *bitwise those of keel without MP groups" "$work/out" ||
+  fail "--mp 2: $(cat "$work/out")"
+check_mp "$work/mp.json" || fail "--mp 2 report is wrong"
 
 expect_usage_error() {
   local words="$1"
@@ -92,6 +112,10 @@ if keel_can_run_mpi "$keel"; then
   # Threads and processes train the same sharded model: the same loss curve, bit for bit.
   python3 -c 'import json,sys; a,b=(json.load(open(p)) for p in sys.argv[1:]); assert a["modes"]["esp"]["loss"]==b["modes"]["esp"]["loss"] and a["final_weights_checksum"]==b["final_weights_checksum"]' \
     "$work/esp.json" "$work/mpi.json" || fail "threads and MPI esp runs differ"
+  keel_mpi_demo 180 "$keel" \
+    "${small[@]}" --mp 2 --report "$work/mpi-mp.json" \
+    >"$work/out" 2>"$work/err" || fail "mpi --mp 2 failed: $(tail -20 "$work/err")"
+  check_mp "$work/mpi-mp.json" || fail "mpi --mp 2 report is wrong"
   echo "strategy_demo_cli: ok (threads and mpi)"
 else
   echo "strategy_demo_cli: ok (threads; mpi skipped: needs mpirun and a keel with ucx and mpi)"
