@@ -12,7 +12,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=${KEEL_GPU_PACK_BUILD:-$root/build-gpu}
 pack=$root/.gpu-deps/prebuilt
 programs=(tests/keel_kernels_tests tests/keel_engine_tests tests/keel_migration_tests
-          tests/keel_comm_tests bin/device_bench bin/kernels_gpu_bench bin/keel
+          tests/keel_comm_tests bin/device_bench bin/kernels_gpu_bench bin/gemm_width_bench bin/keel
           bin/keel_migration_multiprocess bin/migration_bench)
 
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKEEL_WITH_PYTHON=OFF \
@@ -32,8 +32,9 @@ for p in "${programs[@]}"; do
   cp "$build/$p" "$pack/bin/"
   strip --strip-debug "$pack/bin/$(basename "$p")"
 done
-# Every shared library the programs load, less those any Linux with CUDA has.
-system='^(linux-vdso|ld-linux|libc\.|libm\.|libpthread\.|libdl\.|librt\.|libstdc\+\+|libgcc_s|libcuda\.|libnccl\.)'
+# Every shared library the programs load, less those any Linux with CUDA has (cuBLAS is part of
+# the toolkit there, and far larger than the carry allows).
+system='^(linux-vdso|ld-linux|libc\.|libm\.|libpthread\.|libdl\.|librt\.|libstdc\+\+|libgcc_s|libcuda\.|libnccl\.|libcublas)'
 for p in "$pack"/bin/*; do
   ldd "$p" | awk '$3 ~ /^\// {print $1, $3}'
 done | sort -u | while read -r name path; do

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs Keel's GPU checks on a lent GPU machine: the kernels' GPU-against-CPU equivalence tests and
-# CPU reference tests (tests/kernels/), kernels_gpu_bench, the engine tests with CUDA slot buffers,
+# CPU reference tests (tests/kernels/), kernels_gpu_bench, gemm_width_bench (the expert GEMMs'
+# throughput by inner width: cost_model.gemm_efficiency), the engine tests with CUDA slot buffers,
 # the CUDA device memory, NCCL communicator and NCCL transport tests, device_bench (the engine's
 # copies, staging and sums against the device-copy ceiling), migration between 4 processes with
 # their experts on the GPU (random plans, byte-exact) and its 64 MiB bandwidth against a device
@@ -87,6 +88,11 @@ if [ "${KEEL_GPU_SANITIZE:-0}" = 1 ]; then
 fi
 run kernels_bench 300 "$benches/kernels_gpu_bench" --json "$out/kernels_bench.json" \
   --runs "${KEEL_GPU_BENCH_RUNS:-50}"
+# The expert GEMMs by inner width (cost_model.gemm_efficiency): the cost model's default expert,
+# and a DeepSeek-V3-like one (hidden 7168, ffn 2048, gated).
+run gemm_width 120 "$benches/gemm_width_bench" --json "$out/gemm_width.json"
+run gemm_width_v3 120 "$benches/gemm_width_bench" --hidden 7168 --ffn 2048 --matrices 3 \
+  --json "$out/gemm_width_v3.json"
 
 if [ "$whole" = 1 ]; then
   run engine_cuda 300 "$tests/keel_engine_tests" \
