@@ -205,10 +205,11 @@ int main(int argc, char** argv) {
   }
   for (WidthResult& result : results) result.efficiency = result.tflops / results.front().tflops;
 
-  std::printf("%s: one expert's forward + backward GEMMs, %lld rows, hidden %lld, %d matrices, "
-              "bf16 with fp32 accumulation, median of %d runs\n",
-              properties.name, static_cast<long long>(o.rows), static_cast<long long>(o.hidden),
-              o.matrices, o.runs);
+  std::printf(
+      "%s: one expert's forward + backward GEMMs, %lld rows, hidden %lld, %d matrices, "
+      "bf16 with fp32 accumulation, median of %d runs\n",
+      properties.name, static_cast<long long>(o.rows), static_cast<long long>(o.hidden), o.matrices,
+      o.runs);
   std::printf("%8s %8s %10s %9s %11s\n", "shards", "width", "ms", "TFLOP/s", "efficiency");
   for (const WidthResult& r : results) {
     std::printf("%8d %8lld %10.4f %9.1f %11.3f\n", r.shards, static_cast<long long>(r.width),
@@ -232,9 +233,9 @@ int main(int argc, char** argv) {
                  "{\"device\": \"%s\", \"rows\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
                  "\"matrices\": %d, \"runs\": %d, \"expert_tflops\": %.3f, "
                  "\"gemm_efficiency\": \"%s\", \"widths\": [",
-                 properties.name, static_cast<long long>(o.rows),
-                 static_cast<long long>(o.hidden), static_cast<long long>(o.ffn), o.matrices,
-                 o.runs, results.front().tflops, curve.c_str());
+                 properties.name, static_cast<long long>(o.rows), static_cast<long long>(o.hidden),
+                 static_cast<long long>(o.ffn), o.matrices, o.runs, results.front().tflops,
+                 curve.c_str());
     for (size_t i = 0; i < results.size(); ++i) {
       const WidthResult& r = results[i];
       std::fprintf(file,
