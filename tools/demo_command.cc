@@ -3,17 +3,16 @@
 // them: parallel step time, imbalance, epochs, moved bytes, loss, and whether the final expert
 // weights are bitwise identical (placement must never change the math). Luffy's runs compare the
 // keel policy without and with sequence migration (--sequence-migration), or exact training with
-// token condensation (--condense). Ranks are threads (default) or MPI processes
-// (`mpirun -np N keel demo --comm mpi --transport ucx`).
+// token condensation (--condense); the other modes are in tools/demo_options.h. Ranks are
+// threads (default) or MPI processes (`mpirun -np N keel demo --comm mpi --transport ucx`). This
+// file sets up the model, gate and config (SetUpDemo), trains the runs (RunModes) and defines the
+// flags; tools/demo_summary.h compares and reports.
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
-#include <limits>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -23,18 +22,16 @@
 
 #include "comm/communicator.h"
 #include "common/config.h"
-#include "common/file.h"
-#include "keel/limits.hpp"
 #include "keel/local_group.hpp"
 #include "keel/version.hpp"
-#include "kernels/device.h"
 #include "migration/transport_factory.h"
 #include "monitor/metrics.h"
 #include "monitor/trace.h"
-#include "placement/strategy.h"
 #include "tools/commands.h"
+#include "tools/demo_options.h"
 #include "tools/demo_report.h"
 #include "tools/demo_sequences.h"
+#include "tools/demo_summary.h"
 #include "tools/demo_trainer.h"
 #include "tools/flags.h"
 #include "tools/progress.h"
@@ -45,105 +42,6 @@
 
 namespace keel::tools {
 namespace {
-
-// The targets for the default demo.
-constexpr double kTargetStepRatio = 0.75;     // keel parallel step <= 0.75 x static
-constexpr double kTargetImbalance = 1.10;     // keel mean imbalance
-constexpr double kTargetOverhead = 0.02;      // engine route + control <= 2% of the step
-constexpr double kTargetSequenceRatio = 0.9;  // keel+seq parallel step <= 0.9 x keel
-constexpr double kTargetShardedRatio = 0.8;   // esp (one expert >= 40% of tokens) <= 0.8 x ep
-constexpr double kTargetParmBytes = 0.55;     // Parm's all-to-all bytes <= 0.55 x without de-dup
-// Sharded experts sum their partial outputs in another order than a whole expert: the final
-// weights may differ from ep's by float rounding, at most this much of the largest weight.
-constexpr double kShardedWeightTolerance = 1e-3;
-constexpr double kDemoExpertTflops = 0.002;   // about what one CPU thread achieves on the experts
-constexpr double kDemoLinkGbPerSecond = 4.0;  // about a memcpy between threads
-
-struct DemoFlags {
-  int ranks = 8;
-  std::string comm = "local";
-  std::string transport = "local";
-  std::string memory = "host";
-  int layers = 4;
-  int experts = 32;
-  int top_k = 2;
-  int tokens = 4096;
-  int hidden = 16;
-  int ffn = 32;
-  int steps = 30;
-  uint64_t seed = 1;
-  double zipf = 1.0;
-  double learning_rate = AdamOptions().learning_rate;
-  std::string config_path;
-  std::string metrics_address;
-  std::string report_path;
-  std::string trace_path;
-  bool quiet = false;
-  // Luffy (docs/luffy.md).
-  bool sequence_migration = false;
-  double condense = 0;  // threshold; 0 = off
-  int sequence_tokens = 256;
-  double affinity = 0.7;
-  double repeat = 0;  // with --condense and no --token-repeat: 0.25 (RunDemo sets it)
-  double link_gb_per_s = 0;
-  std::string sequence_objective = "step";
-  // Parallel strategies (docs/strategies.md).
-  std::string strategy = "ep";
-  int shard_degree = 0;  // esp; 0 = gpus_per_node
-  int mp = 0;            // > 0: Parm with MP groups of this many ranks, without and with de-dup
-  // Sharded experts in the engine (docs/strategies.md, "Sharded experts in the engine").
-  int shard_hot = 0;           // > 0: shard each layer's this many hottest experts from the start
-  bool shard_experts = false;  // the keel policy shards or replicates per expert
-};
-
-// The runs a demo compares: static against keel by default; with --sequence-migration the
-// keel policy without and with it; with --condense exact against condensed training; with
-// --strategy whole experts under the keel policy against the strategy's sharded ones; with --mp
-// Parm's dispatch without and with its de-duplication, then whole experts under the keel policy
-// without and with the engine's MP groups; with --shard-hot or --shard-experts the keel policy
-// without and with the engine's sharded experts.
-struct DemoRun {
-  std::string name;
-  std::string policy;
-  bool migrate_sequences = false;
-  float condense_threshold = 0;
-  std::string strategy = "ep";
-  bool parm_dedup = true;
-  bool engine_shards = false;  // --shard-hot's experts, or policy.keel.shard_experts
-  int mp_group_size = 1;       // the engine's MP groups (EngineOptions::mp_group_size)
-};
-
-bool EngineShardMode(const DemoFlags& f) { return f.shard_hot > 0 || f.shard_experts; }
-
-std::vector<DemoRun> DemoRuns(const DemoFlags& f) {
-  if (f.sequence_migration) return {{"keel", "keel"}, {"keel+seq", "keel", true}};
-  if (f.condense > 0) {
-    return {{"exact", "keel"}, {"condensed", "keel", false, static_cast<float>(f.condense)}};
-  }
-  if (f.mp > 0) {
-    return {{"parm-all", "keel", false, 0, "parm", false},
-            {"parm", "keel", false, 0, "parm"},
-            {"keel", "keel"},
-            {"engine-mp", "keel", false, 0, "ep", true, false, f.mp}};
-  }
-  if (f.strategy != "ep") return {{"ep", "keel"}, {f.strategy, "keel", false, 0, f.strategy}};
-  if (EngineShardMode(f)) return {{"ep", "keel"}, {"shards", "keel", false, 0, "ep", true, true}};
-  return {{"static", "static"}, {"keel", "keel"}};
-}
-
-bool StrategyMode(const DemoFlags& f) { return f.mp > 0 || f.strategy != "ep"; }
-
-// The sharded strategy a demo runs, and the shards each expert has under it.
-std::pair<std::string, int> ShardsOf(const DemoFlags& f, const KeelConfig& config) {
-  const int per_node = config.topology.gpus_per_node;
-  if (f.shard_hot > 0) return {"--shard-hot", ShardDegree(config.strategy, per_node)};
-  const std::string name = f.mp > 0 ? "parm" : f.strategy;
-  if (name == "parm") return {name, MpDegree(config.strategy, per_node)};
-  if (name == "esp") return {name, ShardDegree(config.strategy, per_node)};
-  return {name, per_node};
-}
-
-bool SequenceMode(const DemoFlags& f) { return f.sequence_migration || f.condense > 0; }
 
 // Each layer's `count` hottest experts by the gate's first step (all ranks' rows; the lower id
 // first on a tie), each to be sharded `shards` ways.
@@ -172,169 +70,6 @@ int Fail(const Status& status) {
   return status.code() == StatusCode::kInvalidArgument || status.code() == StatusCode::kNotFound
              ? 2
              : 1;
-}
-
-// Memory the demo's model would take in all ranks, roughly: every slot's weights, gradients and
-// Adam state (about 48 bytes per parameter), the teacher, and per layer the activations that
-// backward keeps (four rows of hidden + ffn int64 or double values per routed token).
-double DemoBytes(const DemoFlags& f) {
-  const double parameters_per_expert = 2.0 * f.hidden * f.ffn;
-  const double slots = f.ranks * (std::ceil(static_cast<double>(f.experts) / f.ranks) + 2.0);
-  const double model = (slots * 48.0 + f.experts * 8.0) * parameters_per_expert * f.layers;
-  const double activations =
-      32.0 * f.ranks * static_cast<double>(f.tokens) * f.top_k * f.layers * (f.hidden + f.ffn);
-  return model + activations;
-}
-
-constexpr double kMaxDemoBytes = 16.0 * (1 << 30);
-
-Status CheckFlags(const DemoFlags& f) {
-  // Each size between its least and largest value; the largest keep a typo from exhausting memory.
-  auto in_range = [](const char* flag, long long value, long long least, long long most) -> Status {
-    if (value >= least && value <= most) return Status::Ok();
-    return InvalidArgument(std::string(flag) + " " + std::to_string(value) + " must be in [" +
-                           std::to_string(least) + ", " + std::to_string(most) + "]");
-  };
-  KEEL_RETURN_IF_ERROR(in_range("--ranks", f.ranks, 1, 1024));
-  KEEL_RETURN_IF_ERROR(in_range("--layers", f.layers, 1, 1024));
-  KEEL_RETURN_IF_ERROR(in_range("--experts", f.experts, 1, kMaxExperts));
-  KEEL_RETURN_IF_ERROR(in_range("--top-k", f.top_k, 1, 64));
-  KEEL_RETURN_IF_ERROR(in_range("--tokens", f.tokens, 1, 1 << 20));
-  KEEL_RETURN_IF_ERROR(in_range("--hidden", f.hidden, 1, 1 << 16));
-  KEEL_RETURN_IF_ERROR(in_range("--ffn", f.ffn, 1, 1 << 16));
-  KEEL_RETURN_IF_ERROR(in_range("--steps", f.steps, 1, 1000000));
-  if (f.top_k > f.experts) {
-    return InvalidArgument("--top-k " + std::to_string(f.top_k) + " exceeds --experts " +
-                           std::to_string(f.experts));
-  }
-  if (const double bytes = DemoBytes(f); bytes > kMaxDemoBytes) {
-    char gib[32];
-    std::snprintf(gib, sizeof gib, "%.1f", bytes / (1 << 30));
-    return InvalidArgument("--ranks " + std::to_string(f.ranks) + ", --layers " +
-                           std::to_string(f.layers) + ", --experts " + std::to_string(f.experts) +
-                           ", --tokens " + std::to_string(f.tokens) + ", --top-k " +
-                           std::to_string(f.top_k) + ", --hidden " + std::to_string(f.hidden) +
-                           " and --ffn " + std::to_string(f.ffn) + " need about " + gib +
-                           " GiB, more than the demo's 16 GiB limit");
-  }
-  if (f.comm != "local" && f.comm != "mpi") {
-    return InvalidArgument("--comm '" + f.comm + "' is not local or mpi");
-  }
-  if (f.transport != "local" && f.transport != "ucx") {
-    return InvalidArgument("--transport '" + f.transport + "' is not local or ucx");
-  }
-  if (f.memory != "host" && f.memory != "device" && f.memory != "guarded-host") {
-    return InvalidArgument("--memory '" + f.memory + "' is not host, device or guarded-host");
-  }
-  if (f.memory == "device" && !kernels::GpuAvailable()) {
-    return FailedPrecondition(
-        std::string("--memory device needs a GPU, and ") +
-        (kWithCuda ? "the CUDA runtime sees none" : "this keel was built without CUDA") +
-        "; --memory guarded-host runs the same device path on the CPU");
-  }
-  if (f.sequence_migration && f.condense > 0) {
-    return InvalidArgument(
-        "--sequence-migration and --condense each compare two runs of their own; give one");
-  }
-  if (!(f.condense >= 0.0 && f.condense <= 1.0)) {
-    return InvalidArgument("--condense " + std::to_string(f.condense) +
-                           " must be a cosine threshold in (0, 1]");
-  }
-  if (SequenceMode(f)) {
-    KEEL_RETURN_IF_ERROR(in_range("--sequence-tokens", f.sequence_tokens, 1, f.tokens));
-    if (f.tokens % f.sequence_tokens != 0) {
-      return InvalidArgument("--tokens " + std::to_string(f.tokens) +
-                             " is not a multiple of --sequence-tokens " +
-                             std::to_string(f.sequence_tokens));
-    }
-  }
-  if (!(f.affinity >= 0.0 && f.affinity <= 1.0)) {
-    return InvalidArgument("--sequence-affinity " + std::to_string(f.affinity) +
-                           " must be in [0, 1]");
-  }
-  if (!(f.repeat >= 0.0 && f.repeat <= 1.0)) {
-    return InvalidArgument("--token-repeat " + std::to_string(f.repeat) + " must be in [0, 1]");
-  }
-  if (f.sequence_objective != "step" && f.sequence_objective != "traffic") {
-    return InvalidArgument("--sequence-objective '" + f.sequence_objective +
-                           "' is not step or traffic");
-  }
-  if (!(f.link_gb_per_s >= 0.0 && f.link_gb_per_s <= 1e6)) {
-    return InvalidArgument("--link-gb-per-s " + std::to_string(f.link_gb_per_s) +
-                           " must be in [0, 1e6] (0: no emulated links)");
-  }
-  if (f.strategy != "ep" && f.strategy != "esp" && f.strategy != "parm" && f.strategy != "ppmoe") {
-    return InvalidArgument("--strategy '" + f.strategy + "' is not ep, esp, parm or ppmoe");
-  }
-  if (f.mp < 0 || f.shard_degree < 0) {
-    return InvalidArgument(std::string(f.mp < 0 ? "--mp " : "--shard-degree ") +
-                           std::to_string(f.mp < 0 ? f.mp : f.shard_degree) + " must be >= 0");
-  }
-  if (f.mp > 0 && f.strategy != "ep" && f.strategy != "parm") {
-    return InvalidArgument(
-        "--mp compares Parm's dispatch with and without de-duplication; it "
-        "does not combine with --strategy " +
-        f.strategy);
-  }
-  if (StrategyMode(f) && (SequenceMode(f) || f.memory != "host")) {
-    return InvalidArgument(
-        "--strategy and --mp train sharded experts in host memory, without --sequence-migration "
-        "or --condense");
-  }
-  if (f.shard_hot < 0 || f.shard_hot > f.experts) {
-    return InvalidArgument("--shard-hot " + std::to_string(f.shard_hot) + " is not in [0, " +
-                           std::to_string(f.experts) + "] (the experts)");
-  }
-  if (EngineShardMode(f) && (StrategyMode(f) || SequenceMode(f))) {
-    return InvalidArgument(
-        "--shard-hot and --shard-experts compare the keel policy without and with the engine's "
-        "sharded experts; they do not combine with --strategy, --mp, --sequence-migration or "
-        "--condense");
-  }
-  if (!(f.learning_rate > 0.0 && f.learning_rate < 1.0)) {
-    return InvalidArgument("--learning-rate " + std::to_string(f.learning_rate) +
-                           " must be in (0, 1)");
-  }
-  return Status::Ok();
-}
-
-// The config of a run: --config as written (its topology must have `ranks` ranks), or 1 node x
-// `ranks` GPUs with room for the static placement plus one spare persistent slot and one transient
-// slot per rank, the cost model sized to the demo's experts on a CPU.
-Result<KeelConfig> MakeConfig(const DemoFlags& f, const FlagParser& parser, int ranks) {
-  KeelConfig config;
-  if (!f.config_path.empty()) {
-    KEEL_ASSIGN_OR_RETURN(config, LoadConfigFile(f.config_path));
-    if (config.num_ranks() != ranks) {
-      return InvalidArgument(f.config_path + ": topology has " +
-                             std::to_string(config.num_ranks()) + " ranks (num_nodes " +
-                             std::to_string(config.topology.num_nodes) + " x gpus_per_node " +
-                             std::to_string(config.topology.gpus_per_node) + "), the demo runs " +
-                             std::to_string(ranks));
-    }
-  } else {
-    config.topology.num_nodes = 1;
-    config.topology.gpus_per_node = ranks;
-    // The cost model knows the links the demo emulates, or else about a memcpy.
-    const double link = f.link_gb_per_s > 0 ? f.link_gb_per_s : kDemoLinkGbPerSecond;
-    config.topology.intra_node_gb_per_s = link;
-    config.topology.inter_node_gb_per_s = link;
-    config.slots.persistent_per_rank = (f.experts + ranks - 1) / ranks + 1;
-    config.slots.transient_per_rank = 1;
-    config.cost_model.expert_tflops = kDemoExpertTflops;
-    config.cost_model.hidden_size = f.hidden;
-    config.cost_model.expert_ffn_size = f.ffn;
-    config.cost_model.dtype_bytes = 4;
-    config.cost_model.home_move_bytes_per_parameter = 12.0;  // float32 weights + Adam's m, v
-  }
-  if (f.config_path.empty() || parser.IsSet("transport")) {
-    config.migration.transport = f.transport;
-  }
-  if (!f.metrics_address.empty()) config.monitor.metrics_address = f.metrics_address;
-  if (parser.IsSet("shard-degree")) config.strategy.shard_degree = f.shard_degree;
-  if (f.mp > 0) config.strategy.mp_degree = f.mp;
-  KEEL_RETURN_IF_ERROR(ValidateConfig(config));
-  return config;
 }
 
 // Live progress on stderr from rank 0: one line per step, redrawn in place on a terminal.
@@ -412,20 +147,6 @@ Result<ModeRun> RunThreads(const RankRunOptions& base, int ranks, DemoProgress* 
   run.result = std::move(*results[0]).value();
   return run;
 }
-
-// What every run of one demo shares. Filled in place (SetUpDemo): the sequence gate refers to
-// the token gate.
-struct DemoSetup {
-  Communicator* communicator = nullptr;  // null: the ranks are threads of this process
-  int ranks = 0;
-  bool rank0 = true;
-  DemoModelOptions model;
-  std::optional<TokenGate> gate;
-  KeelConfig config;
-  std::unique_ptr<Metrics> metrics;       // the exporter, in the aggregating rank's process
-  std::optional<SequenceGate> sequences;  // Luffy's runs
-  bool mpi() const { return communicator != nullptr; }
-};
 
 // The model, the gate (synthetic or --trace), the config, the exporter and Luffy's sequences
 // of a demo; prints what it will train.
@@ -550,11 +271,6 @@ Status SetUpDemo(const DemoFlags& flags, const FlagParser& parser, Communicator*
   return Status::Ok();
 }
 
-// The keel policy shards or replicates per expert: by the flag, or by the config.
-bool ShardExperts(const DemoFlags& flags, const KeelConfig& config) {
-  return flags.shard_experts || config.policy.keel.shard_experts;
-}
-
 // What one of the demo's runs trains with.
 RankRunOptions RunOptionsOf(const DemoFlags& flags, const DemoSetup& setup, const DemoRun& run) {
   RankRunOptions options;
@@ -624,244 +340,6 @@ Result<std::vector<ModeRun>> RunModes(const DemoFlags& flags, const DemoSetup& s
   return runs;
 }
 
-// How the final weights of a demo's first two runs must compare, and how they do. Placement
-// never changes the math, so they are bitwise identical, except where the compared runs change
-// it (condensation below 1.0) or its rounding (sharded against whole experts: within
-// kShardedWeightTolerance of the largest weight).
-struct WeightsVerdict {
-  bool identical = false;
-  bool must_be_identical = true;
-  bool sharded_vs_whole = false;
-  double difference = 0;  // RelativeDifference
-  bool within_tolerance = true;
-  bool ok() const { return (identical || !must_be_identical) && within_tolerance; }
-};
-
-WeightsVerdict CheckWeights(const DemoFlags& flags, const KeelConfig& config,
-                            const std::vector<ModeRun>& runs) {
-  WeightsVerdict v;
-  const std::vector<float>& first = runs[0].result.final_weights;
-  const std::vector<float>& second = runs[1].result.final_weights;
-  v.identical = first == second;
-  v.sharded_vs_whole = (flags.strategy != "ep" && flags.mp == 0) || EngineShardMode(flags) ||
-                       config.policy.keel.shard_experts;
-  v.must_be_identical = !(flags.condense > 0 && flags.condense < 1.0) && !v.sharded_vs_whole;
-  v.difference = RelativeDifference(first, second);
-  v.within_tolerance = !v.sharded_vs_whole || v.difference <= kShardedWeightTolerance;
-  return v;
-}
-
-// What the summaries below read: the runs, their reports and the first comparison.
-struct DemoOutcome {
-  const DemoFlags& flags;
-  const DemoSetup& setup;
-  const std::vector<ModeRun>& runs;
-  std::vector<nlohmann::json> modes;  // ModeJson of each run
-  double ratio = 0;                   // mean parallel step: the second run's / the first's
-  WeightsVerdict weights;
-};
-
-// Each mode's comparison: printed and added to the report (SummarizeStrategy also returns
-// whether its own checks passed).
-void SummarizeSequenceMigration(const DemoOutcome& o, nlohmann::json& report) {
-  report["targets"] = {{"sequence_migration_step_ratio", Target(o.ratio, kTargetSequenceRatio)}};
-  for (const nlohmann::json& m : o.modes) {
-    std::printf("%-9s rows to other ranks %.1f%%, sequences moved per step %.1f (%.2f MB)\n",
-                m["policy"].get<std::string>().c_str(),
-                100 * m["remote_row_fraction"].get<double>(),
-                m["sequences_moved_per_step"].get<double>(),
-                m["sequence_bytes_per_step"].get<double>() / 1e6);
-  }
-  std::printf("keel+seq / keel parallel step: %.3f (target <= %.2f: %s)\n", o.ratio,
-              kTargetSequenceRatio, o.ratio <= kTargetSequenceRatio ? "met" : "missed");
-}
-
-double BytesPerStep(const nlohmann::json& mode) {
-  return mode["all_to_all_bytes_per_step"].get<double>();
-}
-
-// --strategy and --mp. With --mp the last two runs train whole experts without and with the
-// engine's MP groups: each (token, k) of a group must be dispatched once, and the weights must
-// be bitwise those without MP groups.
-bool SummarizeStrategy(const DemoOutcome& o, nlohmann::json& report) {
-  const DemoFlags& flags = o.flags;
-  const KeelConfig& config = o.setup.config;
-  const double bytes_ratio =
-      BytesPerStep(o.modes[0]) > 0 ? BytesPerStep(o.modes[1]) / BytesPerStep(o.modes[0]) : 0.0;
-  for (const nlohmann::json& m : o.modes) {
-    std::printf("%-9s all-to-all %.2f MB per step, in-group collectives %.2f MB\n",
-                m["policy"].get<std::string>().c_str(), BytesPerStep(m) / 1e6,
-                m["group_bytes_per_step"].get<double>() / 1e6);
-  }
-  report["strategy"] = {
-      {"name", flags.mp > 0 ? "parm" : flags.strategy},
-      {"shard_degree", ShardDegree(config.strategy, config.topology.gpus_per_node)},
-      {"mp_degree", MpDegree(config.strategy, config.topology.gpus_per_node)},
-      {"final_weights_relative_difference", o.weights.difference}};
-  const std::string second = o.runs[1].policy;
-  if (flags.mp == 0) {
-    report["targets"] = {{"sharded_parallel_step_ratio", Target(o.ratio, kTargetShardedRatio)}};
-    std::printf(
-        "%s / ep parallel step: %.3f (target <= %.2f with one expert at >= 40%% of the "
-        "tokens: %s)\n",
-        second.c_str(), o.ratio, kTargetShardedRatio,
-        o.ratio <= kTargetShardedRatio ? "met" : "missed");
-    std::printf(
-        "final weights vs ep:       %.2e of the largest weight apart (tolerance %.0e: %s)\n",
-        o.weights.difference, kShardedWeightTolerance,
-        o.weights.within_tolerance ? "within" : "OUTSIDE");
-    return true;
-  }
-  report["targets"] = {{"parm_all_to_all_bytes_ratio", Target(bytes_ratio, kTargetParmBytes)}};
-  std::printf("parm / parm-all all-to-all bytes: %.3f (target <= %.2f: %s)\n", bytes_ratio,
-              kTargetParmBytes, bytes_ratio <= kTargetParmBytes ? "met" : "missed");
-  std::printf("parm / parm-all parallel step:    %.3f\n", o.ratio);
-
-  // The engine's MP groups: every member routes its group's (token, k) entries and dispatches
-  // only its share, so each entry is dispatched once, as without MP groups.
-  const nlohmann::json& engine = o.modes[3];
-  const double entries = static_cast<double>(o.setup.ranks) * o.setup.model.tokens *
-                         o.setup.model.top_k * o.setup.model.layers;
-  const double dispatched = engine["rows_dispatched_per_step"].get<double>();
-  const bool once = dispatched == entries;
-  const bool identical = o.runs[2].result.final_weights == o.runs[3].result.final_weights;
-  const double keel_step = o.modes[2]["parallel_step_seconds"]["mean"].get<double>();
-  const double engine_ratio =
-      keel_step > 0 ? engine["parallel_step_seconds"]["mean"].get<double>() / keel_step : 0.0;
-  report["engine_mp"] = {{"mp_group_size", flags.mp},
-                         {"entries_per_step", entries},
-                         {"rows_dispatched_per_step", dispatched},
-                         {"final_weights_identical_to_keel", identical},
-                         {"parallel_step_ratio_to_keel", engine_ratio}};
-  std::printf("engine-mp: %.0f (token, k) rows dispatched per step for %.0f entries: %s\n",
-              dispatched, entries, once ? "each once per MP group" : "NOT each once");
-  std::printf("engine-mp / keel parallel step:   %.3f (the MP groups' all-gathers added)\n",
-              engine_ratio);
-  std::printf("engine-mp final weights:          %s\n",
-              identical ? "bitwise those of keel without MP groups" : "DIFFER from keel's");
-  if (!once) {
-    std::fprintf(stderr,
-                 "keel demo: the engine's MP groups dispatched %.0f rows for %.0f entries\n",
-                 dispatched, entries);
-  }
-  if (!identical) {
-    std::fprintf(stderr, "keel demo: the final expert weights differ between keel and engine-mp\n");
-  }
-  return once && identical;
-}
-
-void SummarizeEngineShards(const DemoOutcome& o, nlohmann::json& report) {
-  const DemoFlags& flags = o.flags;
-  const bool shard_experts = ShardExperts(flags, o.setup.config);
-  const EngineStats& stats = o.runs[1].result.stats;
-  const int shards = ShardsOf(flags, o.setup.config).second;
-  report["engine_shards"] = {{"shard_hot", flags.shard_hot},
-                             {"shards", flags.shard_hot > 0 ? shards : 0},
-                             {"shard_experts", shard_experts},
-                             {"reshards", stats.reshards},
-                             {"final_weights_relative_difference", o.weights.difference}};
-  report["targets"] = {{"sharded_parallel_step_ratio", Target(o.ratio, kTargetShardedRatio)}};
-  const std::string at_start = flags.shard_hot > 0 ? std::to_string(flags.shard_hot) +
-                                                         " hottest experts per layer cut " +
-                                                         std::to_string(shards) + " ways"
-                                                   : "none at the start";
-  std::printf("shards: %s%s, %lld layer reshards by the keel policy\n", at_start.c_str(),
-              shard_experts ? ", policy.keel.shard_experts on" : "",
-              static_cast<long long>(stats.reshards));
-  std::printf(
-      "shards / ep parallel step: %.3f (target <= %.2f with one expert at >= 40%% of the "
-      "tokens: %s)\n",
-      o.ratio, kTargetShardedRatio, o.ratio <= kTargetShardedRatio ? "met" : "missed");
-  std::printf("final weights vs ep:       %.2e of the largest weight apart (tolerance %.0e: %s)\n",
-              o.weights.difference, kShardedWeightTolerance,
-              o.weights.within_tolerance ? "within" : "OUTSIDE");
-}
-
-void SummarizeCondensation(const DemoOutcome& o, nlohmann::json& report) {
-  const auto& exact_loss = o.modes[0]["loss"];
-  const auto& condensed_loss = o.modes[1]["loss"];
-  double mean_difference = 0;
-  for (size_t i = 0; i < exact_loss.size(); ++i) {
-    mean_difference += condensed_loss[i].get<double>() - exact_loss[i].get<double>();
-  }
-  mean_difference /= static_cast<double>(std::max<size_t>(1, exact_loss.size()));
-  const double kept = o.modes[1]["kept_row_fraction"].get<double>();
-  report["condensation"] = {{"threshold", o.flags.condense},
-                            {"rows_saved_fraction", 1.0 - kept},
-                            {"loss_last_exact", exact_loss.back()},
-                            {"loss_last_condensed", condensed_loss.back()},
-                            {"mean_loss_difference", mean_difference}};
-  std::printf("rows saved by condensation: %.1f%% of the forward dispatch (threshold %.4g)\n",
-              100 * (1.0 - kept), o.flags.condense);
-  std::printf("loss, condensed - exact:    last %+.3e, mean over steps %+.3e\n",
-              condensed_loss.back().get<double>() - exact_loss.back().get<double>(),
-              mean_difference);
-  std::printf("condensed / exact parallel step: %.3f\n", o.ratio);
-}
-
-// The default demo: static against keel, and the targets for keel.
-void SummarizeStaticVsKeel(const DemoOutcome& o, nlohmann::json& report) {
-  const nlohmann::json& keel = o.modes[1];
-  const double imbalance = keel["mean_imbalance"].get<double>();
-  const double overhead = keel["engine_overhead_fraction"].get<double>();
-  report["targets"] = {{"keel_parallel_step_ratio", Target(o.ratio, kTargetStepRatio)},
-                       {"keel_mean_imbalance", Target(imbalance, kTargetImbalance)},
-                       {"keel_engine_overhead_fraction", Target(overhead, kTargetOverhead)}};
-  std::printf("keel / static parallel step: %.3f (target <= %.2f: %s)\n", o.ratio, kTargetStepRatio,
-              o.ratio <= kTargetStepRatio ? "met" : "missed");
-  std::printf("keel mean imbalance:         %.3f (target <= %.2f: %s)\n", imbalance,
-              kTargetImbalance, imbalance <= kTargetImbalance ? "met" : "missed");
-  std::printf("keel engine overhead:        %.2f%% (target <= %.0f%%: %s)\n", overhead * 100,
-              kTargetOverhead * 100, overhead <= kTargetOverhead ? "met" : "missed");
-}
-
-// The report's fields every mode has.
-nlohmann::json CommonReport(const DemoFlags& flags, const DemoOutcome& o) {
-  const DemoSetup& setup = o.setup;
-  const DemoModelOptions& model = setup.model;
-  const KeelConfig& config = setup.config;
-  nlohmann::json order = nlohmann::json::array();
-  nlohmann::json modes = nlohmann::json::object();
-  for (size_t i = 0; i < o.runs.size(); ++i) {
-    order.push_back(o.runs[i].policy);
-    modes[o.runs[i].policy] = o.modes[i];
-  }
-  nlohmann::json report = {
-      {"ranks", setup.ranks},
-      {"comm", setup.mpi() ? "mpi" : "local"},
-      {"transport", config.migration.transport},
-      {"memory", flags.memory},
-      {"model",
-       {{"layers", model.layers},
-        {"experts", model.experts},
-        {"top_k", model.top_k},
-        {"tokens_per_rank", model.tokens},
-        {"hidden", model.ffn.hidden},
-        {"ffn", model.ffn.ffn},
-        {"steps", model.steps},
-        {"seed", model.seed},
-        {"learning_rate", model.adam.learning_rate},
-        {"gate", setup.gate->description()}}},
-      {"config",
-       {{"num_ranks", config.num_ranks()},
-        {"persistent_per_rank", config.slots.persistent_per_rank},
-        {"transient_per_rank", config.slots.transient_per_rank},
-        {"yaml", ConfigToYaml(config)}}},
-      {"mode_order", order},
-      {"modes", modes},
-      {"final_weights_identical", o.weights.identical},
-      {"final_weights_checksum", FinalWeightsChecksum(o.runs[1].result.final_weights)},
-  };
-  if (setup.sequences) {
-    report["sequences"] = {{"tokens_per_sequence", flags.sequence_tokens},
-                           {"affinity", flags.affinity},
-                           {"token_repeat", flags.repeat},
-                           {"link_gb_per_s", flags.link_gb_per_s},
-                           {"objective", flags.sequence_objective}};
-  }
-  return report;
-}
-
 // Runs the demo's modes on this process's ranks; `communicator` is null for threads. Returns
 // the exit code.
 int RunAllModes(const DemoFlags& flags, const FlagParser& parser, Communicator* communicator) {
@@ -870,48 +348,8 @@ int RunAllModes(const DemoFlags& flags, const FlagParser& parser, Communicator* 
   if (!set_up.ok()) return Fail(set_up);
   Result<std::vector<ModeRun>> runs = RunModes(flags, setup, DemoRuns(flags));
   if (!runs.ok()) return Fail(runs.status());
-
-  DemoOutcome o{flags, setup, *runs, {}, 0.0, CheckWeights(flags, setup.config, *runs)};
-  if (!setup.rank0) return o.weights.ok() ? 0 : 1;
-  for (const ModeRun& run : *runs) o.modes.push_back(ModeJson(run));
-  const double first_step = o.modes[0]["parallel_step_seconds"]["mean"].get<double>();
-  const double second_step = o.modes[1]["parallel_step_seconds"]["mean"].get<double>();
-  o.ratio = first_step > 0 ? second_step / first_step : 0.0;
-  nlohmann::json report = CommonReport(flags, o);
-
-  std::printf("\n");
-  PrintModeTable(o.modes);
-  std::printf("\n");
-  bool checks_passed = true;
-  if (flags.sequence_migration) {
-    SummarizeSequenceMigration(o, report);
-  } else if (StrategyMode(flags)) {
-    checks_passed = SummarizeStrategy(o, report);
-  } else if (EngineShardMode(flags)) {
-    SummarizeEngineShards(o, report);
-  } else if (flags.condense > 0) {
-    SummarizeCondensation(o, report);
-  } else {
-    SummarizeStaticVsKeel(o, report);
-  }
-  const WeightsVerdict& weights = o.weights;
-  std::printf("final weights identical:     %s%s\n", weights.identical ? "yes (bitwise)" : "NO",
-              weights.must_be_identical || weights.identical ? ""
-              : weights.sharded_vs_whole
-                  ? " (not expected: shards sum their outputs in another order)"
-                  : " (not expected: condensation below 1.0 changes the math)");
-  if (!flags.report_path.empty()) {
-    Status written = WriteFileAtomically(flags.report_path, report.dump(2) + "\n");
-    if (!written.ok()) return Fail(written);
-    std::printf("report: %s\n", flags.report_path.c_str());
-  }
-  std::fflush(stdout);
-  if (!weights.ok()) {
-    std::fprintf(stderr, "keel demo: the final expert weights differ between %s and %s%s\n",
-                 (*runs)[0].policy.c_str(), (*runs)[1].policy.c_str(),
-                 weights.sharded_vs_whole ? " by more than the rounding tolerance" : "");
-  }
-  return weights.ok() && checks_passed ? 0 : 1;
+  Result<int> code = ReportDemo(flags, setup, *runs);
+  return code.ok() ? *code : Fail(code.status());
 }
 
 int RunDemoOverMpi(int argc, char** argv, const DemoFlags& flags, const FlagParser& parser) {

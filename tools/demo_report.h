@@ -1,4 +1,4 @@
-// What `keel demo` reports of its two runs: each run's JSON (ModeJson), the table it prints,
+// What `keel demo` reports of each of its runs: each run's JSON (ModeJson), the table it prints,
 // the final weights' checksum and how far two runs' weights are apart, and a target's verdict.
 #pragma once
 
