@@ -12,7 +12,7 @@
 namespace keel::tools {
 namespace {
 
-// The targets for the default demo.
+// The targets each mode's comparison is held to (docs/benchmarks.md).
 constexpr double kTargetStepRatio = 0.75;     // keel parallel step <= 0.75 x static
 constexpr double kTargetImbalance = 1.10;     // keel mean imbalance
 constexpr double kTargetOverhead = 0.02;      // engine route + control <= 2% of the step
@@ -198,7 +198,7 @@ void SummarizeCondensation(const DemoOutcome& o, nlohmann::json& report) {
   std::printf("condensed / exact parallel step: %.3f\n", o.ratio);
 }
 
-// The default demo: static against keel, and the targets for keel.
+// The default demo: static against keel, and keel's targets.
 void SummarizeStaticVsKeel(const DemoOutcome& o, nlohmann::json& report) {
   const nlohmann::json& keel = o.modes[1];
   const double imbalance = keel["mean_imbalance"].get<double>();
