@@ -1,4 +1,4 @@
-// The kernels' CPU references at the DeepSeek-V3-like size (8k tokens per rank x top-8,
+// The kernels' CPU references at a DeepSeek-V3-like size (8k tokens per rank x top-8,
 // 256 experts, hidden 7168): what the engine pays per layer without a GPU (histogram + remap),
 // and, for scale, what the row kernels cost on one core (1k tokens, so a run stays short).
 #include <benchmark/benchmark.h>
