@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every CPU benchmark of docs/benchmarks.md and writes the results to out/bench/:
-# planner, monitor and migration micro-benchmarks (Google Benchmark JSON), the UCX transfers
+# planner, monitor, migration and demo-expert micro-benchmarks (Google Benchmark JSON), the UCX transfers
 # between processes (JSON lines), and trace replays (keel replay reports).
 # Usage: bench/run.sh [build-dir]   (default: build; run `scripts/dev build` first)
 set -euo pipefail
@@ -11,7 +11,8 @@ traces=${KEEL_SHARED_TRACES:-$root/../shared/traces}
 mkdir -p "$out"
 keel=$build/bin/keel
 
-for bench in eplb_bench keel_policy_bench balancers_bench quota_bench monitor_bench migration_bench; do
+for bench in eplb_bench keel_policy_bench balancers_bench quota_bench monitor_bench migration_bench \
+  demo_expert_bench; do
   echo "== $bench"
   "$build/bin/$bench" --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
     --benchmark_out="$out/$bench.json" --benchmark_out_format=json
