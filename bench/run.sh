@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every CPU benchmark of docs/benchmarks.md and writes the results to out/bench/:
-# planner, monitor, migration and demo-expert micro-benchmarks (Google Benchmark JSON), the UCX transfers
-# between processes (JSON lines), and trace replays (keel replay reports).
+# planner, monitor, migration and demo-expert micro-benchmarks (Google Benchmark JSON), the UCX
+# transfers between processes (JSON lines), and trace replays (keel replay reports).
 # Usage: bench/run.sh [build-dir]   (default: build; run `scripts/dev build` first)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
