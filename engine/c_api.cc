@@ -256,6 +256,11 @@ Status BuildEngineOptions(const keel_engine_options_t& options, EngineOptions& o
                            " is not a keel_memory_kind_t (KEEL_MEMORY_HOST = 0, "
                            "KEEL_MEMORY_DEVICE = 1)");
   }
+  if (options.mp_group_size < 0) {
+    return InvalidArgument("options->mp_group_size = " + std::to_string(options.mp_group_size) +
+                           " must be >= 0 (0 or 1: no MP groups)");
+  }
+  out.mp_group_size = std::max(1, options.mp_group_size);
   out.num_layers = options.num_layers;
   out.num_experts = options.num_experts;
   out.top_k = options.top_k;

@@ -207,7 +207,7 @@ class PythonEngine {
   PythonEngine(py::object communicator, std::optional<Config> config,
                const std::string& config_yaml, const std::string& config_path, int num_layers,
                int num_experts, int top_k, size_t weight_bytes, size_t gradient_bytes,
-               size_t optimizer_bytes, const std::string& gradient_type)
+               size_t optimizer_bytes, const std::string& gradient_type, int mp_group_size)
       : communicator_(std::make_unique<PythonCommunicator>(std::move(communicator))) {
     EngineOptions options;
     options.config = std::move(config);
@@ -220,6 +220,7 @@ class PythonEngine {
     options.shape.gradient_bytes = gradient_bytes;
     options.shape.optimizer_bytes = optimizer_bytes;
     options.shape.gradient_type = ParseGradientType(gradient_type);
+    options.mp_group_size = mp_group_size;
     options.communicator = communicator_.get();
     py::gil_scoped_release release;
     engine_ = ValueOrThrow(Engine::Create(options));
@@ -323,6 +324,8 @@ class PythonEngine {
     out["recv_totals"] = value.recv_totals;
     out["local_experts"] = value.local_experts;
     out["epoch"] = value.epoch;
+    out["share_begin"] = value.share_begin;
+    out["share_end"] = value.share_end;
     return out;
   }
 
@@ -590,11 +593,12 @@ PYBIND11_MODULE(_keel, m) {
 
   py::class_<PythonEngine>(m, "Engine")
       .def(py::init<py::object, std::optional<Config>, const std::string&, const std::string&, int,
-                    int, int, size_t, size_t, size_t, const std::string&>(),
+                    int, int, size_t, size_t, size_t, const std::string&, int>(),
            py::arg("communicator"), py::arg("config") = std::nullopt, py::arg("config_yaml") = "",
            py::arg("config_path") = "", py::arg("num_layers"), py::arg("num_experts"),
            py::arg("top_k"), py::arg("weight_bytes"), py::arg("gradient_bytes"),
-           py::arg("optimizer_bytes"), py::arg("gradient_type") = "float32")
+           py::arg("optimizer_bytes"), py::arg("gradient_type") = "float32",
+           py::arg("mp_group_size") = 1)
       .def("close", &PythonEngine::Close)
       .def("register_slot", &PythonEngine::RegisterSlot, py::arg("layer"), py::arg("local_slot"),
            py::arg("weights"), py::arg("gradients"), py::arg("optimizer"))

@@ -146,6 +146,15 @@ typedef struct keel_engine_options {
   /* The group of the local transport. NULL: the group of comm when comm is local. Must be
    * comm's group when both are given. Not needed when the config names another transport. */
   keel_group_t* group;
+
+  /* Tensor-parallel (MP) groups of this many consecutive ranks, whose members hold the same
+   * tokens (Parm's de-duplicated dispatch, docs/integration.md): every member passes its group's
+   * topk_ids to keel_engine_route, and member m = rank % mp_group_size routes only its share,
+   * tokens [m * T / M, (m + 1) * T / M) of the T; the other tokens' slot_out entries are -1 and
+   * the splits count the share alone. keel_engine_route_counts takes the share's counts. Must
+   * divide topology.gpus_per_node. 0 or 1 (the default 0): no MP groups. Appended after the
+   * first version of this struct: a library older than this field rejects a nonzero value. */
+  int mp_group_size;
 } keel_engine_options_t;
 
 /* Fills the first struct_size bytes of *options with the defaults of a library that knows

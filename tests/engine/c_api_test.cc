@@ -125,6 +125,30 @@ TEST(CApiTest, OptionsInitFillsDefaults) {
   EXPECT_EQ(options.memory, KEEL_MEMORY_HOST);
   EXPECT_EQ(options.comm, nullptr);
   EXPECT_EQ(options.group, nullptr);
+  EXPECT_EQ(options.mp_group_size, 0);
+}
+
+// A caller compiled against the first keel.h, which ended at `group`: the library takes
+// mp_group_size as 0 (no MP groups) and creates the engine.
+TEST(CApiTest, FirstVersionOfTheOptionsHasNoMpGroups) {
+  keel_group_t* group = nullptr;
+  keel_comm_t* comm = nullptr;
+  ASSERT_TRUE(Succeeds(keel_group_create(1, &group)));
+  ASSERT_TRUE(Succeeds(keel_comm_create_local(group, 0, &comm)));
+  keel_engine_options_t options;
+  const size_t first_version = offsetof(keel_engine_options_t, group) + sizeof(keel_group_t*);
+  ASSERT_TRUE(Succeeds(keel_engine_options_init_sized(&options, first_version)));
+  options.num_layers = 1;
+  options.num_experts = 2;
+  options.weight_bytes = 4;
+  options.gradient_bytes = 4;
+  options.comm = comm;
+  options.mp_group_size = 7;  // past struct_size: the library must not read it
+  keel_engine_t* engine = nullptr;
+  EXPECT_TRUE(Succeeds(keel_engine_create(&options, &engine)));
+  EXPECT_TRUE(Succeeds(keel_engine_destroy(engine)));
+  EXPECT_TRUE(Succeeds(keel_comm_destroy(comm)));
+  EXPECT_TRUE(Succeeds(keel_group_destroy(group)));
 }
 
 TEST(CApiTest, OptionsInitRejectsBadArguments) {
@@ -1018,6 +1042,100 @@ TEST(CApiEndToEndTest, TwoRanksAsThreadsRouteReduceAndStep) {
     EXPECT_EQ(log.stats.epoch, log.epochs.back());
     EXPECT_GE(log.stats.route_seconds, 0.0);
   }
+}
+
+// The slots keel_engine_route gives each of two thread ranks on one step of layer 0 under the
+// static placement: with mp_group_size 2 every rank passes both ranks' tokens (the pair's), else
+// each passes its own. `ids_of(rank)` gives a rank's own [kTokens * kTopK] ids.
+template <typename IdsOf>
+std::vector<std::vector<int32_t>> RoutePair(int mp_group_size, IdsOf ids_of,
+                                            std::vector<std::vector<int64_t>>& send) {
+  constexpr int kRanks = 2;
+  keel_group_t* group = nullptr;
+  EXPECT_TRUE(Succeeds(keel_group_create(kRanks, &group)));
+  std::vector<std::vector<int32_t>> slots(kRanks);
+  send.assign(kRanks, std::vector<int64_t>(kRanks));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      keel_comm_t* comm = nullptr;
+      ASSERT_TRUE(Succeeds(keel_comm_create_local(group, r, &comm)));
+      keel_engine_options_t options;
+      ASSERT_TRUE(Succeeds(keel_engine_options_init(&options)));
+      FillShape(options);
+      options.config_yaml =
+          "topology:\n  num_nodes: 1\n  gpus_per_node: 2\n"
+          "slots:\n  persistent_per_rank: 4\n  transient_per_rank: 0\n"
+          "policy:\n  name: static\n";
+      options.comm = comm;
+      options.mp_group_size = mp_group_size;
+      keel_engine_t* engine = nullptr;
+      ASSERT_TRUE(Succeeds(keel_engine_create(&options, &engine)));
+      RankBuffers buffers(kLayers, 4, 4);
+      for (int l = 0; l < kLayers; ++l) {
+        for (int s = 0; s < 4; ++s) {
+          ASSERT_TRUE(Succeeds(keel_engine_register_slot(engine, l, s, buffers.weights(l, s),
+                                                         buffers.gradients(l, s),
+                                                         buffers.optimizer(l, s))));
+        }
+      }
+      std::vector<int32_t> ids;
+      for (int member = 0; member < kRanks; ++member) {
+        if (mp_group_size < 2 && member != r) continue;
+        const std::vector<int32_t> own = ids_of(member);
+        ids.insert(ids.end(), own.begin(), own.end());
+      }
+      const int64_t tokens = static_cast<int64_t>(ids.size()) / kTopK;
+      slots[r].assign(ids.size(), -2);
+      std::vector<int64_t> recv(static_cast<size_t>(kRanks) * 4);
+      std::vector<int64_t> recv_totals(kRanks);
+      ASSERT_TRUE(Succeeds(keel_engine_route(engine, 0, ids.data(), tokens, slots[r].data(),
+                                             send[r].data(), recv.data(), recv_totals.data())));
+      ASSERT_TRUE(Succeeds(keel_engine_destroy(engine)));
+      ASSERT_TRUE(Succeeds(keel_comm_destroy(comm)));
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_TRUE(Succeeds(keel_group_destroy(group)));
+  return slots;
+}
+
+// Parm's de-duplicated dispatch through the C API: a pair passes the pair's tokens and each
+// member routes its half, exactly as if each passed only its own tokens; the other half's
+// entries get slot -1.
+TEST(CApiEndToEndTest, MpPairRoutesItsSharesAsWithoutGroups) {
+  constexpr int kTokens = 16;
+  const auto ids_of = [](int rank) {
+    std::vector<int32_t> ids(kTokens * kTopK);
+    for (int t = 0; t < kTokens; ++t) {
+      ids[t * kTopK] = (t * 5 + rank) % kExperts;
+      ids[t * kTopK + 1] = t % 7 == 0 ? -1 : (t * 5 + rank + 1 + t % 3) % kExperts;
+    }
+    return ids;
+  };
+  std::vector<std::vector<int64_t>> plain_send;
+  std::vector<std::vector<int64_t>> pair_send;
+  const std::vector<std::vector<int32_t>> plain = RoutePair(0, ids_of, plain_send);
+  const std::vector<std::vector<int32_t>> pair = RoutePair(2, ids_of, pair_send);
+  const size_t share = static_cast<size_t>(kTokens) * kTopK;
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(plain[r].size(), share);
+    ASSERT_EQ(pair[r].size(), 2 * share);
+    const std::vector<int32_t> own(pair[r].begin() + r * share, pair[r].begin() + (r + 1) * share);
+    EXPECT_EQ(own, plain[r]) << "rank " << r;
+    const std::vector<int32_t> other(pair[r].begin() + (1 - r) * share,
+                                     pair[r].begin() + (2 - r) * share);
+    EXPECT_EQ(other, std::vector<int32_t>(share, -1)) << "rank " << r;
+    EXPECT_EQ(pair_send[r], plain_send[r]) << "rank " << r;
+  }
+}
+
+TEST_F(CApiEngineTest, CreateRejectsABadMpGroupSize) {
+  options_.mp_group_size = -1;
+  EXPECT_TRUE(CreateFails(KEEL_INVALID_ARGUMENT, {"options->mp_group_size = -1", ">= 0"}));
+  options_.mp_group_size = 2;  // one rank
+  EXPECT_TRUE(CreateFails(KEEL_INVALID_ARGUMENT,
+                          {"mp_group_size = 2", "does not divide topology.gpus_per_node = 1"}));
 }
 
 }  // namespace

@@ -37,6 +37,10 @@ class Route(NamedTuple):
     recv_totals: Any    #: [num_ranks] int64: rows received from each rank (combine split)
     local_experts: List[int]  #: [local_slots] expert of each local slot this step, -1 for none
     epoch: int          #: the placement epoch this routing used
+    #: The tokens ``[share_begin, share_end)`` this rank routes: all of them, or with MP groups
+    #: (``Engine(mp_group_size=M)``) its share of the group's; the others' slots are -1.
+    share_begin: int = 0
+    share_end: int = 0
 
 
 class SequencePlacement(NamedTuple):
@@ -100,11 +104,19 @@ class Engine:
         optimizer_bytes: a home's optimizer state in bytes (moves with the home); 0 for none.
         gradient_type: element type of gradient buffers: ``float32``, ``float64`` or
             ``fixed_int64``.
+        mp_group_size: tensor-parallel (MP) groups of this many consecutive ranks, whose
+            members hold the same tokens (Parm's de-duplicated dispatch, docs/integration.md):
+            every member passes the group's ``topk_ids`` to :meth:`route`, and member ``m =
+            rank % M`` routes only tokens ``[m * T / M, (m + 1) * T / M)``; after the combine
+            the trainer all-gathers the combined outputs inside the group. Must divide
+            ``topology.gpus_per_node``; 1 (the default): no groups. :class:`keel.torch.KeelMoE`
+            does not use MP groups.
     """
 
     def __init__(self, communicator: Any, *, config: Any = None, num_layers: int,
                  num_experts: int, top_k: int, weight_bytes: int, gradient_bytes: int,
-                 optimizer_bytes: int = 0, gradient_type: str = "float32") -> None:
+                 optimizer_bytes: int = 0, gradient_type: str = "float32",
+                 mp_group_size: int = 1) -> None:
         from keel import Config
         if isinstance(config, dict):
             config = Config.from_dict(config)
@@ -121,11 +133,13 @@ class Engine:
         self.gradient_bytes = gradient_bytes
         self.optimizer_bytes = optimizer_bytes
         self.gradient_type = gradient_type
+        self.mp_group_size = mp_group_size
         self._native = _keel.Engine(
             communicator, config=config._native if config is not None else None,
             num_layers=num_layers, num_experts=num_experts, top_k=top_k,
             weight_bytes=weight_bytes, gradient_bytes=gradient_bytes,
-            optimizer_bytes=optimizer_bytes, gradient_type=gradient_type)
+            optimizer_bytes=optimizer_bytes, gradient_type=gradient_type,
+            mp_group_size=mp_group_size)
         self._buffers: Dict[Tuple[int, int], Tuple[Any, ...]] = {}
 
     # --- shape of this rank ---------------------------------------------------------------------
@@ -251,7 +265,8 @@ class Engine:
 
         Args:
             topk_ids: ``[num_tokens, top_k]`` int32 or int64 CPU tensor of logical expert ids
-                in ``[0, num_experts)``, -1 for a dropped choice.
+                in ``[0, num_experts)``, -1 for a dropped choice. With MP groups: the group's
+                tokens, the same on every member.
 
         Raises:
             InvalidArgumentError: a bad dtype, shape, device or expert id (named by its index).
@@ -268,7 +283,9 @@ class Engine:
                      .reshape(self.num_ranks, self.local_slots),
                      recv_totals=torch.tensor(answer["recv_totals"], dtype=torch.int64),
                      local_experts=list(answer["local_experts"]),
-                     epoch=int(answer["epoch"]))
+                     epoch=int(answer["epoch"]),
+                     share_begin=int(answer["share_begin"]),
+                     share_end=int(answer["share_end"]))
 
     def reduce_gradients(self) -> None:
         """Collective, after backward and before the optimizer: commits a migrated placement
