@@ -243,22 +243,22 @@ TEST_P(EngineMemoryTest, KeelPolicyReshardsHotExpertsAndLosesNoUpdate) {
 }
 
 // Parm's de-duplicated dispatch: pairs of ranks pass the pair's tokens and each routes its half,
-// so every (token, k) is routed once, exactly the rows of the run without MP groups (static
-// placement: the routing depends on the counts alone), and training under the keel policy loses
-// no update.
-TEST_P(EngineMemoryTest, MpGroupsRouteEachTokenOnceAsWithoutThem) {
+// so every (token, k) is routed once, exactly the rows of the run with `alone`'s hooks and no MP
+// groups (static placement: the routing depends on the counts alone), and training under the
+// keel policy loses no update.
+void ExpectPairsRouteAndTrainAsWithoutThem(const RunHooks& alone, Memory memory) {
   constexpr int kSteps = 6;
-  RunHooks pairs;
+  RunHooks pairs = alone;
   pairs.mp_group_size = 2;
-  TrainingRun plain = RunAll(TestConfig("static"), kSteps, GetParam());
-  TrainingRun shared = RunAll(TestConfig("static"), kSteps, GetParam(), nullptr, nullptr, pairs);
+  TrainingRun plain = RunAll(TestConfig("static"), kSteps, memory, nullptr, nullptr, alone);
+  TrainingRun shared = RunAll(TestConfig("static"), kSteps, memory, nullptr, nullptr, pairs);
   for (int r = 0; r < kRanks; ++r) {
     ASSERT_TRUE(plain.records[r].status.ok()) << plain.records[r].status.ToString();
     ASSERT_TRUE(shared.records[r].status.ok()) << shared.records[r].status.ToString();
     EXPECT_EQ(FlattenSent(shared.records[r]), FlattenSent(plain.records[r])) << "rank " << r;
   }
   constexpr int kKeelSteps = 24;
-  TrainingRun keel = RunAll(TestConfig("keel"), kKeelSteps, GetParam(), nullptr, nullptr, pairs);
+  TrainingRun keel = RunAll(TestConfig("keel"), kKeelSteps, memory, nullptr, nullptr, pairs);
   for (const RankRecord& record : keel.records) {
     ASSERT_TRUE(record.status.ok()) << record.status.ToString();
   }
@@ -267,30 +267,17 @@ TEST_P(EngineMemoryTest, MpGroupsRouteEachTokenOnceAsWithoutThem) {
   ExpectMatchesReference(keel, ComputeReference(kKeelSteps));
 }
 
+TEST_P(EngineMemoryTest, MpGroupsRouteEachTokenOnceAsWithoutThem) {
+  ExpectPairsRouteAndTrainAsWithoutThem({}, GetParam());
+}
+
 // Parm's MP+EP+ESP in the engine: MP groups whose layers hold sharded experts. Each member routes
-// its share of the pair's tokens to every shard of a sharded expert, the same rows as without MP
-// groups, and training under the keel policy, which moves the shards, loses no update.
+// its share of the pair's tokens to every shard of a sharded expert, and the keel policy moves
+// the shards.
 TEST_P(EngineMemoryTest, MpGroupsWithShardedExpertsRouteAndTrainAsWithoutThem) {
-  constexpr int kSteps = 6;
   RunHooks sharded;
   sharded.sharded_experts = ToyShardedExperts();
-  RunHooks pairs = sharded;
-  pairs.mp_group_size = 2;
-  TrainingRun plain = RunAll(TestConfig("static"), kSteps, GetParam(), nullptr, nullptr, sharded);
-  TrainingRun shared = RunAll(TestConfig("static"), kSteps, GetParam(), nullptr, nullptr, pairs);
-  for (int r = 0; r < kRanks; ++r) {
-    ASSERT_TRUE(plain.records[r].status.ok()) << plain.records[r].status.ToString();
-    ASSERT_TRUE(shared.records[r].status.ok()) << shared.records[r].status.ToString();
-    EXPECT_EQ(FlattenSent(shared.records[r]), FlattenSent(plain.records[r])) << "rank " << r;
-  }
-  constexpr int kKeelSteps = 24;
-  TrainingRun keel = RunAll(TestConfig("keel"), kKeelSteps, GetParam(), nullptr, nullptr, pairs);
-  for (const RankRecord& record : keel.records) {
-    ASSERT_TRUE(record.status.ok()) << record.status.ToString();
-  }
-  EXPECT_GE(keel.records[0].stats.epochs_committed, 1);
-  ExpectRoutingAgrees(keel, kKeelSteps);
-  ExpectMatchesReference(keel, ComputeReference(kKeelSteps));
+  ExpectPairsRouteAndTrainAsWithoutThem(sharded, GetParam());
 }
 
 TEST_P(EngineMemoryTest, AbortedEpochKeepsOldPlacementAndLosesNoUpdate) {
