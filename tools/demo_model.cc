@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cassert>
 #include <cmath>
+#include <cstring>
 #include <numeric>
+#include <string>
 
 namespace keel::tools {
 namespace {
@@ -313,6 +315,61 @@ std::vector<int64_t> ScaleCounts(std::span<const double> loads, int64_t total) {
     }
   }
   return counts;
+}
+
+void AppendExpertPiece(int layer, int expert, int shard, int shards, std::span<const float> piece,
+                       std::string& out) {
+  const int32_t key[4] = {layer, expert, shard, shards};
+  out.append(reinterpret_cast<const char*>(key), sizeof(key));
+  out.append(reinterpret_cast<const char*>(piece.data()), piece.size_bytes());
+}
+
+Result<std::vector<float>> AssembleExpertWeights(const DemoModelOptions& model,
+                                                 std::span<const std::string> pieces) {
+  const size_t whole_floats = model.ffn.weight_floats();
+  std::vector<float> weights(static_cast<size_t>(model.layers) * model.experts * whole_floats,
+                             0.0f);
+  // Each expert's pieces: a whole expert is one, a sharded one as many as its shards.
+  std::vector<int> parts(static_cast<size_t>(model.layers) * model.experts, 0);
+  std::vector<int> expected(parts.size(), 1);
+  std::vector<float> slice;
+  for (const std::string& part : pieces) {
+    for (size_t at = 0; at < part.size();) {
+      int32_t key[4];
+      if (at + sizeof(key) > part.size()) return Internal("final weights: a truncated record");
+      std::memcpy(key, part.data() + at, sizeof(key));
+      const auto [layer, expert, shard, shards] = key;
+      if (layer < 0 || layer >= model.layers || expert < 0 || expert >= model.experts ||
+          shards < 1 || shard < 0 || shard >= shards) {
+        return Internal("final weights: bad (layer, expert, shard) record");
+      }
+      const size_t floats = ShardShape(model.ffn, shards).weight_floats();
+      at += sizeof(key);
+      if (at + floats * sizeof(float) > part.size()) {
+        return Internal("final weights: a truncated record");
+      }
+      slice.resize(floats);
+      std::memcpy(slice.data(), part.data() + at, floats * sizeof(float));
+      at += floats * sizeof(float);
+      const size_t index = static_cast<size_t>(layer) * model.experts + expert;
+      std::span<float> whole(weights.data() + index * whole_floats, whole_floats);
+      if (shards == 1) {
+        std::copy(slice.begin(), slice.end(), whole.begin());
+      } else {
+        PlaceShardWeights(model.ffn, shards, shard, slice, whole);
+      }
+      ++parts[index];
+      expected[index] = shards;
+    }
+  }
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (parts[i] != expected[i]) {
+      return Internal("final weights: expert " + std::to_string(i % model.experts) + " of layer " +
+                      std::to_string(i / model.experts) + " has " + std::to_string(parts[i]) +
+                      " of its " + std::to_string(expected[i]) + " pieces");
+    }
+  }
+  return weights;
 }
 
 }  // namespace keel::tools

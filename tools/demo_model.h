@@ -9,10 +9,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "common/random.h"
 #include "keel/shard_layout.hpp"
+#include "keel/status.hpp"
 
 namespace keel::tools {
 
@@ -138,6 +140,16 @@ struct DemoModelOptions {
   uint64_t seed = 1;
   AdamOptions adam;
 };
+
+// The final weights of every expert from the pieces the ranks hold: each rank appends each piece
+// it owns (a whole expert, shards = 1, or shard `shard` of `shards`: SliceExpertWeights' slice)
+// to a string, the ranks all-gather their strings, and AssembleExpertWeights puts every piece in
+// its place: [layers, experts, ffn.weight_floats()]. It fails when an expert misses a piece or a
+// record is malformed.
+void AppendExpertPiece(int layer, int expert, int shard, int shards, std::span<const float> piece,
+                       std::string& out);
+Result<std::vector<float>> AssembleExpertWeights(const DemoModelOptions& model,
+                                                 std::span<const std::string> pieces);
 
 // The gate: turns one rank's per-expert selection counts of one (step, layer) into top-k expert
 // ids [num_tokens, top_k] int32 with exactly those counts (counts must sum to num_tokens *

@@ -653,46 +653,17 @@ Result<StepMeasurement> ShardedTrainer::Step(int64_t step) {
 Result<std::vector<float>> ShardedTrainer::GatherFinalWeights() {
   // Each shard of each expert once: every rank of a routed group, the first node's under ppmoe.
   std::string mine;
-  const size_t shard_bytes = shard_floats_ * sizeof(float);
   if (flow_ == Flow::kRouted || rank_ < group_size_) {
     for (int l = 0; l < model_.layers; ++l) {
       for (int e = 0; e < model_.experts; ++e) {
         if (local_of_[e] < 0) continue;
-        const int32_t key[3] = {l, e, member()};
-        mine.append(reinterpret_cast<const char*>(key), sizeof(key));
-        mine.append(reinterpret_cast<const char*>(Weights(l, local_of_[e])), shard_bytes);
+        AppendExpertPiece(l, e, member(), group_size_, {Weights(l, local_of_[e]), shard_floats_},
+                          mine);
       }
     }
   }
   KEEL_ASSIGN_OR_RETURN(std::vector<std::string> all, communicator_.AllGather(mine));
-  const size_t full_floats = model_.ffn.weight_floats();
-  std::vector<float> weights(static_cast<size_t>(model_.layers) * model_.experts * full_floats);
-  std::vector<int> seen(static_cast<size_t>(model_.layers) * model_.experts, 0);
-  const size_t record = 3 * sizeof(int32_t) + shard_bytes;
-  std::vector<float> shard(shard_floats_);
-  for (const std::string& part : all) {
-    for (size_t at = 0; at + record <= part.size(); at += record) {
-      int32_t key[3];
-      std::memcpy(key, part.data() + at, sizeof(key));
-      if (key[0] < 0 || key[0] >= model_.layers || key[1] < 0 || key[1] >= model_.experts ||
-          key[2] < 0 || key[2] >= group_size_) {
-        return Internal("final weights: bad (layer, expert, shard) record");
-      }
-      const size_t index = static_cast<size_t>(key[0]) * model_.experts + key[1];
-      std::memcpy(shard.data(), part.data() + at + sizeof(key), shard_bytes);
-      PlaceShardWeights(model_.ffn, group_size_, key[2], shard,
-                        {weights.data() + index * full_floats, full_floats});
-      ++seen[index];
-    }
-  }
-  for (size_t i = 0; i < seen.size(); ++i) {
-    if (seen[i] != group_size_) {
-      return Internal("final weights: expert " + std::to_string(i % model_.experts) + " of layer " +
-                      std::to_string(i / model_.experts) + " has " + std::to_string(seen[i]) +
-                      " of its " + std::to_string(group_size_) + " shards");
-    }
-  }
-  return weights;
+  return AssembleExpertWeights(model_, all);
 }
 
 }  // namespace

@@ -954,55 +954,12 @@ Result<std::vector<float>> RankTrainer::GatherFinalWeights() {
   for (int l = 0; l < model_.layers; ++l) {
     for (const HomeSlot& home : engine_->HomeSlots(l)) {
       if (device_ != nullptr) KEEL_RETURN_IF_ERROR(Download(l, home.local_slot, kWeights));
-      const int32_t key[4] = {l, home.expert, home.shard, home.shards};
-      mine.append(reinterpret_cast<const char*>(key), sizeof(key));
-      mine.append(reinterpret_cast<const char*>(Weights(l, home.local_slot)),
-                  ShapeOf(home.shards).weight_floats() * sizeof(float));
+      AppendExpertPiece(l, home.expert, home.shard, home.shards,
+                        {Weights(l, home.local_slot), ShapeOf(home.shards).weight_floats()}, mine);
     }
   }
   KEEL_ASSIGN_OR_RETURN(std::vector<std::string> all, communicator_.AllGather(mine));
-  std::vector<float> weights(static_cast<size_t>(model_.layers) * model_.experts * weight_floats_,
-                             0.0f);
-  // Each expert's parts: its whole home counts 1, each of s shards 1/s (as s parts of one).
-  std::vector<int> parts(static_cast<size_t>(model_.layers) * model_.experts, 0);
-  std::vector<int> expected(parts.size(), 1);
-  for (const std::string& part : all) {
-    for (size_t at = 0; at < part.size();) {
-      int32_t key[4];
-      if (at + sizeof(key) > part.size()) return Internal("final weights: a truncated record");
-      std::memcpy(key, part.data() + at, sizeof(key));
-      const auto [layer, expert, shard, shards] = key;
-      if (layer < 0 || layer >= model_.layers || expert < 0 || expert >= model_.experts ||
-          shards < 1 || shard < 0 || shard >= shards) {
-        return Internal("final weights: bad (layer, expert, shard) record");
-      }
-      const size_t floats = ShapeOf(shards).weight_floats();
-      at += sizeof(key);
-      if (at + floats * sizeof(float) > part.size()) {
-        return Internal("final weights: a truncated record");
-      }
-      std::vector<float> slice(floats);
-      std::memcpy(slice.data(), part.data() + at, floats * sizeof(float));
-      at += floats * sizeof(float);
-      const size_t index = static_cast<size_t>(layer) * model_.experts + expert;
-      std::span<float> whole(weights.data() + index * weight_floats_, weight_floats_);
-      if (shards == 1) {
-        std::copy(slice.begin(), slice.end(), whole.begin());
-      } else {
-        PlaceShardWeights(model_.ffn, shards, shard, slice, whole);
-      }
-      ++parts[index];
-      expected[index] = shards;
-    }
-  }
-  for (size_t i = 0; i < parts.size(); ++i) {
-    if (parts[i] != expected[i]) {
-      return Internal("final weights: expert " + std::to_string(i % model_.experts) + " of layer " +
-                      std::to_string(i / model_.experts) + " has " + std::to_string(parts[i]) +
-                      " home parts, expected " + std::to_string(expected[i]));
-    }
-  }
-  return weights;
+  return AssembleExpertWeights(model_, all);
 }
 
 }  // namespace

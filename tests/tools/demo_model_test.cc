@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <string>
 #include <vector>
 
 namespace keel::tools {
@@ -202,6 +203,45 @@ TEST(DemoModelTest, ShardsSumToTheExpertAndOwnTheirSliceOfItsGradient) {
       EXPECT_NEAR(dx_sum[i], dx[i], 1e-6f * (1 + std::fabs(dx[i]))) << shards;
     }
   }
+}
+
+// Whole experts and shards, spread over the ranks' strings in any order, assemble into every
+// expert's weights; a missing shard or a cut record is an error.
+TEST(DemoModelTest, PiecesAssembleIntoEveryExpertsWeights) {
+  DemoModelOptions model;
+  model.layers = 2;
+  model.experts = 3;
+  model.ffn = kShape;
+  std::vector<std::vector<float>> whole;
+  for (int i = 0; i < model.layers * model.experts; ++i) whole.push_back(Weights(kShape, 10 + i));
+  const FfnShape half = ShardShape(kShape, 2);
+  std::vector<std::string> ranks(3);
+  std::vector<float> shard(half.weight_floats());
+  for (int l = 0; l < model.layers; ++l) {
+    for (int e = 0; e < model.experts; ++e) {
+      const std::vector<float>& w = whole[l * model.experts + e];
+      if (e == 1) {  // expert 1 in two shards, on two ranks, the second first
+        for (const int j : {1, 0}) {
+          SliceExpertWeights(kShape, 2, j, w, shard);
+          AppendExpertPiece(l, e, j, 2, shard, ranks[1 + j]);
+        }
+      } else {
+        AppendExpertPiece(l, e, 0, 1, w, ranks[e]);
+      }
+    }
+  }
+  Result<std::vector<float>> assembled = AssembleExpertWeights(model, ranks);
+  ASSERT_TRUE(assembled.ok()) << assembled.status().ToString();
+  std::vector<float> expected;
+  for (const std::vector<float>& w : whole) expected.insert(expected.end(), w.begin(), w.end());
+  EXPECT_EQ(*assembled, expected);
+
+  std::vector<std::string> missing = ranks;
+  missing[2].clear();  // shard 1 of expert 1, and expert 2
+  EXPECT_FALSE(AssembleExpertWeights(model, missing).ok());
+  std::vector<std::string> cut = ranks;
+  cut[0].pop_back();
+  EXPECT_FALSE(AssembleExpertWeights(model, cut).ok());
 }
 
 TEST(DemoModelTest, ToFixedPointRoundsToNearestAndSaturates) {
