@@ -4,7 +4,6 @@
 
 #include <algorithm>
 
-#include "tools/demo_trainer.h"
 
 namespace keel::tools {
 

@@ -9,11 +9,10 @@
 #include <span>
 #include <vector>
 
+#include "tools/demo_gate.h"
 #include "tools/demo_model.h"
 
 namespace keel::tools {
-
-class TokenGate;
 
 struct SequenceWorkload {
   int tokens_per_sequence = 256;
