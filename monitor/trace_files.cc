@@ -111,4 +111,9 @@ Status ExtractTarXz(const std::string& archive, const std::string& folder) {
   return Status::Ok();
 }
 
+bool IsEsftTaskFolder(const std::string& path) {
+  std::error_code error;
+  return fs::is_regular_file(fs::path(path) / "expert_weights_1.txt", error);
+}
+
 }  // namespace keel::trace_files

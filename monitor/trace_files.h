@@ -53,8 +53,8 @@ class TemporaryFolder {
 // Runs `tar -xJf archive -C folder` without a shell, so no path needs quoting.
 Status ExtractTarXz(const std::string& archive, const std::string& folder);
 
-// True for a folder that holds expert_weights_1.txt: one ESFT task (trace_import_esft.cc; format
-// detection asks too).
+// True for a folder that holds expert_weights_1.txt: one ESFT task (the ESFT importer and format
+// detection both ask).
 bool IsEsftTaskFolder(const std::string& path);
 
 }  // namespace keel::trace_files

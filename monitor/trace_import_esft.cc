@@ -19,16 +19,6 @@
 
 namespace keel {
 
-namespace trace_files {
-
-bool IsEsftTaskFolder(const std::string& path) {
-  std::error_code error;
-  return std::filesystem::is_regular_file(std::filesystem::path(path) / "expert_weights_1.txt",
-                                          error);
-}
-
-}  // namespace trace_files
-
 using trace_files::FolderEntry;
 using trace_files::IsEsftTaskFolder;
 using trace_files::IsFolder;
