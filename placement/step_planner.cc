@@ -694,14 +694,20 @@ class StepPlanner::Impl {
   bool Recorded(int source_rank, int rank) const {
     return shares_of_rank_ < 0 || source_rank == shares_of_rank_ || rank == shares_of_rank_;
   }
-  // After a candidate transient `first` (the last of transients_) that leaves the max rank load
-  // where it was: adds the next candidate too, and keeps both when together they lower the max
-  // rank load and the predicted time below `best_seconds` (then updated, with best_, split_ and
-  // the slots taken). Returns whether it kept them; solver_ then holds both either way, as after
-  // any candidate that ends the search.
-  bool TakePair(const Placement& placement, std::span<const long long> tokens,
-                const QuotaPlanOptions& options, const TransientReplica& first,
-                double& best_seconds);
+  // Keeps the candidate transient (the last of transients_, solved into trial_split_) when its
+  // routing lowers the predicted time below `best_seconds` (then updated, with best_, split_
+  // and the slot taken); else leaves them as they were.
+  bool KeepCandidate(const TransientReplica& candidate, double& best_seconds);
+  // After a candidate transient `first` (the last of transients_) that does not pay on its own:
+  // adds the next candidates one at a time, while slots are free, and keeps them all at the
+  // first that, together with the ones before, lowers the max rank load and the predicted time
+  // below `best_seconds` (then updated, with best_, split_ and the slots taken). The first fill
+  // costs a whole weight transfer while the copies after it fill in parallel on other ranks, so
+  // a run of copies can pay where its first does not. Returns whether it kept the run; solver_
+  // then holds all of its copies either way, as after any candidate that ends the search.
+  bool TakeRun(const Placement& placement, std::span<const long long> tokens,
+               const QuotaPlanOptions& options, const TransientReplica& first,
+               double& best_seconds);
   // The cost model's layer time for `draft` with `transients`; from its link sums on the fast
   // path.
   double Seconds(const Draft& draft, std::span<const TransientReplica> transients) const;
@@ -774,7 +780,7 @@ class StepPlanner::Impl {
   QuotaSolver solver_;
   QuotaSplit split_;
   QuotaSplit trial_split_;
-  QuotaSplit pair_split_;  // TakePair's
+  QuotaSplit run_split_;  // TakeRun's
   std::vector<TransientReplica> transients_;
   int excluded_expert_ = -1;  // see CopyEnd
   std::vector<int> transients_on_rank_;
@@ -787,7 +793,7 @@ class StepPlanner::Impl {
   std::vector<int> patched_;   // see ListPatched
   Draft moved_shares_;         // scratch of PatchBest: their new shares, until kept
   std::vector<char> touched_;  // [num_ranks] see ListPatched
-  std::vector<char> gained_;   // [num_experts] scratch of Publish: experts with a transient
+  std::vector<char> gained_;   // [num_experts] scratch of Assign and Publish
 };
 
 void StepPlanner::Impl::Bind(const Placement& placement, int num_sources) {
@@ -1410,11 +1416,18 @@ void StepPlanner::Impl::Assign(size_t num_extras, const QuotaSplit& split, Draft
   draft.shares.clear();
   remaining_.resize(num_sources_);
   if (fast_) {
-    // Scan has the link sums of every single-rank expert. On the fast path only the routing
-    // without transients is assigned afresh (candidates patch it), so each of them stays single.
-    assert(num_extras == 0);
+    // Scan has the link sums of every single-rank expert. One that has a transient now is spread
+    // over two ranks: its sums come out here, exactly (the fast path's sums are exact in any
+    // order), and AddExpert below adds its spread routing.
     draft.received.assign(keep_rows_ ? static_cast<size_t>(num_ranks) * num_ranks : 0, 0.0);
     draft.links.assign(single_links_.begin(), single_links_.end());
+    gained_.assign(num_experts_, 0);
+    for (size_t i = 0; i < num_extras; ++i) {
+      const int e = transients_[i].expert;
+      if (experts_[e].rank < 0 || gained_[e]) continue;
+      gained_[e] = 1;
+      AddSingleLinks(e, experts_[e].rank, -1.0, draft.links.data());
+    }
   } else {
     draft.received.assign(scanned_.begin(), scanned_.end());
   }
@@ -1552,34 +1565,53 @@ double StepPlanner::Impl::FloorSeconds() const {
       .total_seconds();
 }
 
-bool StepPlanner::Impl::TakePair(const Placement& placement, std::span<const long long> tokens,
-                                 const QuotaPlanOptions& options, const TransientReplica& first,
-                                 double& best_seconds) {
-  ++transients_on_rank_[first.rank];
-  TransientReplica second;
-  if (!NextTransient(placement, topology_, solver_, tokens, transients_on_rank_,
-                     options.transient_per_rank, holds_, second)) {
-    --transients_on_rank_[first.rank];
-    return false;
+bool StepPlanner::Impl::KeepCandidate(const TransientReplica& candidate, double& best_seconds) {
+  // On the fast path the candidate patches best_ in place (undone if it does not pay),
+  // otherwise it gets a routing of its own.
+  double seconds;
+  if (fast_) {
+    ListPatched(candidate.expert);
+    if (FloorSeconds() >= best_seconds) return false;  // it cannot pay: no patch to make
+    PatchBest(candidate.expert);
+    seconds = Seconds(best_, transients_);
+    if (!(seconds < best_seconds)) {
+      RestoreBest();
+      return false;
+    }
+    KeepPatchedShares();
+  } else {
+    Assign(transients_.size(), trial_split_, trial_);
+    seconds = Seconds(trial_, transients_);
+    if (!(seconds < best_seconds)) return false;
+    std::swap(best_, trial_);
   }
-  transients_.push_back(second);
-  solver_.AddCopy(placement, transients_, pair_split_);
-  if (pair_split_.max_rank_tokens >= split_.max_rank_tokens) {
-    --transients_on_rank_[first.rank];
-    return false;
-  }
-  // Both copies change the routing: a routing of their own, priced as a whole.
-  Assign(transients_.size(), pair_split_, trial_);
-  const double seconds = Seconds(trial_, transients_);
-  if (!(seconds < best_seconds)) {
-    --transients_on_rank_[first.rank];
-    return false;
-  }
-  std::swap(best_, trial_);
-  std::swap(split_, pair_split_);
-  ++transients_on_rank_[second.rank];
+  ++transients_on_rank_[candidate.rank];
   best_seconds = seconds;
+  std::swap(split_, trial_split_);
   return true;
+}
+
+bool StepPlanner::Impl::TakeRun(const Placement& placement, std::span<const long long> tokens,
+                                const QuotaPlanOptions& options, const TransientReplica& first,
+                                double& best_seconds) {
+  ++transients_on_rank_[first.rank];
+  TransientReplica next;
+  while (NextTransient(placement, topology_, solver_, tokens, transients_on_rank_,
+                       options.transient_per_rank, holds_, next)) {
+    transients_.push_back(next);
+    ++transients_on_rank_[next.rank];
+    solver_.AddCopy(placement, transients_, run_split_);
+    if (run_split_.max_rank_tokens >= split_.max_rank_tokens) continue;
+    // The copies together change the routing: a routing of their own, priced as a whole.
+    Assign(transients_.size(), run_split_, trial_);
+    const double seconds = Seconds(trial_, transients_);
+    if (!(seconds < best_seconds)) continue;
+    std::swap(best_, trial_);
+    std::swap(split_, run_split_);
+    best_seconds = seconds;
+    return true;
+  }
+  return false;
 }
 
 void StepPlanner::Impl::PatchBest(int expert) {
@@ -1784,9 +1816,9 @@ Status StepPlanner::Impl::Route(const Placement& placement, const QuotaPlanOptio
   Assign(0, split_, best_);
 
   // Greedy transients: each must lower the max rank load and the cost model's predicted layer
-  // time (or, where one alone leaves the max where it is, together with the next: TakePair); the
-  // first candidate that does not ends the search. The baseline is priced once a
-  // candidate gets that far, else at the end. Each candidate re-solves from the previous flow.
+  // time, alone or as the first of a run of copies that together do (TakeRun); the first
+  // candidate that does neither ends the search. The baseline is priced once a candidate gets
+  // that far, else at the end. Each candidate re-solves from the previous flow.
   size_t accepted = 0;
   double best_seconds = -1;
   if (options.transient_per_rank > 0) {
@@ -1801,35 +1833,10 @@ Status StepPlanner::Impl::Route(const Placement& placement, const QuotaPlanOptio
         best_seconds = Seconds(best_, {transients_.data(), accepted});
       }
       if (trial_split_.max_rank_tokens > split_.max_rank_tokens) break;
-      if (trial_split_.max_rank_tokens == split_.max_rank_tokens) {
-        // A plateau (two ranks tie at the top, say): one copy cannot lower the max, but it and
-        // the next one together may.
-        if (!TakePair(placement, tokens, options, next, best_seconds)) break;
-        accepted = transients_.size();
-        continue;
-      }
-      // On the fast path the candidate patches best_ in place (undone if it does not pay),
-      // otherwise it gets a routing of its own.
-      double trial_seconds;
-      if (fast_) {
-        ListPatched(next.expert);
-        if (FloorSeconds() >= best_seconds) break;  // it cannot pay: no patch to make
-        PatchBest(next.expert);
-        trial_seconds = Seconds(best_, transients_);
-        if (!(trial_seconds < best_seconds)) {
-          RestoreBest();
-          break;
-        }
-        KeepPatchedShares();
-      } else {
-        Assign(transients_.size(), trial_split_, trial_);
-        trial_seconds = Seconds(trial_, transients_);
-        if (!(trial_seconds < best_seconds)) break;
-        std::swap(best_, trial_);
-      }
-      ++transients_on_rank_[next.rank];
-      best_seconds = trial_seconds;
-      std::swap(split_, trial_split_);
+      // A copy that leaves the max where it is (two ranks tie at the top, say) cannot pay alone.
+      const bool kept = trial_split_.max_rank_tokens < split_.max_rank_tokens &&
+                        KeepCandidate(next, best_seconds);
+      if (!kept && !TakeRun(placement, tokens, options, next, best_seconds)) break;
       accepted = transients_.size();
     }
   }
