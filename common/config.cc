@@ -512,11 +512,19 @@ Status Validate(const KeelConfig& config, const ParseOrigin& origin) {
                              "); its groups must be ranks of one node");
     }
   }
-  if (config.policy.name == "keel" && config.policy.keel.transient_replicas &&
+  const KeelPolicyConfig& keel = config.policy.keel;
+  const bool per_step = keel.spare_slots == "per_step";
+  if (config.policy.name == "keel" && keel.transient_replicas && !per_step &&
       config.slots.transient_per_rank == 0) {
     return cross_error("policy.keel.transient_replicas", "slots.transient_per_rank",
                        "policy.keel.transient_replicas: true needs slots.transient_per_rank >= 1 "
-                       "(it is 0); set transient_replicas to false or add a transient slot");
+                       "(it is 0), or policy.keel.spare_slots: per_step; set transient_replicas "
+                       "to false or add a transient slot");
+  }
+  if (config.policy.name == "keel" && per_step && !keel.transient_replicas) {
+    return cross_error("policy.keel.spare_slots", "policy.keel.transient_replicas",
+                       "policy.keel.spare_slots: per_step needs policy.keel.transient_replicas: "
+                       "true (it is false): the spare slots would stay empty");
   }
   return Status::Ok();
 }

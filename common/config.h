@@ -103,6 +103,10 @@ struct TrtllmConfig {
 
 struct KeelPolicyConfig {
   bool transient_replicas = true;
+  // What the persistent slots beyond the homes hold: "replicas" (replans fill them with
+  // replicas of the experts the estimate finds hot) or "per_step" (replans leave them empty, and
+  // every step's planner uses them as transient slots, with that step's counts).
+  std::string spare_slots = "replicas";
   int max_moves_per_replan = 4;          // persistent slots changed per layer per replan, at most
   int home_payback_horizon_steps = 100;  // a home moves only if it pays back within this many steps
   double min_gain_fraction = 0.002;      // a move must cut predicted layer time by this fraction

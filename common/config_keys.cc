@@ -10,6 +10,7 @@ namespace {
 
 constexpr std::string_view kPerExpertModes[] = {"off", "aggregated"};
 constexpr std::string_view kLplbSolverNames[] = {"quota", "glpk"};
+constexpr std::string_view kSpareSlotNames[] = {"replicas", "per_step"};
 constexpr std::string_view kStrategyNames[] = {"ep", "esp", "parm", "ppmoe", "auto"};
 constexpr std::string_view kTransportNames[] = {"local", "ucx", "nccl"};
 constexpr std::string_view kNcclHostTransportNames[] = {"ucx", "local"};
@@ -126,6 +127,12 @@ constexpr ConfigKey kConfigKeys[] = {
     {KEEL_CONFIG_FIELD(policy.keel.transient_replicas),
      .doc = "Fill the transient slots each step with replicas of experts that burst beyond their "
             "placement."},
+    {KEEL_CONFIG_FIELD(policy.keel.spare_slots), .choices = kSpareSlotNames,
+     .doc = "What the persistent slots beyond the homes hold: replicas (each replan fills them "
+            "with replicas of the experts the load estimate finds hot; they are synced every "
+            "step) or per_step (replans move homes only and leave them empty; every step's "
+            "planner fills them, with the transient slots, from that step's own counts, as velb "
+            "does). per_step needs transient_replicas."},
     {KEEL_CONFIG_FIELD(policy.keel.max_moves_per_replan), .min = 0,
      .doc = "Persistent slots the keel policy changes per layer and replan, at most."},
     {KEEL_CONFIG_FIELD(policy.keel.home_payback_horizon_steps), .min = 0, .unit = "steps",

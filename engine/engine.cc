@@ -151,9 +151,10 @@ Status Engine::Impl::Init() {
   context_ = std::move(context);
   slots_per_rank_ = context_->slots_per_rank;
   transient_per_rank_ = context_->transient_per_rank;
-  transients_planned_ = config.policy.name == "keel" && config.policy.keel.transient_replicas
-                            ? transient_per_rank_
-                            : 0;
+  const bool keel_transients =
+      config.policy.name == "keel" && config.policy.keel.transient_replicas;
+  transients_planned_ = keel_transients ? transient_per_rank_ : 0;
+  spare_slots_planned_ = keel_transients && config.policy.keel.spare_slots == "per_step";
   // A policy per layer (policies keep no state across layers), so that the planner thread
   // replans the layers in parallel.
   for (int l = 0; l < options_.num_layers; ++l) {

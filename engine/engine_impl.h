@@ -93,6 +93,9 @@ class Engine::Impl {
   int slots_per_rank_ = 0;
   int transient_per_rank_ = 0;  // registered transient slots
   int transients_planned_ = 0;  // transient replicas the quota planner may add per rank
+  // Beyond those, the persistent slots a placement leaves empty (policy.keel.spare_slots:
+  // per_step): a transient there fills that slot's buffers for the step.
+  bool spare_slots_planned_ = false;
   std::optional<PolicyContext> context_;
   std::vector<std::unique_ptr<Policy>> policies_;  // [layer]
   std::vector<Placement> placements_;              // in force, over each layer's units
@@ -125,7 +128,9 @@ class Engine::Impl {
   int PhysicalSlot(int copy, const std::vector<int>& transient_slot) const {
     return copy < num_slots() ? copy : transient_slot[copy - num_slots()];
   }
-  std::vector<int> TransientSlots(const StepRouting& routing) const;
+  // The physical slot of each of `routing`'s transients: on its rank, the slots `placement`
+  // leaves empty first (with spare_slots_planned_, in slot order), then the transient slots.
+  std::vector<int> TransientSlots(const Placement& placement, const StepRouting& routing) const;
   Status CheckAllRegistered() const;
   Status CheckRoutable(int layer) const;
   // Every layer's units from options.sharded_experts (shards_, placements_, policies_).

@@ -30,12 +30,24 @@ Status InvalidExpertId(std::span<const int32_t> topk_ids, int num_experts) {
 
 }  // namespace
 
-std::vector<int> Engine::Impl::TransientSlots(const StepRouting& routing) const {
+std::vector<int> Engine::Impl::TransientSlots(const Placement& placement,
+                                              const StepRouting& routing) const {
   std::vector<int> slot(routing.transients.size());
-  std::vector<int> used(num_ranks_, 0);
+  std::vector<int> used(num_ranks_, 0);  // transients placed so far, by rank
   for (size_t i = 0; i < routing.transients.size(); ++i) {
     const int rank = routing.transients[i].rank;
-    slot[i] = num_slots() + rank * transient_per_rank_ + used[rank]++;
+    int n = used[rank]++;
+    slot[i] = -1;
+    for (int s = rank * slots_per_rank_; s < (rank + 1) * slots_per_rank_ && spare_slots_planned_;
+         ++s) {
+      if (placement.expert_at(s) != kEmptySlot) continue;
+      if (n == 0) {
+        slot[i] = s;
+        break;
+      }
+      --n;
+    }
+    if (slot[i] < 0) slot[i] = num_slots() + rank * transient_per_rank_ + n;
   }
   return slot;
 }
@@ -180,13 +192,14 @@ Result<LayerRoute> Engine::Impl::PlanLayer(int layer, std::span<const int32_t> m
   const Placement& placement = placements_[layer];
   QuotaPlanOptions quota_options;
   quota_options.transient_per_rank = transients_planned_;
+  quota_options.spare_slots = spare_slots_planned_;
   quota_options.record_shares = true;
   quota_options.shares_of_rank = rank_;  // the loop below reads nothing else
   quota_options.sent_tokens = false;     // nor does anything read the all-to-all matrix
   StepRouting& routing = plan_scratch_;
   KEEL_RETURN_IF_ERROR(
       planners_[layer]->Plan(placement, num_ranks_, by_expert_, quota_options, routing));
-  std::vector<int> transient_slot = TransientSlots(routing);
+  std::vector<int> transient_slot = TransientSlots(placement, routing);
 
   // This rank's quotas by expert, in the planner's order: its entries fill them front to back.
   struct Quota {

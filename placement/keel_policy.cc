@@ -4,6 +4,7 @@
 // splits every expert's tokens exactly among its copies and adds transient replicas for bursts.
 #include <algorithm>
 #include <cmath>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -25,7 +26,8 @@ struct Scored {
 };
 
 // Starts from the static placement (homes contiguous, spare slots empty); replans fill the spare
-// slots with replicas of the experts that turn out hot. A candidate's time needs only its max
+// slots with replicas of the experts that turn out hot, or, with spare_slots: per_step, leave
+// them to the per-step planner and only move homes. A candidate's time needs only its max
 // rank load, which the splitter resumes from the last solution; the full split, which picks the
 // next move, is solved afresh only for the candidates taken, so that every move is chosen from
 // the same split a fresh solve gives.
@@ -38,9 +40,10 @@ class KeelPolicy final : public Policy {
 
   Result<StepRouting> Route(int /*layer*/, const Placement& placement,
                             const StepLoad& load) override {
+    const KeelPolicyConfig& keel = context().config.keel;
     QuotaPlanOptions options;
-    options.transient_per_rank =
-        context().config.keel.transient_replicas ? context().transient_per_rank : 0;
+    options.transient_per_rank = keel.transient_replicas ? context().transient_per_rank : 0;
+    options.spare_slots = keel.transient_replicas && keel.spare_slots == "per_step";
     return PlanStepQuotas(placement, load, context().topology, context().cost, options);
   }
 
@@ -54,7 +57,8 @@ class KeelPolicy final : public Policy {
 
   // Adds a copy of the expert with the largest quota on the slowest rank to one of the coolest
   // ranks without it; true when that lowered the predicted time. When no such rank has a slot
-  // to give (every slot holds a home or a sole copy), falls back to SwapWithCoolest.
+  // to give (every slot holds a home or a sole copy, or spare slots are the per-step planner's),
+  // falls back to SwapWithCoolest.
   Result<bool> SpreadHottest(const LayerView& view, const std::vector<long long>& tokens,
                              Scored& best);
 
@@ -131,9 +135,13 @@ Result<bool> KeelPolicy::SpreadHottest(const LayerView& view, const std::vector<
   std::partial_sort(receivers.begin(), receivers.begin() + tried, receivers.end(), cooler);
   receivers.resize(tried);
 
+  // Spare slots left to the per-step planner take no copy: only homes move.
+  const bool spares_per_step = context().config.keel.spare_slots == "per_step";
+  const std::span<const int> copy_receivers =
+      spares_per_step ? std::span<const int>() : std::span<const int>(receivers);
   bool improved = false;
   bool any_donor = false;
-  for (int rank : receivers) {
+  for (int rank : copy_receivers) {
     // Donor slot on the receiver: an empty slot, else the replica (never a home) whose quota is
     // smallest, i.e. the copy the layer misses least.
     int donor = -1;

@@ -212,11 +212,11 @@ class QuotaSolver {
 // for the placement and the transients so far with `tokens`: of the bottleneck experts that some
 // rank can take, the one with the most tokens per copy (ties: the lowest id), on the
 // least-loaded rank (the solver's loads; ties: the lowest) that has a free transient slot
-// (transients_on_rank[g] < transient_per_rank) and holds no copy of it, fed from its first
-// holder in slot order on that rank's node, else from its home. False when there is none.
-// `holds`: scratch.
+// (transients_on_rank[g] < room[g], its slots for transients) and holds no copy of it, fed from
+// its first holder in slot order on that rank's node, else from its home. False when there is
+// none. `holds`: scratch.
 bool NextTransient(const Placement& placement, const Topology& topology, QuotaSolver& solver,
                    std::span<const long long> tokens, std::span<const int> transients_on_rank,
-                   int transient_per_rank, std::vector<char>& holds, TransientReplica& next);
+                   std::span<const int> room, std::vector<char>& holds, TransientReplica& next);
 
 }  // namespace keel

@@ -86,6 +86,9 @@ Result<StepRouting> RouteInProportion(const Placement& placement, const StepLoad
 // the hottest experts while the cost model predicts that the layer gets faster.
 struct QuotaPlanOptions {
   int transient_per_rank = 0;  // 0: quotas only
+  // The persistent slots the placement leaves empty take transients too, beyond
+  // transient_per_rank on their rank (policy.keel.spare_slots: per_step).
+  bool spare_slots = false;
   bool record_shares = false;  // fill StepRouting::shares (the engine's routing needs them)
   // With record_shares: -1 records every share; a rank records only the shares it sends or
   // receives, which is all that Engine::Route on that rank reads.

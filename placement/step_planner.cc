@@ -462,14 +462,14 @@ void LevelGives(const double* remaining, const int* sources, int count, double o
 
 bool NextTransient(const Placement& placement, const Topology& topology, QuotaSolver& solver,
                    std::span<const long long> tokens, std::span<const int> transients_on_rank,
-                   int transient_per_rank, std::vector<char>& holds, TransientReplica& next) {
+                   std::span<const int> room, std::vector<char>& holds, TransientReplica& next) {
   const auto rank_load = solver.rank_load();
   const int num_ranks = placement.num_ranks();
   // The least-loaded rank (ties: the lowest) with a free transient slot that `skip` leaves, or -1.
   auto least_loaded = [&](auto skip) {
     int best = -1;
     for (int g = 0; g < num_ranks; ++g) {
-      if (transients_on_rank[g] >= transient_per_rank || skip(g)) continue;
+      if (transients_on_rank[g] >= room[g] || skip(g)) continue;
       if (best < 0 || rank_load[g] < rank_load[best]) best = g;
     }
     return best;
@@ -706,8 +706,7 @@ class StepPlanner::Impl {
   // a run of copies can pay where its first does not. Returns whether it kept the run; solver_
   // then holds all of its copies either way, as after any candidate that ends the search.
   bool TakeRun(const Placement& placement, std::span<const long long> tokens,
-               const QuotaPlanOptions& options, const TransientReplica& first,
-               double& best_seconds);
+               const TransientReplica& first, double& best_seconds);
   // The cost model's layer time for `draft` with `transients`; from its link sums on the fast
   // path.
   double Seconds(const Draft& draft, std::span<const TransientReplica> transients) const;
@@ -736,6 +735,7 @@ class StepPlanner::Impl {
   std::vector<SingleExpert> experts_;  // [num_experts] where each sits, for ScanCounts
   // Experts on one rank in the placement, grouped by that rank, ascending.
   std::vector<int> rank_single_begin_;  // [num_ranks + 1]
+  std::vector<int> empty_on_rank_;      // [num_ranks] slots the placement leaves empty
   std::vector<int> rank_single_;
 
   // This step's. The traffic by expert: by_expert_, or counts_ (then on the fast path).
@@ -784,6 +784,7 @@ class StepPlanner::Impl {
   std::vector<TransientReplica> transients_;
   int excluded_expert_ = -1;  // see CopyEnd
   std::vector<int> transients_on_rank_;
+  std::vector<int> transient_room_;  // [num_ranks] this call's slots for transients
   std::vector<char> holds_;
   Draft best_;
   // The candidate's routing where best_ is not patched in place; else the shares that
@@ -815,6 +816,10 @@ void StepPlanner::Impl::Bind(const Placement& placement, int num_sources) {
   node_of_.resize(num_ranks_);
   for (int r = 0; r < num_ranks_; ++r) node_of_[r] = topology_.node_of(r);
 
+  empty_on_rank_.assign(num_ranks_, 0);
+  for (int slot = 0; slot < num_slots_; ++slot) {
+    if (placement.expert_at(slot) == kEmptySlot) ++empty_on_rank_[placement.rank_of_slot(slot)];
+  }
   std::vector<int> single_rank(num_experts_);  // the one rank holding the expert, else -1
   rank_single_begin_.assign(num_ranks_ + 1, 0);
   for (int e = 0; e < num_experts_; ++e) {
@@ -1592,12 +1597,11 @@ bool StepPlanner::Impl::KeepCandidate(const TransientReplica& candidate, double&
 }
 
 bool StepPlanner::Impl::TakeRun(const Placement& placement, std::span<const long long> tokens,
-                                const QuotaPlanOptions& options, const TransientReplica& first,
-                                double& best_seconds) {
+                                const TransientReplica& first, double& best_seconds) {
   ++transients_on_rank_[first.rank];
   TransientReplica next;
-  while (NextTransient(placement, topology_, solver_, tokens, transients_on_rank_,
-                       options.transient_per_rank, holds_, next)) {
+  while (NextTransient(placement, topology_, solver_, tokens, transients_on_rank_, transient_room_,
+                       holds_, next)) {
     transients_.push_back(next);
     ++transients_on_rank_[next.rank];
     solver_.AddCopy(placement, transients_, run_split_);
@@ -1821,11 +1825,15 @@ Status StepPlanner::Impl::Route(const Placement& placement, const QuotaPlanOptio
   // that far, else at the end. Each candidate re-solves from the previous flow.
   size_t accepted = 0;
   double best_seconds = -1;
-  if (options.transient_per_rank > 0) {
+  transient_room_.assign(num_ranks_, options.transient_per_rank);
+  if (options.spare_slots) {
+    for (int r = 0; r < num_ranks_; ++r) transient_room_[r] += empty_on_rank_[r];
+  }
+  if (std::any_of(transient_room_.begin(), transient_room_.end(), [](int n) { return n > 0; })) {
     transients_on_rank_.assign(num_ranks_, 0);
     TransientReplica next;
     while (NextTransient(placement, topology_, solver_, tokens, transients_on_rank_,
-                         options.transient_per_rank, holds_, next)) {
+                         transient_room_, holds_, next)) {
       transients_.push_back(next);
       solver_.AddCopy(placement, transients_, trial_split_);
       if (best_seconds < 0 && trial_split_.max_rank_tokens <= split_.max_rank_tokens) {
@@ -1836,7 +1844,7 @@ Status StepPlanner::Impl::Route(const Placement& placement, const QuotaPlanOptio
       // A copy that leaves the max where it is (two ranks tie at the top, say) cannot pay alone.
       const bool kept = trial_split_.max_rank_tokens < split_.max_rank_tokens &&
                         KeepCandidate(next, best_seconds);
-      if (!kept && !TakeRun(placement, tokens, options, next, best_seconds)) break;
+      if (!kept && !TakeRun(placement, tokens, next, best_seconds)) break;
       accepted = transients_.size();
     }
   }

@@ -503,6 +503,7 @@ nlohmann::json ReplayReportToJson(const ReplayReport& report, bool include_serie
         {"trtllm", {{"layer_updates_per_iter", c.policy.trtllm.layer_updates_per_iter}}},
         {"keel",
          {{"transient_replicas", c.policy.keel.transient_replicas},
+          {"spare_slots", c.policy.keel.spare_slots},
           {"max_moves_per_replan", c.policy.keel.max_moves_per_replan},
           {"home_payback_horizon_steps", c.policy.keel.home_payback_horizon_steps},
           {"min_gain_fraction", c.policy.keel.min_gain_fraction}}}}}};

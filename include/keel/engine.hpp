@@ -130,7 +130,9 @@ struct SlotBuffers {
 struct LayerRoute {
   // [rows] int32: the physical slot of every row, -1 where the expert id was -1 (a dropped
   // token). Slots [0, num_slots) are persistent (rank = slot / slots_per_rank); slots num_slots +
-  // g * transient_per_rank + i are rank g's transient slots.
+  // g * transient_per_rank + i are rank g's transient slots. With policy.keel.spare_slots:
+  // per_step a persistent slot the placement leaves empty may hold a transient replica for the
+  // step: local_experts says which expert each slot holds now.
   std::vector<int32_t> slot;
   // [rows] int32: the (token, k) entry (token * top_k + k) of every row, in entry order, an
   // entry's shards in shard order; empty when the layer has no sharded expert (then row i is
@@ -145,7 +147,8 @@ struct LayerRoute {
   // [num_ranks] int64: row sums of recv_counts (the combine split).
   std::vector<int64_t> recv_totals;
   // [local_slots] int32: the expert each of this rank's slots holds for this step (persistent
-  // slots from the placement in force, transient slots as filled now), -1 where none.
+  // slots from the placement in force, transient replicas as filled now, in transient slots or,
+  // with policy.keel.spare_slots: per_step, in empty persistent slots), -1 where none.
   std::vector<int32_t> local_experts;
   // [local_slots] int32: which shard of its expert each slot holds, of how many (0 of 1: the
   // whole expert; 0 of 0 for an empty slot).
@@ -281,7 +284,7 @@ class Engine {
   // Collective per layer, in layer order. topk_ids: [num_tokens, top_k] int32 logical expert ids
   // (-1 = dropped). Counts them, all-gathers every rank's counts, splits each expert's tokens
   // among its copies (quotas, transient replicas; the same plan on every rank), fills this
-  // step's transient slots with their expert's weights and returns the physical routing.
+  // step's transient replicas with their expert's weights and returns the physical routing.
   Result<LayerRoute> Route(int layer, std::span<const int32_t> topk_ids);
 
   // Route for a trainer that counts and assigns its entries on the GPU (kernels/): it passes

@@ -218,7 +218,9 @@ keel_status_t keel_engine_register_slot(keel_engine_t* engine, int layer, int lo
  *   slot_out:     [num_tokens, top_k] int32, written: the physical slot of every (token, k), -1
  *                 where the id was -1. Slots [0, num_ranks * slots_per_rank) are persistent
  *                 (rank = slot / slots_per_rank); num_ranks * slots_per_rank + g *
- *                 transient_per_rank + i is rank g's transient slot i. May be NULL when
+ *                 transient_per_rank + i is rank g's transient slot i. With
+ *                 policy.keel.spare_slots: per_step an empty persistent slot may hold a transient
+ *                 for this route (keel_engine_local_experts says which). May be NULL when
  *                 num_tokens == 0
  *   send_counts:  [num_ranks] int64, written: (token, k) rows this rank sends to each rank
  *                 (the dispatch all-to-all split)
@@ -334,8 +336,9 @@ keel_status_t keel_engine_homes(const keel_engine_t* engine, int layer, int32_t*
                                 int32_t capacity);
 
 /* The expert each of this rank's local slots of `layer` held in the latest keel_engine_route of
- * that layer: persistent slots from the placement in force, transient slots as that route
- * filled them; -1 for an empty slot. The trainer runs each slot's rows through this expert.
+ * that layer: persistent slots from the placement in force, transient replicas as that route
+ * filled them (in transient slots or, with policy.keel.spare_slots: per_step, in empty persistent
+ * slots); -1 for an empty slot. The trainer runs each slot's rows through this expert.
  *   experts_out:  [capacity] int32, written: [slots_per_rank + transient_per_rank] expert ids
  *   capacity:     >= slots_per_rank + transient_per_rank
  * Errors: KEEL_INVALID_ARGUMENT for a NULL pointer, a layer out of range or a small capacity;

@@ -125,6 +125,9 @@ TEST(ConfigTest, BadEnumValueListsAllowedValues) {
   ExpectError("\npolicy:\n  name: deepspeed\n",
               {"configs/x.yaml:3: policy.name: deepspeed",
                "static, eplb, flexmoe, smartmoe, fastermoe, velb, lplb, swiftmoe, trtllm, keel"});
+  ExpectError("policy:\n  keel:\n    spare_slots: transient\n",
+              {"configs/x.yaml:3: policy.keel.spare_slots: transient is not allowed",
+               "must be one of replicas, per_step"});
 }
 
 TEST(ConfigTest, UnknownKeysNameTheFullPathAndTheValidKeys) {
@@ -171,6 +174,13 @@ TEST(ConfigTest, CrossFieldChecksNameBothKeys) {
       {"configs/x.yaml:2:", "policy.keel.transient_replicas", "slots.transient_per_rank >= 1"});
   // Other policies do not use transient replicas.
   EXPECT_TRUE(ParseConfig("slots:\n  transient_per_rank: 0\npolicy:\n  name: eplb\n").ok());
+  // With spare_slots: per_step the spare slots are room for transients: no transient slot needed.
+  EXPECT_TRUE(
+      ParseConfig("slots:\n  transient_per_rank: 0\npolicy:\n  keel:\n    spare_slots: per_step\n")
+          .ok());
+  ExpectError("policy:\n  keel:\n    spare_slots: per_step\n    transient_replicas: false\n",
+              {"policy.keel.spare_slots: per_step needs policy.keel.transient_replicas: true",
+               "policy.keel.transient_replicas"});
 }
 
 TEST(ConfigTest, ValidateConfigChecksBuiltConfigs) {
@@ -237,6 +247,7 @@ TEST(ConfigTest, ShippedSmartMoeConfigLoads) {
   EXPECT_EQ(config->cost_model.dtype_bytes, 2);
   EXPECT_DOUBLE_EQ(config->cost_model.home_move_bytes_per_parameter, 14.0);
   EXPECT_EQ(config->policy.name, "keel");
+  EXPECT_EQ(config->policy.keel.spare_slots, "per_step");
 }
 
 // Found by the config fuzzer (tests/fuzz/config_fuzz.cc): a trace_path holding control bytes

@@ -171,6 +171,45 @@ TEST_P(EngineMemoryTest, KeelPolicySwitchesEpochsTogetherAndLosesNoUpdate) {
   ExpectMatchesReference(run, ComputeReference(kSteps));
 }
 
+// policy.keel.spare_slots: per_step without transient slots: replans move homes only, so the
+// persistent slots beyond the homes stay empty, and every transient the step planner adds fills
+// an empty slot's buffers for the step. Training stays exact and the routing agrees.
+TEST_P(EngineMemoryTest, PerStepSpareSlotsHoldTransientsAndTrainExactly) {
+  constexpr int kSteps = 24;
+  KeelConfig config = TestConfig("keel");
+  config.slots.transient_per_rank = 0;
+  config.policy.keel.spare_slots = "per_step";
+  TrainingRun run = RunAll(config, kSteps, GetParam());
+  for (const RankRecord& record : run.records) {
+    ASSERT_TRUE(record.status.ok()) << record.status.ToString();
+  }
+  // Rows sent, in the first epoch, to persistent slots the initial placement leaves empty: only
+  // transients go there.
+  int64_t spare_rows = 0;
+  for (int r = 0; r < kRanks; ++r) {
+    const RankRecord& record = run.records[r];
+    for (int step = 0; step < kSteps && record.epoch_after_step[step] == 0; ++step) {
+      for (int l = 0; l < kLayers; ++l) {
+        const LayerPlacement& initial = record.initial_layouts[l];
+        for (const auto& [slot, rows] : record.sent[step][l]) {
+          ASSERT_LT(slot, static_cast<int>(initial.phy2log.size())) << "no transient slots here";
+          if (initial.phy2log[slot] < 0) spare_rows += rows;
+        }
+      }
+    }
+    for (const LayerPlacement& layout : record.final_layouts) {
+      std::vector<int> copies(layout.num_experts, 0);
+      for (int e : layout.phy2log) {
+        if (e >= 0) ++copies[e];
+      }
+      for (int e = 0; e < layout.num_experts; ++e) EXPECT_EQ(copies[e], 1) << "expert " << e;
+    }
+  }
+  EXPECT_GT(spare_rows, 0) << "the skewed load should fill spare slots";
+  ExpectRoutingAgrees(run, kSteps);
+  ExpectMatchesReference(run, ComputeReference(kSteps));
+}
+
 // Layer 0 shards its expert 0 over 2 ranks, layer 1 its expert 3 over all 4: every entry reaches
 // each shard once, each shard trains its words of the expert exactly as the whole expert would,
 // and the keel policy places, replicates and moves shards as experts of their own.

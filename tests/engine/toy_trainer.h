@@ -319,7 +319,8 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
       for (int64_t c : route.send_counts) sent_total += c;
       if (sent_total != valid) return Internal("send_counts do not add up to the valid rows");
       // Every row lands on a copy of the expert its entry asked for, an entry of a sharded expert
-      // on each of its shards once, in shard order; transient slots are checked by their owners.
+      // on each of its shards once, in shard order; transients (in transient slots, or in the
+      // persistent slots the placement leaves empty) are checked by their owners.
       KEEL_ASSIGN_OR_RETURN(const Placement placement, ToPlacement(layout));
       std::vector<int> rows_of_entry(ids.size(), 0);
       for (size_t row = 0; row < route.slot.size(); ++row) {
@@ -327,7 +328,7 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
         const size_t entry = entry_of(row);
         const int shard = rows_of_entry[entry]++;
         if (slot < 0) continue;
-        if (slot < placement.num_slots()) {
+        if (slot < placement.num_slots() && placement.expert_at(slot) != kEmptySlot) {
           const int unit = placement.expert_at(slot);
           if (layout.unit_expert[unit] != ids[entry] || layout.unit_shard[unit] != shard) {
             return Internal("slot holds another expert or shard");

@@ -52,6 +52,7 @@ TEST(KeelPolicyTest, LoadsBeyondTheTokenLimitAreRefused) {
 
 TEST(KeelPolicyTest, SpreadsAHotExpertWithinTheMoveBudget) {
   PolicyContext context = Context(2, 4, 16, 3, 0);
+  context.config.keel.spare_slots = "replicas";
   context.config.keel.max_moves_per_replan = 3;
   auto policy = MakePolicy("keel", context).value();
   Placement current = policy->Initial(0).value();
@@ -76,6 +77,7 @@ TEST(KeelPolicyTest, SpreadsAHotExpertWithinTheMoveBudget) {
 
 TEST(KeelPolicyTest, RepeatedReplansConvergeAndStop) {
   PolicyContext context = Context(1, 8, 16, 3, 0);
+  context.config.keel.spare_slots = "replicas";
   auto policy = MakePolicy("keel", context).value();
   Placement current = policy->Initial(0).value();
   std::vector<double> load(16, 500.0);
@@ -92,6 +94,36 @@ TEST(KeelPolicyTest, RepeatedReplansConvergeAndStop) {
   EXPECT_LT(changes, 20) << "replans never settled on a fixed load";
   Placement again = policy->Replan({0, &current, load, nullptr}).value();
   EXPECT_EQ(again, current);
+}
+
+// With spare_slots: per_step the spare slots are the step planner's: replans add no copy (an
+// expert keeps one, its home), and a burst's transients take the empty slots as well as the
+// transient slots.
+TEST(KeelPolicyTest, PerStepSpareSlotsGetNoReplicaButTransients) {
+  PolicyContext context = Context(2, 4, 16, 3, 0);
+  context.config.keel.spare_slots = "per_step";
+  auto policy = MakePolicy("keel", context).value();
+  Placement current = policy->Initial(0).value();
+  std::vector<double> load(16, 1000.0);
+  load[5] = 20000.0;
+  Placement next = policy->Replan({0, &current, load, nullptr}).value();
+  for (int e = 0; e < next.num_experts(); ++e) EXPECT_EQ(next.logcnt()[e], 1) << "expert " << e;
+  auto est = StepLoad::FromExpertCounts(8, load).value();
+  StepRouting routing = policy->Route(0, next, est).value();
+  EXPECT_FALSE(routing.transients.empty());
+  std::vector<int> per_rank(8, 0);
+  for (const TransientReplica& t : routing.transients) {
+    EXPECT_FALSE(next.holds(t.rank, t.expert));
+    ++per_rank[t.rank];
+  }
+  for (int g = 0; g < 8; ++g) {
+    int empty = 0;
+    for (int s = g * 3; s < (g + 1) * 3; ++s) empty += next.expert_at(s) == kEmptySlot;
+    EXPECT_LE(per_rank[g], empty) << "rank " << g;
+  }
+  EXPECT_LT(
+      routing.max_rank_tokens(),
+      PlanStepQuotas(next, est, context.topology, context.cost, {}).value().max_rank_tokens());
 }
 
 // Every slot holds a home: the only way to balance is to swap experts, which moves homes with

@@ -390,11 +390,13 @@ TEST(QuotaSolverTest, NextTransientFollowsItsRule) {
     solver.Solve(p, tokens, extras, split);
     std::vector<char> scratch;
     for (int round = 0; round < 3; ++round) {
-      const int transient_per_rank = 1 + static_cast<int>(rng() % 2);
+      // Each rank's slots for transients (as with spare slots, not all alike), most of them taken.
+      std::vector<int> room(num_ranks);
+      for (int& n : room) n = 1 + static_cast<int>(rng() % 2);
       std::vector<int> on_rank(num_ranks);
-      for (int& n : on_rank) n = rng() % 3 == 0 ? 0 : transient_per_rank;
+      for (int g = 0; g < num_ranks; ++g) on_rank[g] = rng() % 3 == 0 ? 0 : room[g];
       const std::span<const long long> load = solver.rank_load();
-      auto free = [&](int g) { return on_rank[g] < transient_per_rank; };
+      auto free = [&](int g) { return on_rank[g] < room[g]; };
       auto holds = [&](int e, int g) {
         for (int c = solver.copy_begin(e); c < solver.copy_end(e); ++c) {
           if (solver.copy_rank(c) == g) return true;
@@ -435,9 +437,8 @@ TEST(QuotaSolverTest, NextTransientFollowsItsRule) {
       TransientReplica next{-1, -1, -1};
       const std::string where =
           "trial " + std::to_string(trial) + " round " + std::to_string(round);
-      ASSERT_EQ(
-          NextTransient(p, topology, solver, tokens, on_rank, transient_per_rank, scratch, next),
-          expect_found)
+      ASSERT_EQ(NextTransient(p, topology, solver, tokens, on_rank, room, scratch, next),
+                expect_found)
           << where;
       if (!expect_found) break;
       ++found;
@@ -688,6 +689,39 @@ TEST(PlanStepQuotasTest, TwoRanksTiedAtTheTopGetATransientEach) {
   auto none = PlanStepQuotas(p, *load, topo, cost, {});
   ASSERT_TRUE(none.ok());
   EXPECT_LT(cost.Estimate(p, *r).total_seconds(), cost.Estimate(p, *none).total_seconds());
+}
+
+// With spare_slots the slots a placement leaves empty take transients beyond transient_per_rank:
+// here ranks 1 and 3 each have one empty slot and there are no transient slots, so the hot
+// expert's copies go there and nowhere else.
+TEST(PlanStepQuotasTest, SpareSlotsTakeTransients) {
+  Placement p = MakePlacement(6, 4, {0, 1, 2, kEmptySlot, 3, 4, 5, kEmptySlot});
+  auto load = StepLoad::FromExpertCounts(4, std::vector<double>{800, 10, 10, 10, 10, 10});
+  ASSERT_TRUE(load.ok());
+  const Topology topo = MakeTopology(1, 4);
+  const CostModel cost(topo, SmallExperts());
+  auto none = PlanStepQuotas(p, *load, topo, cost, {});
+  ASSERT_TRUE(none.ok()) << none.status().ToString();
+  EXPECT_TRUE(none->transients.empty());
+  auto spare = PlanStepQuotas(p, *load, topo, cost, {.spare_slots = true});
+  ASSERT_TRUE(spare.ok()) << spare.status().ToString();
+  ExpectConsistent(p, *load, *spare);
+  std::vector<int> per_rank(4, 0);
+  for (const TransientReplica& t : spare->transients) {
+    EXPECT_EQ(t.expert, 0);
+    ++per_rank[t.rank];
+  }
+  EXPECT_EQ(per_rank, (std::vector<int>{0, 1, 0, 1}));
+  EXPECT_LT(spare->max_rank_tokens(), none->max_rank_tokens());
+  // With a transient slot per rank as well, rank 2 can take a copy too (an expert has at most one
+  // copy per rank, so ranks 1 and 3 keep one each).
+  auto both = PlanStepQuotas(p, *load, topo, cost, {.transient_per_rank = 1, .spare_slots = true});
+  ASSERT_TRUE(both.ok());
+  ExpectConsistent(p, *load, *both);
+  std::fill(per_rank.begin(), per_rank.end(), 0);
+  for (const TransientReplica& t : both->transients) ++per_rank[t.rank];
+  EXPECT_EQ(per_rank, (std::vector<int>{0, 1, 1, 1}));
+  EXPECT_LT(both->max_rank_tokens(), spare->max_rank_tokens());
 }
 
 TEST(PlanStepQuotasTest, NoTransientsWhenWeightsAreExpensive) {
