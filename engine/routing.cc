@@ -36,16 +36,14 @@ std::vector<int> Engine::Impl::TransientSlots(const Placement& placement,
   std::vector<int> used(num_ranks_, 0);  // transients placed so far, by rank
   for (size_t i = 0; i < routing.transients.size(); ++i) {
     const int rank = routing.transients[i].rank;
-    int n = used[rank]++;
+    int n = used[rank]++;  // the n-th of its rank's, counted down past the empty slots
     slot[i] = -1;
-    for (int s = rank * slots_per_rank_; s < (rank + 1) * slots_per_rank_ && spare_slots_planned_;
-         ++s) {
-      if (placement.expert_at(s) != kEmptySlot) continue;
-      if (n == 0) {
-        slot[i] = s;
-        break;
+    if (spare_slots_planned_) {
+      for (int s = rank * slots_per_rank_; s < (rank + 1) * slots_per_rank_ && slot[i] < 0; ++s) {
+        if (placement.expert_at(s) != kEmptySlot) continue;
+        if (n == 0) slot[i] = s;
+        --n;
       }
-      --n;
     }
     if (slot[i] < 0) slot[i] = num_slots() + rank * transient_per_rank_ + n;
   }

@@ -735,8 +735,8 @@ class StepPlanner::Impl {
   std::vector<SingleExpert> experts_;  // [num_experts] where each sits, for ScanCounts
   // Experts on one rank in the placement, grouped by that rank, ascending.
   std::vector<int> rank_single_begin_;  // [num_ranks + 1]
-  std::vector<int> empty_on_rank_;      // [num_ranks] slots the placement leaves empty
   std::vector<int> rank_single_;
+  std::vector<int> empty_on_rank_;  // [num_ranks] slots the placement leaves empty
 
   // This step's. The traffic by expert: by_expert_, or counts_ (then on the fast path).
   const double* by_expert_ = nullptr;

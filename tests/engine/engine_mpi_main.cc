@@ -12,6 +12,8 @@
 //   --expect-abort     at least one epoch must abort, and a later one commit
 //   --sharded          shard experts as ToyShardedExperts says (the shards train their slices)
 //   --mp-group M       MP groups of M ranks hold the same tokens; each routes its share
+//   --spare-slots      policy.keel.spare_slots: per_step and no transient slots: every transient
+//                      fills a persistent slot the placement leaves empty
 #include <mpi.h>
 
 #include <chrono>
@@ -42,6 +44,7 @@ struct Flags {
   std::string marks;
   bool expect_abort = false;
   bool sharded = false;
+  bool spare_slots = false;
   int mp_group_size = 1;
 };
 
@@ -54,6 +57,10 @@ Status Main(const std::string& policy, int steps, const std::string& memory, con
   KeelConfig config = TestConfig(policy);
   config.migration.transport = "ucx";
   config.migration.deadline_seconds = flags.deadline;
+  if (flags.spare_slots) {
+    config.policy.keel.spare_slots = "per_step";
+    config.slots.transient_per_rank = 0;
+  }
   std::shared_ptr<DeviceMemory> device;
   if (memory == "guarded") {
     KEEL_ASSIGN_OR_RETURN(device, CreateGuardedHostMemory());
@@ -126,6 +133,10 @@ int main(int argc, char** argv) {
     const char* value = i + 1 < argc ? argv[i + 1] : "";
     if (flag == "--sharded") {
       flags.sharded = true;
+      continue;
+    }
+    if (flag == "--spare-slots") {
+      flags.spare_slots = true;
       continue;
     }
     if (flag == "--expect-abort") {

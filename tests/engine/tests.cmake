@@ -45,9 +45,11 @@ if(KEEL_WITH_MPI AND KEEL_WITH_UCX AND KEEL_MPIRUN)
           TIMEOUT 180 PROCESSORS 2)
     endforeach()
   endforeach()
-  # Sharded experts, MP pairs that route their shares (Parm's de-duplicated dispatch), and both
-  # together, across processes over UCX shared memory.
-  foreach(_variant sharded:--sharded mp2:--mp-group:2 sharded_mp2:--sharded:--mp-group:2)
+  # Sharded experts, MP pairs that route their shares (Parm's de-duplicated dispatch), both
+  # together, and transients in the slots placements leave empty, across processes over UCX
+  # shared memory.
+  foreach(_variant sharded:--sharded mp2:--mp-group:2 sharded_mp2:--sharded:--mp-group:2
+                   spare_slots:--spare-slots)
     string(REPLACE ":" ";" _variant "${_variant}")
     list(POP_FRONT _variant _suffix)
     add_test(NAME engine.mpirun_keel_ucx_sm_${_suffix}
