@@ -102,7 +102,12 @@ Status Main(const std::string& policy, int steps, const std::string& memory, con
     KEEL_RETURN_IF_ERROR(CheckRoutingAgrees(src, FromBytes(sent[src]), rank, record));
   }
   if (policy == "keel" && record.stats.epochs_committed < 1) {
-    return Internal("the keel policy committed no epoch on the skewed load");
+    const EngineStats& stats = record.stats;
+    return Internal("the keel policy committed no epoch on the skewed load (" +
+                    std::to_string(stats.epochs_aborted) + " aborted, last: " +
+                    stats.last_abort.ToString() + "; plans unchanged " +
+                    std::to_string(stats.plans_unchanged) + ", failed " +
+                    std::to_string(stats.plans_failed) + ")");
   }
   if (flags.expect_abort) {
     if (record.stats.epochs_aborted < 1) return Internal("no epoch aborted");
