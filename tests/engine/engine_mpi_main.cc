@@ -104,8 +104,8 @@ Status Main(const std::string& policy, int steps, const std::string& memory, con
   if (policy == "keel" && record.stats.epochs_committed < 1) {
     const EngineStats& stats = record.stats;
     return Internal("the keel policy committed no epoch on the skewed load (" +
-                    std::to_string(stats.epochs_aborted) + " aborted, last: " +
-                    stats.last_abort.ToString() + "; plans unchanged " +
+                    std::to_string(stats.epochs_aborted) +
+                    " aborted, last: " + stats.last_abort.ToString() + "; plans unchanged " +
                     std::to_string(stats.plans_unchanged) + ", failed " +
                     std::to_string(stats.plans_failed) + ")");
   }
