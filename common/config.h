@@ -113,6 +113,10 @@ struct KeelPolicyConfig {
   // The engine shards a hot expert over ranks of its node instead of replicating it where that
   // costs less (placement/shards.h, ChooseShards).
   bool shard_experts = false;
+
+  // Whether the per-step planner takes the slots a placement leaves empty as transient room
+  // (QuotaPlanOptions::spare_slots): spare_slots is per_step and transients are on.
+  bool spare_slots_per_step() const { return transient_replicas && spare_slots == "per_step"; }
 };
 
 struct PolicyConfig {

@@ -154,7 +154,7 @@ Status Engine::Impl::Init() {
   const bool keel_transients =
       config.policy.name == "keel" && config.policy.keel.transient_replicas;
   transients_planned_ = keel_transients ? transient_per_rank_ : 0;
-  spare_slots_planned_ = keel_transients && config.policy.keel.spare_slots == "per_step";
+  spare_slots_planned_ = config.policy.name == "keel" && config.policy.keel.spare_slots_per_step();
   // A policy per layer (policies keep no state across layers), so that the planner thread
   // replans the layers in parallel.
   for (int l = 0; l < options_.num_layers; ++l) {

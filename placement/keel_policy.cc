@@ -43,7 +43,7 @@ class KeelPolicy final : public Policy {
     const KeelPolicyConfig& keel = context().config.keel;
     QuotaPlanOptions options;
     options.transient_per_rank = keel.transient_replicas ? context().transient_per_rank : 0;
-    options.spare_slots = keel.transient_replicas && keel.spare_slots == "per_step";
+    options.spare_slots = keel.spare_slots_per_step();
     return PlanStepQuotas(placement, load, context().topology, context().cost, options);
   }
 
