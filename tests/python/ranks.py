@@ -94,3 +94,13 @@ def values(answers: Dict[int, Any]) -> List[Any]:
             raise RankFailed(f"rank {rank} raised {value[0]}: {value[1]}\n{value[2]}")
         out.append(value)
     return out
+
+
+def static_config(world: int, experts: int) -> Any:
+    """A ``keel.Config`` for ``world`` ranks on one node: the static placement, ``experts //
+    world`` persistent slots per rank, no transient slots, UCX for migration."""
+    import keel
+    return keel.Config.from_dict({
+        "topology": {"num_nodes": 1, "gpus_per_node": world},
+        "slots": {"persistent_per_rank": experts // world, "transient_per_rank": 0},
+        "policy": {"name": "static"}, "migration": {"transport": "ucx"}})

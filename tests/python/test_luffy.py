@@ -11,7 +11,7 @@ from typing import Any, Dict
 
 import pytest
 
-from ranks import run_ranks, values
+from ranks import run_ranks, static_config, values
 from test_dispatcher import EXPERTS, HIDDEN, RANKS, TOKENS, TOP_K, compare_with_dense
 
 
@@ -71,10 +71,7 @@ def plan_on_ranks(rank: int, world: int) -> Dict[str, Any]:
     import keel
     from keel.torch import ProcessGroupCommunicator
 
-    config = keel.Config.from_dict({
-        "topology": {"num_nodes": 1, "gpus_per_node": world},
-        "slots": {"persistent_per_rank": EXPERTS // world, "transient_per_rank": 0},
-        "policy": {"name": "static"}, "migration": {"transport": "ucx"}})
+    config = static_config(world, EXPERTS)
     engine = keel.Engine(ProcessGroupCommunicator(), config=config, num_layers=2,
                          num_experts=EXPERTS, top_k=TOP_K, weight_bytes=8, gradient_bytes=8,
                          optimizer_bytes=8)

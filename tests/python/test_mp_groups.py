@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from ranks import run_ranks, values
+from ranks import run_ranks, static_config, values
 
 RANKS = 4
 EXPERTS = 8
@@ -31,10 +31,7 @@ def route_on_ranks(rank: int, world: int, mp_group_size: int) -> Dict[str, Any]:
     import keel
     from keel.torch import ProcessGroupCommunicator
 
-    config = keel.Config.from_dict({
-        "topology": {"num_nodes": 1, "gpus_per_node": world},
-        "slots": {"persistent_per_rank": EXPERTS // world, "transient_per_rank": 0},
-        "policy": {"name": "static"}, "migration": {"transport": "ucx"}})
+    config = static_config(world, EXPERTS)
     engine = keel.Engine(ProcessGroupCommunicator(), config=config, num_layers=1,
                          num_experts=EXPERTS, top_k=TOP_K, weight_bytes=8, gradient_bytes=8,
                          mp_group_size=mp_group_size)
