@@ -4,7 +4,6 @@
 
 #include <algorithm>
 
-
 namespace keel::tools {
 
 SequenceGate::SequenceGate(const SequenceWorkload& workload, const TokenGate& gate,
