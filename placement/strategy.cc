@@ -389,6 +389,50 @@ double StrategyModel::SwitchSeconds(const StrategyLayout& from, const StrategyLa
   return seconds;
 }
 
+namespace {
+
+// The sample standard deviation of `values` (0 for fewer than two).
+double SampleDeviation(std::span<const double> values) {
+  const size_t n = values.size();
+  if (n < 2) return 0;
+  double mean = 0;
+  for (double v : values) mean += v;
+  mean /= static_cast<double>(n);
+  double squares = 0;
+  for (double v : values) squares += (v - mean) * (v - mean);
+  return std::sqrt(squares / static_cast<double>(n - 1));
+}
+
+// The pool's first member: `best`, the least total, unless another candidate ties with it (its
+// mean excess over `best`, step by step, is within that excess's standard error) and its own
+// steps spread less; then the steadiest such candidate. On a few profiling steps a lead of a
+// hair is noise, and the steadier strategy is the safer start.
+int PoolStart(std::span<const std::vector<double>> costs, int best) {
+  const size_t steps = costs[best].size();
+  if (steps < 2) return best;
+  int start = best;
+  double start_deviation = SampleDeviation(costs[best]);
+  std::vector<double> excess(steps);
+  for (int c = 0; c < static_cast<int>(costs.size()); ++c) {
+    if (c == best) continue;
+    double mean_excess = 0;
+    for (size_t t = 0; t < steps; ++t) {
+      excess[t] = costs[c][t] - costs[best][t];
+      mean_excess += excess[t];
+    }
+    mean_excess /= static_cast<double>(steps);
+    const double standard_error = SampleDeviation(excess) / std::sqrt(static_cast<double>(steps));
+    const double deviation = SampleDeviation(costs[c]);
+    if (mean_excess <= standard_error && deviation < start_deviation) {
+      start = c;
+      start_deviation = deviation;
+    }
+  }
+  return start;
+}
+
+}  // namespace
+
 std::vector<int> SelectPool(std::span<const std::vector<double>> costs, int size) {
   const int candidates = static_cast<int>(costs.size());
   std::vector<int> pool;
@@ -408,6 +452,7 @@ std::vector<int> SelectPool(std::span<const std::vector<double>> costs, int size
         choice_total = total;
       }
     }
+    if (round == 0) choice = PoolStart(costs, choice);
     picked[choice] = 1;
     pool.push_back(choice);
     for (size_t t = 0; t < steps; ++t) best[t] = std::min(best[t], costs[choice][t]);

@@ -128,6 +128,9 @@ int ContiguousOwner(int expert, int num_experts, int count);
 // candidate on a profiling trace. Greedily picks `size` candidates (indices into `costs`, in
 // the order picked): first the one with the least total, then each time the one that most
 // lowers the total of the per-step minimum over the picked ones; ties go to the lower index.
+// The first, where `auto` starts, is the steadiest candidate (least standard deviation of its
+// steps) of those that tie with the least total: whose mean excess over it, step by step, is
+// within that excess's standard error.
 std::vector<int> SelectPool(std::span<const std::vector<double>> costs, int size);
 
 // `auto`'s choice at a replan: `estimated` [pool size] the estimated layer step of each pool

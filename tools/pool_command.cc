@@ -106,8 +106,9 @@ int RunPool(int argc, char** argv) {
       kCommand,
       "Replays a profiling trace under every fixed strategy (ep with the config's policy, esp,\n"
       "parm, ppmoe) and keeps, per layer, the --size strategies that together give the lowest\n"
-      "summed step: first the best alone, then each time the one that most lowers the sum of\n"
-      "the per-step minimum (SmartMoE's offline pool). docs/strategies.md.");
+      "summed step: first the best alone (or, among those that tie with it within the standard\n"
+      "error of their step-by-step difference, the steadiest), then each time the one that most\n"
+      "lowers the sum of the per-step minimum (SmartMoE's offline pool). docs/strategies.md.");
   flags.Add("trace", "PATH", &trace_path, "profiling trace (any format keel replay reads)",
             FlagRequirement::kRequired);
   flags.Add("format", "NAME", &format_name,

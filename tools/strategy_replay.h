@@ -22,7 +22,8 @@ namespace keel::tools {
 // Per layer, the strategies `auto` chooses among.
 struct StrategyPool {
   // [num_layers] never empty; a layer starts in its first strategy (the best alone on the
-  // profiling trace), which costs no switch.
+  // profiling trace, or the steadiest of those that tie with it: SelectPool), which costs no
+  // switch.
   std::vector<std::vector<Strategy>> layers;
   std::string source;  // what it was built from (trace, size)
 };

@@ -194,6 +194,24 @@ TEST(StrategyTest, PoolPicksTheBestThenWhatCoversItsWorstSteps) {
   EXPECT_EQ(SelectPool(reversed, 2), std::vector<int>({2, 1}));
 }
 
+TEST(StrategyTest, PoolStartsOnTheSteadierOfTwoThatTie) {
+  // Candidate 0 has the least total, but candidate 1's excess over it (0.05, -0.04, 0.02 by
+  // step) has mean 0.01 and standard error sqrt(0.0021 / 3) = 0.026: a tie. Candidate 1 spreads
+  // less (not at all), so the pool starts on it.
+  const std::vector<std::vector<double>> tie = {{0.95, 1.04, 0.98}, {1, 1, 1}};
+  EXPECT_EQ(SelectPool(tie, 1), std::vector<int>({1}));
+  EXPECT_EQ(SelectPool(tie, 2), std::vector<int>({1, 0}));
+  // The same lead of 0.01 on every step stands out of its spread (zero): the best alone starts.
+  const std::vector<std::vector<double>> clear = {{0.99, 0.99, 0.99}, {1, 1, 1}};
+  EXPECT_EQ(SelectPool(clear, 2), std::vector<int>({0, 1}));
+  // A tie with a candidate that spreads more keeps the best alone.
+  const std::vector<std::vector<double>> wilder = {{1, 1, 1}, {0.95, 1.04, 1.02}};
+  EXPECT_EQ(SelectPool(wilder, 1), std::vector<int>({0}));
+  // One profiling step has no spread to judge a tie by.
+  const std::vector<std::vector<double>> one = {{0.99}, {1}};
+  EXPECT_EQ(SelectPool(one, 1), std::vector<int>({0}));
+}
+
 TEST(StrategyTest, AutoSwitchesOnlyWhenTheGainRepaysTheMove) {
   StrategyConfig config;
   config.switch_payback_steps = 50;
