@@ -41,3 +41,28 @@ netns_remove() {
   for ((h = 0; h < $2; ++h)); do ip netns del "$1h$h" 2>/dev/null; done
   ip netns del "$1sw" 2>/dev/null
 }
+
+# netns_kill PREFIX COUNT: kills every process left in the hosts (a launcher's daemons and ranks
+# outlive it when it is killed), so that the namespaces can go.
+netns_kill() {
+  local h pid
+  for ((h = 0; h < $2; ++h)); do
+    for pid in $(ip netns pids "$1h$h" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
+  done
+}
+
+# netns_free_subnet NET...: a SUBNET in [20, 220) that no address of this namespace uses in any of
+# the 10.NET.SUBNET.0/24 networks, starting from one picked by the caller's pid; a test that was
+# killed may have left its links behind.
+netns_free_subnet() {
+  local subnet=$(($$ % 200 + 20)) tries net used
+  for ((tries = 0; tries < 200; ++tries)); do
+    used=
+    for net in "$@"; do
+      ip -o addr show | grep -q " 10\.$net\.$subnet\." && used=1
+    done
+    [ -z "$used" ] && { echo "$subnet"; return 0; }
+    subnet=$(((subnet - 20 + 1) % 200 + 20))
+  done
+  return 1
+}
