@@ -28,7 +28,9 @@ command -v ip >/dev/null || skip "no ip(8) (iproute2)"
 command -v mpirun >/dev/null || skip "no mpirun"
 prefix=keelmpi$$
 netns_switch "$prefix" || skip "cannot create a network namespace"
-subnet=$(netns_free_subnet 77 78) || { echo "$name: FAILED: no free subnet" >&2; exit 1; }
+# Only the launcher's leg (10.78.<subnet>.100) lives in this namespace, where a killed run may
+# have left its own behind.
+subnet=$(netns_free_subnet 78) || { echo "$name: FAILED: no free subnet" >&2; exit 1; }
 work=$(mktemp -d "${TMPDIR:-/tmp}/keel-netns-engine-XXXXXX")
 launcher=
 cleanup() {
