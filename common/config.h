@@ -125,6 +125,9 @@ struct PolicyConfig {
   std::string name = "keel";
   int replan_interval_steps = 1;
   double planner_watchdog_seconds = 120.0;  // a replan still running after this is an error
+  // when_ready: the engine adopts a plan at the first step end at which every rank's planner has
+  // finished (never waits); next_step: at the step end after it started, waiting for it there.
+  std::string plan_adoption = "when_ready";
   EplbConfig eplb;
   FlexMoeConfig flexmoe;
   SmartMoeConfig smartmoe;

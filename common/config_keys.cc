@@ -10,6 +10,7 @@ namespace {
 
 constexpr std::string_view kPerExpertModes[] = {"off", "aggregated"};
 constexpr std::string_view kLplbSolverNames[] = {"quota", "glpk"};
+constexpr std::string_view kPlanAdoptionNames[] = {"when_ready", "next_step"};
 constexpr std::string_view kSpareSlotNames[] = {"replicas", "per_step"};
 constexpr std::string_view kStrategyNames[] = {"ep", "esp", "parm", "ppmoe", "auto"};
 constexpr std::string_view kTransportNames[] = {"local", "ucx", "nccl"};
@@ -101,6 +102,13 @@ constexpr ConfigKey kConfigKeys[] = {
          "The engine's watchdog: a replan still running after this long is an error on every "
          "rank (StepEnd returns it), a log line and keel_watchdog_trips_total{what=\"planner\"}; "
          "the placement in force stays, and the late plan is dropped when it ends."},
+    {KEEL_CONFIG_FIELD(policy.plan_adoption), .choices = kPlanAdoptionNames,
+     .doc = "When the engine adopts a replan: when_ready (at the first step end at which every "
+            "rank's planner has finished; training never waits for the planner) or next_step "
+            "(at the step end after the replan started; a rank whose planner is still running "
+            "waits for it there, up to planner_watchdog_seconds). With next_step, runs with the "
+            "same router output make the same epochs at the same steps, whatever the machine's "
+            "speed."},
     {KEEL_CONFIG_FIELD(policy.eplb.num_groups), .min = 0,
      .doc = "Expert groups for EPLB's hierarchical balancing; 0 means one per node (one in all "
             "when the experts do not divide among the nodes). As in DeepSeek's EPLB: hierarchical "

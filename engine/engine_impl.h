@@ -147,6 +147,7 @@ class Engine::Impl {
   Status ResolveMigration(bool& commit);
   Status PushWeights();
   Status AdvancePlanner();
+  void AwaitPlanner();
   Status CheckPlannerWatchdog(double slowest_seconds);
   void StartPlanner();
   Status StartMigration(std::vector<Placement> planned);

@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "common/log.h"
@@ -171,6 +172,7 @@ Status Engine::Impl::StartMigration(std::vector<Placement> planned) {
 // Adopts the planner's result once every rank has it; starts the next run on replan steps.
 Status Engine::Impl::AdvancePlanner() {
   if (planning_) {
+    if (config_.policy.plan_adoption == "next_step") AwaitPlanner();
     // One minimum over the ranks says whether every rank's planner is done and, negated, how
     // long the slowest has run, so every rank takes the same decision.
     std::vector<int64_t> state = {planner_done_.load(std::memory_order_acquire) ? 1 : 0,
@@ -216,6 +218,16 @@ Status Engine::Impl::AdvancePlanner() {
     StartPlanner();
   }
   return Status::Ok();
+}
+
+// policy.plan_adoption next_step: waits for this rank's planner, but not past the watchdog's
+// limit, after which the watchdog below reports it.
+void Engine::Impl::AwaitPlanner() {
+  const double limit = config_.policy.planner_watchdog_seconds;
+  while (!planner_done_.load(std::memory_order_acquire) &&
+         SecondsSince(planner_started_) <= limit) {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
 }
 
 // The planner's watchdog: a replan that every rank has not finished after

@@ -139,11 +139,11 @@ TEST(ConfigTest, UnknownKeysNameTheFullPathAndTheValidKeys) {
               {"configs/x.yaml:4: unknown key 'policy.flexmoe.trigger'",
                "did you mean 'balance_ratio_trigger'",
                "valid keys in 'policy.flexmoe': balance_ratio_trigger, max_actions_per_replan"});
-  ExpectError("policy:\n  keel:\n    transient_replicas: true\n  deepep: {}\n",
-              {"configs/x.yaml:4: unknown key 'policy.deepep'",
-               "name, replan_interval_steps, planner_watchdog_seconds, eplb, flexmoe, smartmoe, "
-               "fastermoe, lplb, trtllm, "
-               "keel"});
+  ExpectError(
+      "policy:\n  keel:\n    transient_replicas: true\n  deepep: {}\n",
+      {"configs/x.yaml:4: unknown key 'policy.deepep'",
+       "name, replan_interval_steps, planner_watchdog_seconds, plan_adoption, eplb, flexmoe, "
+       "smartmoe, fastermoe, lplb, trtllm, keel"});
   ExpectError("topologies:\n  num_nodes: 2\n",
               {"configs/x.yaml:1: unknown key 'topologies'", "did you mean 'topology'",
                "valid top-level keys: topology, slots, cost_model, estimator, policy"});

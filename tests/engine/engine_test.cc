@@ -154,9 +154,13 @@ TEST_P(EngineMemoryTest, StaticPolicyTrainsExactlyAndNeverMigrates) {
   ExpectMatchesReference(run, ComputeReference(kSteps));
 }
 
+// With the default plan adoption (when_ready), epochs land where the planner's speed puts them,
+// but at the same step on every rank, and no update is lost.
 TEST_P(EngineMemoryTest, KeelPolicySwitchesEpochsTogetherAndLosesNoUpdate) {
   constexpr int kSteps = 24;
-  TrainingRun run = RunAll(TestConfig("keel"), kSteps, GetParam());
+  KeelConfig config = TestConfig("keel");
+  config.policy.plan_adoption = "when_ready";
+  TrainingRun run = RunAll(config, kSteps, GetParam());
   for (const RankRecord& record : run.records) {
     ASSERT_TRUE(record.status.ok()) << record.status.ToString();
   }
@@ -652,6 +656,7 @@ TEST(EngineTest, PlannerWatchdogFailsEveryRankAtTheSameStepOnce) {
   KeelConfig config = TestConfig("keel");
   config.policy.name = "held-for-watchdog-test";
   config.policy.planner_watchdog_seconds = 0.3;
+  config.policy.plan_adoption = "when_ready";  // training goes on while the plan is held
   auto metrics = Metrics::Create(MetricsLayout::FromConfig(config, 1, kExperts, 2));
   ASSERT_TRUE(metrics.ok());
   std::unique_ptr<LocalGroup> group = MakeGroup(kRanks);
@@ -722,6 +727,54 @@ TEST(EngineTest, PlannerWatchdogFailsEveryRankAtTheSameStepOnce) {
   const std::string text = (*metrics)->Serialize();
   EXPECT_NE(text.find("keel_watchdog_trips_total{what=\"planner\"} 1\n"), std::string::npos)
       << text;
+}
+
+// A policy that moves every expert on by one slot at each replan, so every plan is an epoch; the
+// sleepy one first sleeps 20 ms on every other replan, longer than a toy step takes.
+class Rotation : public PlacementPolicy {
+ public:
+  explicit Rotation(bool sleepy) : sleepy_(sleepy) {}
+  Result<std::vector<int>> Replan(const ReplanInput& input) override {
+    if (sleepy_ && replans_++ % 2 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::vector<int> next(input.phy2log.begin(), input.phy2log.end());
+    std::rotate(next.begin(), next.begin() + 1, next.end());
+    return next;
+  }
+
+ private:
+  bool sleepy_;
+  int replans_ = 0;
+};
+
+// policy.plan_adoption next_step: every rank waits at the step after a replan started until its
+// planner is done, so a slow planner makes the same epochs at the same steps as a quick one.
+TEST(EngineTest, NextStepAdoptionMakesTheSameEpochsHoweverLongThePlannerTakes) {
+  static const bool registered =
+      RegisterPolicy(
+          {"rotation", [](const PolicyShape&) { return std::make_unique<Rotation>(false); }})
+          .ok() &&
+      RegisterPolicy(
+          {"sleepy-rotation", [](const PolicyShape&) { return std::make_unique<Rotation>(true); }})
+          .ok();
+  ASSERT_TRUE(registered);
+  constexpr int kSteps = 12;
+  KeelConfig config = TestConfig("rotation");
+  ASSERT_EQ(config.policy.plan_adoption, "next_step");
+  const TrainingRun quick = RunAll(config, kSteps, Memory::kHost);
+  config.policy.name = "sleepy-rotation";
+  const TrainingRun slow = RunAll(config, kSteps, Memory::kHost);
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_TRUE(quick.records[r].status.ok()) << quick.records[r].status.ToString();
+    ASSERT_TRUE(slow.records[r].status.ok()) << slow.records[r].status.ToString();
+    EXPECT_EQ(slow.records[r].epoch_after_step, quick.records[r].epoch_after_step) << "rank " << r;
+    EXPECT_EQ(slow.records[r].final_placements, quick.records[r].final_placements);
+  }
+  // A replan started at the end of step s is adopted at the end of step s + 1, and its epoch
+  // commits in step s + 2, at whose end the next replan starts: an epoch every 2 steps.
+  const std::vector<int64_t> expected = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5};
+  EXPECT_EQ(quick.records[0].epoch_after_step, expected);
+  ExpectMatchesReference(quick, ComputeReference(kSteps));
+  ExpectMatchesReference(slow, ComputeReference(kSteps));
 }
 
 // Found by the C API fuzzer: StepEnd before every slot was registered copied replica weights
