@@ -26,7 +26,8 @@ def moe_config(policy: str, **overrides: Any) -> Dict[str, Any]:
         # Tiny experts on slow "GPUs": compute dominates, so replicas pay.
         "cost_model": {"hidden_size": HIDDEN, "expert_ffn_size": FFN, "expert_tflops": 1e-6,
                        "dtype_bytes": 4},
-        "policy": {"name": policy, "replan_interval_steps": 1},
+        # Epochs at the same steps however busy the machine is (docs/integration.md).
+        "policy": {"name": policy, "replan_interval_steps": 1, "plan_adoption": "next_step"},
         "migration": {"transport": "ucx", "deadline_seconds": 20},
         "engine": {"collective_timeout_seconds": 60},
     }
