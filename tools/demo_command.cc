@@ -419,7 +419,9 @@ int RunDemo(int argc, char** argv) {
   parser.Add("config", "FILE", &flags.config_path,
              "Keel config (YAML); its topology must have as many ranks as the demo. Default: 1 "
              "node x N GPUs, ceil(experts/N)+1 persistent and 1 transient slot per rank, cost "
-             "model sized to the demo's experts; policy.name is set by each run");
+             "model sized to the demo's experts, replans adopted at the next step "
+             "(policy.plan_adoption: next_step, so epochs fall at the same steps in every run); "
+             "policy.name is set by each run");
   parser.Add("metrics", "ADDR", &flags.metrics_address,
              "serve Prometheus metrics on host:port (a bare port listens on 127.0.0.1; 0 picks "
              "a free one) while both runs train");

@@ -202,6 +202,9 @@ Result<KeelConfig> MakeConfig(const DemoFlags& f, const FlagParser& parser, int 
     config.cost_model.expert_ffn_size = f.ffn;
     config.cost_model.dtype_bytes = 4;
     config.cost_model.home_move_bytes_per_parameter = 12.0;  // float32 weights + Adam's m, v
+    // Epochs at the same steps in every mode and on any machine, so that the modes compare
+    // step by step (their all-to-all bytes, say) and a run repeats.
+    config.policy.plan_adoption = "next_step";
   }
   if (f.config_path.empty() || parser.IsSet("transport")) {
     config.migration.transport = f.transport;
