@@ -20,12 +20,13 @@ fail() {
 small=(--ranks 4 --layers 2 --experts 8 --tokens 32 --hidden 16 --ffn 64 --steps 8 --zipf 1.5
   --quiet)
 # One spare slot per rank, no transient slots, and the cost model's experts large against a
-# step's rows: sharding a hot expert costs less than replicating it.
+# step's rows: sharding a hot expert costs less than replicating it. Replans adopted at the next
+# step: the reshards, and so the rounding, are the same on threads and processes.
 cat >"$work/config.yaml" <<'EOF'
 topology: {num_nodes: 1, gpus_per_node: 4, intra_node_gb_per_s: 4.0, inter_node_gb_per_s: 4.0}
 slots: {persistent_per_rank: 3, transient_per_rank: 0}
 cost_model: {expert_tflops: 0.002, hidden_size: 16, expert_ffn_size: 4096, dtype_bytes: 4}
-policy: {name: keel, keel: {transient_replicas: false}}
+policy: {name: keel, plan_adoption: next_step, keel: {transient_replicas: false}}
 EOF
 
 # The sharded run against ep: within the rounding tolerance, the same loss to 1e-6. $3: the
