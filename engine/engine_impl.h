@@ -148,6 +148,7 @@ class Engine::Impl {
   Status PushWeights();
   Status AdvancePlanner();
   void AwaitPlanner();
+  int64_t PlannerMilliseconds() const;  // how long the running replan has run
   Status CheckPlannerWatchdog(double slowest_seconds);
   void StartPlanner();
   Status StartMigration(std::vector<Placement> planned);

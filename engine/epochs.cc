@@ -176,7 +176,7 @@ Status Engine::Impl::AdvancePlanner() {
     // One minimum over the ranks says whether every rank's planner is done and, negated, how
     // long the slowest has run, so every rank takes the same decision.
     std::vector<int64_t> state = {planner_done_.load(std::memory_order_acquire) ? 1 : 0,
-                                  -static_cast<int64_t>(SecondsSince(planner_started_) * 1e3)};
+                                  -PlannerMilliseconds()};
     KEEL_RETURN_IF_ERROR(communicator_.AllReduce(state, ReduceOp::kMin));
     if (state[0] == 0) return CheckPlannerWatchdog(static_cast<double>(-state[1]) / 1e3);
     planner_.join();
@@ -221,13 +221,18 @@ Status Engine::Impl::AdvancePlanner() {
 }
 
 // policy.plan_adoption next_step: waits for this rank's planner, but not past the watchdog's
-// limit, after which the watchdog below reports it.
+// limit (in the whole milliseconds the ranks compare), so that the watchdog below reports it at
+// this step.
 void Engine::Impl::AwaitPlanner() {
   const double limit = config_.policy.planner_watchdog_seconds;
   while (!planner_done_.load(std::memory_order_acquire) &&
-         SecondsSince(planner_started_) <= limit) {
+         static_cast<double>(PlannerMilliseconds()) / 1e3 <= limit) {
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
+}
+
+int64_t Engine::Impl::PlannerMilliseconds() const {
+  return static_cast<int64_t>(SecondsSince(planner_started_) * 1e3);
 }
 
 // The planner's watchdog: a replan that every rank has not finished after

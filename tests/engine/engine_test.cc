@@ -729,6 +729,73 @@ TEST(EngineTest, PlannerWatchdogFailsEveryRankAtTheSameStepOnce) {
       << text;
 }
 
+// With next_step, the StepEnd after a replan started waits for the planner, but not past the
+// watchdog's limit: a held plan trips the watchdog at that very step on every rank, and the
+// steps after it go on with the placement in force.
+TEST(EngineTest, NextStepAdoptionWaitsForThePlannerUntilTheWatchdog) {
+  static const bool registered =
+      RegisterPolicy({"held-for-next-step-test",
+                      [](const PolicyShape&) { return std::make_unique<HeldPolicy>(); }})
+          .ok();
+  ASSERT_TRUE(registered);
+  Held().released = false;
+  Held().replans = 0;
+  KeelConfig config = TestConfig("held-for-next-step-test");
+  ASSERT_EQ(config.policy.plan_adoption, "next_step");
+  config.policy.planner_watchdog_seconds = 0.3;
+  std::unique_ptr<LocalGroup> group = MakeGroup(kRanks);
+  constexpr int kSteps = 4;
+  std::vector<std::vector<int>> failed_steps(kRanks);
+  std::vector<double> seconds_to_trip(kRanks);
+  std::vector<EngineStats> stats(kRanks);
+  std::vector<Status> status(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      status[r] = [&]() -> Status {
+        KEEL_ASSIGN_OR_RETURN(auto communicator, group->Join(r));
+        EngineOptions options = SmallOptions(config, 1, communicator.get(), group.get());
+        KEEL_ASSIGN_OR_RETURN(auto engine, EngineFactory::Create(options, nullptr));
+        std::vector<std::byte> buffer(8);
+        for (int i = 0; i < engine->local_slots(); ++i) {
+          KEEL_RETURN_IF_ERROR(
+              engine->RegisterSlot(0, i, {buffer.data(), buffer.data(), buffer.data()}));
+        }
+        std::chrono::steady_clock::time_point planner_started;
+        for (int step = 0; step < kSteps; ++step) {
+          std::vector<int32_t> ids(kTokens * kTopK);
+          for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i + r) % kExperts);
+          KEEL_RETURN_IF_ERROR(engine->Route(0, ids).status());
+          KEEL_RETURN_IF_ERROR(engine->ReduceGradients());
+          Status ended = engine->StepEnd();
+          if (step == 0) planner_started = std::chrono::steady_clock::now();  // at StepEnd 0
+          if (!ended.ok()) {
+            if (ended.code() != StatusCode::kDeadlineExceeded) return ended;
+            failed_steps[r].push_back(step);
+            seconds_to_trip[r] =
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - planner_started)
+                    .count();
+          }
+        }
+        stats[r] = engine->stats();
+        Held().Release();  // the engine waits for its planner when it is destroyed
+        return Status::Ok();
+      }();
+    });
+  }
+  for (auto& t : threads) t.join();
+  Held().Release();
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r].ToString();
+    EXPECT_EQ(failed_steps[r], std::vector<int>{1}) << "rank " << r;
+    // The wait ends when the replan has run past the limit, which it started before this clock.
+    EXPECT_GE(seconds_to_trip[r], 0.3) << "rank " << r << " did not wait for its planner";
+    EXPECT_EQ(stats[r].watchdog_trips, 1);
+    EXPECT_EQ(stats[r].epoch, 0) << "the late plan must be dropped";
+    EXPECT_EQ(stats[r].steps, kSteps);
+  }
+}
+
 // A policy that moves every expert on by one slot at each replan, so every plan is an epoch; the
 // sleepy one first sleeps 20 ms on every other replan, longer than a toy step takes.
 class Rotation : public PlacementPolicy {
