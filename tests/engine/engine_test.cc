@@ -641,6 +641,72 @@ class HeldPolicy : public PlacementPolicy {
   }
 };
 
+// What each rank saw in RunHeldPlanner.
+struct HeldRun {
+  std::vector<std::vector<int>> failed_steps;  // [rank] steps whose StepEnd the watchdog failed
+  std::vector<double> seconds_to_trip;  // [rank] from the end of StepEnd 0 to the failed one's
+  std::vector<std::string> messages;    // [rank] the failed StepEnd's message
+  std::vector<EngineStats> stats;
+  std::vector<Status> status;
+};
+
+// Trains `steps` steps of one layer on kRanks thread ranks under `config`, whose policy is
+// registered as a HeldPolicy, each step taking at least `step_time`. Rank 0 lets the plan go
+// before step `release_step`; past the last step every rank does (an engine waits for its
+// planner when it is destroyed).
+HeldRun RunHeldPlanner(const KeelConfig& config, int steps, int release_step,
+                       std::chrono::milliseconds step_time, Metrics* metrics = nullptr) {
+  Held().released = false;
+  Held().replans = 0;
+  std::unique_ptr<LocalGroup> group = MakeGroup(kRanks);
+  HeldRun run;
+  run.failed_steps.resize(kRanks);
+  run.seconds_to_trip.resize(kRanks);
+  run.messages.resize(kRanks);
+  run.stats.resize(kRanks);
+  run.status.resize(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      run.status[r] = [&]() -> Status {
+        KEEL_ASSIGN_OR_RETURN(auto communicator, group->Join(r));
+        EngineOptions options = SmallOptions(config, 1, communicator.get(), group.get());
+        KEEL_ASSIGN_OR_RETURN(auto engine, EngineFactory::Create(options, metrics));
+        std::vector<std::byte> buffer(8);
+        for (int i = 0; i < engine->local_slots(); ++i) {
+          KEEL_RETURN_IF_ERROR(
+              engine->RegisterSlot(0, i, {buffer.data(), buffer.data(), buffer.data()}));
+        }
+        std::chrono::steady_clock::time_point planner_started;
+        for (int step = 0; step < steps; ++step) {
+          if (r == 0 && step == release_step) Held().Release();
+          std::vector<int32_t> ids(kTokens * kTopK);
+          for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i + r) % kExperts);
+          KEEL_RETURN_IF_ERROR(engine->Route(0, ids).status());
+          KEEL_RETURN_IF_ERROR(engine->ReduceGradients());
+          std::this_thread::sleep_for(step_time);
+          Status ended = engine->StepEnd();
+          if (step == 0) planner_started = std::chrono::steady_clock::now();  // at StepEnd 0
+          if (!ended.ok()) {
+            if (ended.code() != StatusCode::kDeadlineExceeded) return ended;
+            run.failed_steps[r].push_back(step);
+            run.messages[r] = ended.message();
+            run.seconds_to_trip[r] =
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - planner_started)
+                    .count();
+          }
+        }
+        run.stats[r] = engine->stats();
+        Held().Release();
+        return Status::Ok();
+      }();
+    });
+  }
+  for (auto& t : threads) t.join();
+  Held().Release();
+  return run;
+}
+
 // The planner's watchdog: a replan still running after policy.planner_watchdog_seconds is an
 // error from StepEnd on every rank, at the same step, once, with a log line and the counter the
 // KeelWatchdogTripped alert fires on; training goes on with the placement in force, and the late
@@ -651,76 +717,33 @@ TEST(EngineTest, PlannerWatchdogFailsEveryRankAtTheSameStepOnce) {
                       [](const PolicyShape&) { return std::make_unique<HeldPolicy>(); }})
           .ok();
   ASSERT_TRUE(registered);
-  Held().released = false;
-  Held().replans = 0;
   KeelConfig config = TestConfig("keel");
   config.policy.name = "held-for-watchdog-test";
   config.policy.planner_watchdog_seconds = 0.3;
   config.policy.plan_adoption = "when_ready";  // training goes on while the plan is held
   auto metrics = Metrics::Create(MetricsLayout::FromConfig(config, 1, kExperts, 2));
   ASSERT_TRUE(metrics.ok());
-  std::unique_ptr<LocalGroup> group = MakeGroup(kRanks);
   // Steps of at least 20 ms: the limit passes before step 30, where the plan is let go.
   constexpr int kSteps = 40;
-  std::vector<std::vector<int>> failed_steps(kRanks);
-  std::vector<double> seconds_to_trip(kRanks);
-  std::vector<std::string> messages(kRanks);
-  std::vector<EngineStats> stats(kRanks);
-  std::vector<Status> status(kRanks);
-  std::vector<std::thread> threads;
+  const HeldRun run =
+      RunHeldPlanner(config, kSteps, kSteps - 10, std::chrono::milliseconds(20), metrics->get());
   for (int r = 0; r < kRanks; ++r) {
-    threads.emplace_back([&, r] {
-      status[r] = [&]() -> Status {
-        KEEL_ASSIGN_OR_RETURN(auto communicator, group->Join(r));
-        EngineOptions options = SmallOptions(config, 1, communicator.get(), group.get());
-        KEEL_ASSIGN_OR_RETURN(auto engine, EngineFactory::Create(options, metrics->get()));
-        std::vector<std::byte> buffer(8);
-        for (int i = 0; i < engine->local_slots(); ++i) {
-          KEEL_RETURN_IF_ERROR(
-              engine->RegisterSlot(0, i, {buffer.data(), buffer.data(), buffer.data()}));
-        }
-        std::chrono::steady_clock::time_point planner_started;
-        for (int step = 0; step < kSteps; ++step) {
-          if (r == 0 && step == kSteps - 10) Held().Release();  // the plan ends late
-          std::vector<int32_t> ids(kTokens * kTopK);
-          for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i + r) % kExperts);
-          KEEL_RETURN_IF_ERROR(engine->Route(0, ids).status());
-          KEEL_RETURN_IF_ERROR(engine->ReduceGradients());
-          std::this_thread::sleep_for(std::chrono::milliseconds(20));
-          Status ended = engine->StepEnd();
-          if (step == 0) planner_started = std::chrono::steady_clock::now();  // at StepEnd 0
-          if (!ended.ok()) {
-            if (ended.code() != StatusCode::kDeadlineExceeded) return ended;
-            failed_steps[r].push_back(step);
-            messages[r] = ended.message();
-            seconds_to_trip[r] =
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - planner_started)
-                    .count();
-          }
-        }
-        stats[r] = engine->stats();
-        return Status::Ok();
-      }();
-    });
-  }
-  for (auto& t : threads) t.join();
-  Held().Release();
-  for (int r = 0; r < kRanks; ++r) {
-    ASSERT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r].ToString();
-    ASSERT_EQ(failed_steps[r].size(), 1u) << "rank " << r << " failed at every step listed";
-    EXPECT_EQ(failed_steps[r], failed_steps[0]) << "rank " << r << " tripped at another step";
-    EXPECT_NE(messages[r].find("planner watchdog: the replan started at step 1 has run"),
+    ASSERT_TRUE(run.status[r].ok()) << "rank " << r << ": " << run.status[r].ToString();
+    ASSERT_EQ(run.failed_steps[r].size(), 1u) << "rank " << r << " failed at every step listed";
+    EXPECT_EQ(run.failed_steps[r], run.failed_steps[0])
+        << "rank " << r << " tripped at another step";
+    EXPECT_NE(run.messages[r].find("planner watchdog: the replan started at step 1 has run"),
               std::string::npos)
-        << messages[r];
-    EXPECT_NE(messages[r].find("policy.planner_watchdog_seconds (0.3)"), std::string::npos)
-        << messages[r];
-    EXPECT_EQ(stats[r].watchdog_trips, 1);
-    EXPECT_EQ(stats[r].epoch, 0) << "the late plan must be dropped";
-    EXPECT_EQ(stats[r].steps, kSteps);
+        << run.messages[r];
+    EXPECT_NE(run.messages[r].find("policy.planner_watchdog_seconds (0.3)"), std::string::npos)
+        << run.messages[r];
+    EXPECT_EQ(run.stats[r].watchdog_trips, 1);
+    EXPECT_EQ(run.stats[r].epoch, 0) << "the late plan must be dropped";
+    EXPECT_EQ(run.stats[r].steps, kSteps);
     // Ranks start their planners within a step of each other.
-    EXPECT_GE(seconds_to_trip[r], 0.25) << "rank " << r << " tripped early";
+    EXPECT_GE(run.seconds_to_trip[r], 0.25) << "rank " << r << " tripped early";
   }
-  EXPECT_LT(failed_steps[0][0], kSteps - 10);
+  EXPECT_LT(run.failed_steps[0][0], kSteps - 10);
   // One replan per rank was held; the planner ran again after the late plan ended.
   EXPECT_GT(Held().replans.load(), kRanks);
   // Only the aggregating rank exports, once for all.
@@ -738,61 +761,20 @@ TEST(EngineTest, NextStepAdoptionWaitsForThePlannerUntilTheWatchdog) {
                       [](const PolicyShape&) { return std::make_unique<HeldPolicy>(); }})
           .ok();
   ASSERT_TRUE(registered);
-  Held().released = false;
-  Held().replans = 0;
   KeelConfig config = TestConfig("held-for-next-step-test");
   ASSERT_EQ(config.policy.plan_adoption, "next_step");
   config.policy.planner_watchdog_seconds = 0.3;
-  std::unique_ptr<LocalGroup> group = MakeGroup(kRanks);
   constexpr int kSteps = 4;
-  std::vector<std::vector<int>> failed_steps(kRanks);
-  std::vector<double> seconds_to_trip(kRanks);
-  std::vector<EngineStats> stats(kRanks);
-  std::vector<Status> status(kRanks);
-  std::vector<std::thread> threads;
+  const HeldRun run =
+      RunHeldPlanner(config, kSteps, /*release_step=*/-1, std::chrono::milliseconds(0));
   for (int r = 0; r < kRanks; ++r) {
-    threads.emplace_back([&, r] {
-      status[r] = [&]() -> Status {
-        KEEL_ASSIGN_OR_RETURN(auto communicator, group->Join(r));
-        EngineOptions options = SmallOptions(config, 1, communicator.get(), group.get());
-        KEEL_ASSIGN_OR_RETURN(auto engine, EngineFactory::Create(options, nullptr));
-        std::vector<std::byte> buffer(8);
-        for (int i = 0; i < engine->local_slots(); ++i) {
-          KEEL_RETURN_IF_ERROR(
-              engine->RegisterSlot(0, i, {buffer.data(), buffer.data(), buffer.data()}));
-        }
-        std::chrono::steady_clock::time_point planner_started;
-        for (int step = 0; step < kSteps; ++step) {
-          std::vector<int32_t> ids(kTokens * kTopK);
-          for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i + r) % kExperts);
-          KEEL_RETURN_IF_ERROR(engine->Route(0, ids).status());
-          KEEL_RETURN_IF_ERROR(engine->ReduceGradients());
-          Status ended = engine->StepEnd();
-          if (step == 0) planner_started = std::chrono::steady_clock::now();  // at StepEnd 0
-          if (!ended.ok()) {
-            if (ended.code() != StatusCode::kDeadlineExceeded) return ended;
-            failed_steps[r].push_back(step);
-            seconds_to_trip[r] =
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - planner_started)
-                    .count();
-          }
-        }
-        stats[r] = engine->stats();
-        Held().Release();  // the engine waits for its planner when it is destroyed
-        return Status::Ok();
-      }();
-    });
-  }
-  for (auto& t : threads) t.join();
-  Held().Release();
-  for (int r = 0; r < kRanks; ++r) {
-    ASSERT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r].ToString();
-    EXPECT_EQ(failed_steps[r], std::vector<int>{1}) << "rank " << r;
+    ASSERT_TRUE(run.status[r].ok()) << "rank " << r << ": " << run.status[r].ToString();
+    EXPECT_EQ(run.failed_steps[r], std::vector<int>{1}) << "rank " << r;
     // The wait ends when the replan has run past the limit, which it started before this clock.
-    EXPECT_GE(seconds_to_trip[r], 0.3) << "rank " << r << " did not wait for its planner";
-    EXPECT_EQ(stats[r].watchdog_trips, 1);
-    EXPECT_EQ(stats[r].epoch, 0) << "the late plan must be dropped";
-    EXPECT_EQ(stats[r].steps, kSteps);
+    EXPECT_GE(run.seconds_to_trip[r], 0.3) << "rank " << r << " did not wait for its planner";
+    EXPECT_EQ(run.stats[r].watchdog_trips, 1);
+    EXPECT_EQ(run.stats[r].epoch, 0) << "the late plan must be dropped";
+    EXPECT_EQ(run.stats[r].steps, kSteps);
   }
 }
 
