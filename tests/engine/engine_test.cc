@@ -644,7 +644,7 @@ class HeldPolicy : public PlacementPolicy {
 // What each rank saw in RunHeldPlanner.
 struct HeldRun {
   std::vector<std::vector<int>> failed_steps;  // [rank] steps whose StepEnd the watchdog failed
-  std::vector<double> seconds_to_trip;  // [rank] from the end of StepEnd 0 to the failed one's
+  std::vector<double> seconds_to_trip;  // [rank] from StepEnd 0's call to the failed one's end
   std::vector<std::string> messages;    // [rank] the failed StepEnd's message
   std::vector<EngineStats> stats;
   std::vector<Status> status;
@@ -677,7 +677,7 @@ HeldRun RunHeldPlanner(const KeelConfig& config, int steps, int release_step,
           KEEL_RETURN_IF_ERROR(
               engine->RegisterSlot(0, i, {buffer.data(), buffer.data(), buffer.data()}));
         }
-        std::chrono::steady_clock::time_point planner_started;
+        std::chrono::steady_clock::time_point replan_started;
         for (int step = 0; step < steps; ++step) {
           if (r == 0 && step == release_step) Held().Release();
           std::vector<int32_t> ids(kTokens * kTopK);
@@ -685,14 +685,15 @@ HeldRun RunHeldPlanner(const KeelConfig& config, int steps, int release_step,
           KEEL_RETURN_IF_ERROR(engine->Route(0, ids).status());
           KEEL_RETURN_IF_ERROR(engine->ReduceGradients());
           std::this_thread::sleep_for(step_time);
+          // Before StepEnd 0, which starts the replan.
+          if (step == 0) replan_started = std::chrono::steady_clock::now();
           Status ended = engine->StepEnd();
-          if (step == 0) planner_started = std::chrono::steady_clock::now();  // at StepEnd 0
           if (!ended.ok()) {
             if (ended.code() != StatusCode::kDeadlineExceeded) return ended;
             run.failed_steps[r].push_back(step);
             run.messages[r] = ended.message();
             run.seconds_to_trip[r] =
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - planner_started)
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - replan_started)
                     .count();
           }
         }
@@ -770,7 +771,7 @@ TEST(EngineTest, NextStepAdoptionWaitsForThePlannerUntilTheWatchdog) {
   for (int r = 0; r < kRanks; ++r) {
     ASSERT_TRUE(run.status[r].ok()) << "rank " << r << ": " << run.status[r].ToString();
     EXPECT_EQ(run.failed_steps[r], std::vector<int>{1}) << "rank " << r;
-    // The wait ends when the replan has run past the limit, which it started before this clock.
+    // The wait ends when the replan has run past the limit, and it started after this clock.
     EXPECT_GE(run.seconds_to_trip[r], 0.3) << "rank " << r << " did not wait for its planner";
     EXPECT_EQ(run.stats[r].watchdog_trips, 1);
     EXPECT_EQ(run.stats[r].epoch, 0) << "the late plan must be dropped";
