@@ -641,6 +641,16 @@ class HeldPolicy : public PlacementPolicy {
   }
 };
 
+// HeldPolicy's name; RegisterHeldPolicy registers it once per process and says whether it could.
+constexpr char kHeldPolicy[] = "held-planner";
+bool RegisterHeldPolicy() {
+  static const bool registered =
+      RegisterPolicy(
+          {kHeldPolicy, [](const PolicyShape&) { return std::make_unique<HeldPolicy>(); }})
+          .ok();
+  return registered;
+}
+
 // What each rank saw in RunHeldPlanner.
 struct HeldRun {
   std::vector<std::vector<int>> failed_steps;  // [rank] steps whose StepEnd the watchdog failed
@@ -651,7 +661,7 @@ struct HeldRun {
 };
 
 // Trains `steps` steps of one layer on kRanks thread ranks under `config`, whose policy is
-// registered as a HeldPolicy, each step taking at least `step_time`. Rank 0 lets the plan go
+// kHeldPolicy, each step taking at least `step_time`. Rank 0 lets the plan go
 // before step `release_step`; past the last step every rank does (an engine waits for its
 // planner when it is destroyed).
 HeldRun RunHeldPlanner(const KeelConfig& config, int steps, int release_step,
@@ -713,13 +723,8 @@ HeldRun RunHeldPlanner(const KeelConfig& config, int steps, int release_step,
 // KeelWatchdogTripped alert fires on; training goes on with the placement in force, and the late
 // plan is dropped when it ends.
 TEST(EngineTest, PlannerWatchdogFailsEveryRankAtTheSameStepOnce) {
-  static const bool registered =
-      RegisterPolicy({"held-for-watchdog-test",
-                      [](const PolicyShape&) { return std::make_unique<HeldPolicy>(); }})
-          .ok();
-  ASSERT_TRUE(registered);
-  KeelConfig config = TestConfig("keel");
-  config.policy.name = "held-for-watchdog-test";
+  ASSERT_TRUE(RegisterHeldPolicy());
+  KeelConfig config = TestConfig(kHeldPolicy);
   config.policy.planner_watchdog_seconds = 0.3;
   config.policy.plan_adoption = "when_ready";  // training goes on while the plan is held
   auto metrics = Metrics::Create(MetricsLayout::FromConfig(config, 1, kExperts, 2));
@@ -757,12 +762,8 @@ TEST(EngineTest, PlannerWatchdogFailsEveryRankAtTheSameStepOnce) {
 // watchdog's limit: a held plan trips the watchdog at that very step on every rank, and the
 // steps after it go on with the placement in force.
 TEST(EngineTest, NextStepAdoptionWaitsForThePlannerUntilTheWatchdog) {
-  static const bool registered =
-      RegisterPolicy({"held-for-next-step-test",
-                      [](const PolicyShape&) { return std::make_unique<HeldPolicy>(); }})
-          .ok();
-  ASSERT_TRUE(registered);
-  KeelConfig config = TestConfig("held-for-next-step-test");
+  ASSERT_TRUE(RegisterHeldPolicy());
+  KeelConfig config = TestConfig(kHeldPolicy);
   ASSERT_EQ(config.policy.plan_adoption, "next_step");
   config.policy.planner_watchdog_seconds = 0.3;
   constexpr int kSteps = 4;
