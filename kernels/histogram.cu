@@ -1,6 +1,13 @@
 // CUDA versions of kernels/histogram.h: each block counts its entries in shared memory, then adds
-// its non-zero bins to the zeroed outputs with one atomic each. Integer sums do not depend on the
+// its non-zero bins to zeroed totals with one atomic each. Integer sums do not depend on the
 // order of the adds, so the counts equal the CPU reference's.
+//
+// RankHistogram's totals are its outputs, cleared by memsets. ExpertHistogram is one launch: its
+// totals live in the caller's workspace, which every call leaves zeroed, and the last block to
+// finish moves them to the outputs. Each operation on a stream costs 3-4 us of latency at these
+// sizes, more than the counting (docs/benchmarks.md, "On an H100").
+#include <algorithm>
+
 #include <cuda_runtime.h>
 
 #include "kernels/arguments.h"
@@ -33,12 +40,42 @@ __device__ void FlushShared(const int32_t* bins, int num_bins, int32_t* global) 
   }
 }
 
+// The workspace of ExpertHistogram: this header, then the totals ([num_experts] int32).
+struct HistogramHeader {
+  unsigned finished;  // blocks done in this call
+  int32_t invalid;    // invalid entries counted so far in this call
+};
+constexpr int64_t kHeaderBytes = 256;
+
+int32_t* WorkspaceTotals(void* workspace) {
+  return reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + kHeaderBytes);
+}
+
+// Called by every thread of every block once its counts are in `totals` and `header->invalid`:
+// the last block to get here moves them to the outputs and zeroes them for the next call.
+__device__ void HandOverIfLast(HistogramHeader* header, int32_t* totals, int num_experts,
+                               int32_t* counts, int32_t* invalid) {
+  __shared__ bool last_block;
+  __threadfence();  // this thread's adds are visible before the block counts itself finished
+  __syncthreads();
+  if (threadIdx.x == 0) last_block = atomicAdd(&header->finished, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last_block) return;
+  // Atomic exchanges read the totals where the other blocks' atomics wrote them, and clear them.
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) counts[e] = atomicExch(&totals[e], 0);
+  if (threadIdx.x == 0) {
+    *invalid = atomicExch(&header->invalid, 0);
+    atomicExch(&header->finished, 0u);
+  }
+}
+
 template <typename Id>
 __global__ void ExpertHistogramKernel(const Id* ids, int64_t num_entries, int num_experts,
-                                      bool shared_bins, int32_t* counts, int32_t* invalid) {
+                                      bool shared_bins, HistogramHeader* header, int32_t* totals,
+                                      int32_t* counts, int32_t* invalid) {
   extern __shared__ int32_t shared[];
   __shared__ int32_t block_invalid;
-  int32_t* bins = BlockBins(shared, counts, shared_bins);
+  int32_t* bins = BlockBins(shared, totals, shared_bins);
   if (shared_bins) ZeroShared(shared, num_experts);
   if (threadIdx.x == 0) block_invalid = 0;
   __syncthreads();
@@ -68,8 +105,9 @@ __global__ void ExpertHistogramKernel(const Id* ids, int64_t num_entries, int nu
   if (thread_invalid > 0) atomicAdd(&block_invalid, thread_invalid);
   __syncthreads();
 
-  if (shared_bins) FlushShared(shared, num_experts, counts);
-  if (threadIdx.x == 0 && block_invalid > 0) atomicAdd(invalid, block_invalid);
+  if (shared_bins) FlushShared(shared, num_experts, totals);
+  if (threadIdx.x == 0 && block_invalid > 0) atomicAdd(&header->invalid, block_invalid);
+  HandOverIfLast(header, totals, num_experts, counts, invalid);
 }
 
 // Rank of entry `id`, or -1 for an unused entry, or -2 for an invalid one. rank_of is trusted
@@ -125,20 +163,25 @@ __global__ void RankHistogramKernel(const Id* ids, int64_t num_tokens, int top_k
 
 template <typename Id>
 Status Expert(const Id* ids, int64_t num_entries, int num_experts, int32_t* counts,
-              int32_t* invalid, Stream stream) {
+              int32_t* invalid, void* workspace, Stream stream) {
   KEEL_RETURN_IF_ERROR(
       CheckExpertHistogramArguments(ids, num_entries, num_experts, counts, invalid));
-  if (num_experts > 0) {
-    KEEL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(counts, 0, sizeof(int32_t) * num_experts, stream));
+  KEEL_RETURN_IF_ERROR(CheckPointer("workspace", workspace,
+                                    num_entries > 0 ? HistogramWorkspaceBytes(num_experts) : 0));
+  if (num_entries == 0) {
+    if (num_experts > 0) {
+      KEEL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(counts, 0, sizeof(int32_t) * num_experts, stream));
+    }
+    KEEL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(invalid, 0, sizeof(int32_t), stream));
+    return Status::Ok();
   }
-  KEEL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(invalid, 0, sizeof(int32_t), stream));
-  if (num_entries == 0) return Status::Ok();
 
   const bool shared_bins = num_experts <= kMaxSharedBins;
   const size_t shared_bytes = shared_bins ? sizeof(int32_t) * num_experts : 0;
   ExpertHistogramKernel<<<GridSize(num_entries, kThreads * kItemsPerThread, kMaxBlocks), kThreads,
                           shared_bytes, stream>>>(ids, num_entries, num_experts, shared_bins,
-                                                  counts, invalid);
+                                                  static_cast<HistogramHeader*>(workspace),
+                                                  WorkspaceTotals(workspace), counts, invalid);
   KEEL_CUDA_RETURN_IF_LAUNCH_FAILED(ExpertHistogramKernel);
   return Status::Ok();
 }
@@ -166,14 +209,18 @@ Status Rank(const Id* ids, int64_t num_tokens, int top_k, const int32_t* rank_of
 
 }  // namespace
 
+int64_t HistogramWorkspaceBytes(int num_experts) {
+  return kHeaderBytes + static_cast<int64_t>(sizeof(int32_t)) * std::max(num_experts, 0);
+}
+
 Status ExpertHistogram(const int32_t* ids, int64_t num_entries, int num_experts, int32_t* counts,
-                       int32_t* invalid, Stream stream) {
-  return Expert(ids, num_entries, num_experts, counts, invalid, stream);
+                       int32_t* invalid, void* workspace, Stream stream) {
+  return Expert(ids, num_entries, num_experts, counts, invalid, workspace, stream);
 }
 
 Status ExpertHistogram(const int64_t* ids, int64_t num_entries, int num_experts, int32_t* counts,
-                       int32_t* invalid, Stream stream) {
-  return Expert(ids, num_entries, num_experts, counts, invalid, stream);
+                       int32_t* invalid, void* workspace, Stream stream) {
+  return Expert(ids, num_entries, num_experts, counts, invalid, workspace, stream);
 }
 
 Status RankHistogram(const int32_t* ids, int64_t num_tokens, int top_k, const int32_t* rank_of,

@@ -48,10 +48,16 @@ namespace gpu {
 
 // The same functions on device pointers, enqueued on `stream` (outputs are complete when the
 // stream reaches this point). Host-side argument errors return at once; launch errors too.
+
+// ExpertHistogram counts in one launch: the blocks add their counts into `workspace`, and the last
+// block to finish moves them to `counts` and clears the workspace for the next call. `workspace`
+// is device memory of HistogramWorkspaceBytes(num_experts) bytes, zero-filled once when allocated;
+// calls that share one must not overlap (one stream). It may serve calls with fewer experts.
+int64_t HistogramWorkspaceBytes(int num_experts);
 Status ExpertHistogram(const int32_t* ids, int64_t num_entries, int num_experts, int32_t* counts,
-                       int32_t* invalid, Stream stream);
+                       int32_t* invalid, void* workspace, Stream stream);
 Status ExpertHistogram(const int64_t* ids, int64_t num_entries, int num_experts, int32_t* counts,
-                       int32_t* invalid, Stream stream);
+                       int32_t* invalid, void* workspace, Stream stream);
 Status RankHistogram(const int32_t* ids, int64_t num_tokens, int top_k, const int32_t* rank_of,
                      int num_ids, int num_ranks, int32_t* entries, int32_t* tokens,
                      int32_t* invalid, Stream stream);

@@ -390,10 +390,12 @@ int Main(int argc, char** argv) {
   const DeviceMemory remap_workspace(gpu::RemapWorkspaceBytes(kEntries, kExperts));
   CUDA_CHECK(cudaMemset(remap_workspace.get(), 0, gpu::RemapWorkspaceBytes(kEntries, kExperts)));
   const DeviceMemory index_workspace(gpu::PermutationWorkspaceBytes(kEntries, kSlots));
+  const DeviceMemory histogram_workspace(gpu::HistogramWorkspaceBytes(kExperts));
+  CUDA_CHECK(cudaMemset(histogram_workspace.get(), 0, gpu::HistogramWorkspaceBytes(kExperts)));
 
   const auto expert_histogram = [&] {
     Check(gpu::ExpertHistogram(device_ids.get<int32_t>(), kEntries, kExperts, counts.get<int32_t>(),
-                               invalid.get<int32_t>(), stream));
+                               invalid.get<int32_t>(), histogram_workspace.get(), stream));
   };
   const auto remap = [&] {
     Check(gpu::RemapWithQuotas(device_ids.get<int32_t>(), kEntries, table, slot.get<int32_t>(),

@@ -200,11 +200,15 @@ std::vector<Id> RandomIds(int64_t count, int num_ids, std::mt19937_64& rng) {
 
 // ---- Histograms
 
+// One histogram on the GPU against the CPU reference, through `workspace` (zero-filled once by the
+// caller, as histogram.h asks; the call must leave it ready for the next).
 template <typename Id>
-void CheckExpertHistogram(int64_t num_entries, int num_experts, const CudaStream& stream) {
+void CheckExpertHistogram(int64_t num_entries, int num_experts,
+                          DeviceBuffer<unsigned char>& workspace, const CudaStream& stream) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(::testing::Message() << "sizeof(Id) " << sizeof(Id) << " num_entries " << num_entries
                                     << " num_experts " << num_experts << " seed " << seed);
+  ASSERT_GE(static_cast<int64_t>(workspace.size()), gpu::HistogramWorkspaceBytes(num_experts));
   std::mt19937_64 rng(seed);
   const std::vector<Id> ids = RandomIds<Id>(num_entries, num_experts, rng);
   std::vector<int32_t> counts(num_experts);
@@ -219,7 +223,7 @@ void CheckExpertHistogram(int64_t num_entries, int num_experts, const CudaStream
     device_counts.Fill(poison);
     device_invalid.Fill(poison);
     ASSERT_OK(gpu::ExpertHistogram(device_ids.get(), num_entries, num_experts, device_counts.get(),
-                                   device_invalid.get(), stream.get()));
+                                   device_invalid.get(), workspace.get(), stream.get()));
     ASSERT_CUDA(stream.Sync());
     ExpectSameBits(counts, device_counts.Download(), "counts");
     ExpectSameBits(invalid, device_invalid.Download(), "invalid");
@@ -229,11 +233,29 @@ void CheckExpertHistogram(int64_t num_entries, int num_experts, const CudaStream
 TEST(KernelsGpuTest, ExpertHistogramMatchesCpu) {
   if (!keel::kernels::GpuAvailable()) GTEST_SKIP() << "no GPU";
   CudaStream stream;
-  // 13000 experts do not fit in shared memory: the kernel counts in global memory instead.
+  // 13000 experts do not fit in shared memory: the kernel counts in the workspace instead.
   for (int num_experts : {0, 1, 5, 256, 13000}) {
+    DeviceBuffer<unsigned char> workspace(gpu::HistogramWorkspaceBytes(num_experts));
+    workspace.Fill(0);
     for (int64_t num_entries : {0, 1, 7, 1000, 65539}) {
-      CheckExpertHistogram<int32_t>(num_entries, num_experts, stream);
-      CheckExpertHistogram<int64_t>(num_entries, num_experts, stream);
+      CheckExpertHistogram<int32_t>(num_entries, num_experts, workspace, stream);
+      CheckExpertHistogram<int64_t>(num_entries, num_experts, workspace, stream);
+    }
+  }
+}
+
+// One workspace, zero-filled once, serves calls of every size and expert count up to the one it
+// was sized for, in any order: each call leaves it zeroed.
+TEST(KernelsGpuTest, HistogramWorkspaceServesManyCalls) {
+  if (!keel::kernels::GpuAvailable()) GTEST_SKIP() << "no GPU";
+  CudaStream stream;
+  const std::pair<int64_t, int> calls[] = {{65536, 256}, {5000, 13000}, {1, 7},   {65536, 256},
+                                           {300001, 64}, {0, 256},      {257, 1}, {65536, 256}};
+  DeviceBuffer<unsigned char> workspace(gpu::HistogramWorkspaceBytes(13000));
+  workspace.Fill(0);
+  for (int round = 0; round < 3; ++round) {
+    for (const auto& [num_entries, num_experts] : calls) {
+      CheckExpertHistogram<int32_t>(num_entries, num_experts, workspace, stream);
     }
   }
 }
@@ -896,10 +918,10 @@ TEST(KernelsGpuTest, RejectsWhatTheCpuRejects) {
   uint64_t words[2] = {0, 0};
   const Stream stream = nullptr;
   ExpectSameError(cpu::ExpertHistogram(ints, -3, 2, ints, ints),
-                  gpu::ExpertHistogram(ints, -3, 2, ints, ints, stream));
+                  gpu::ExpertHistogram(ints, -3, 2, ints, ints, ints, stream));
   ExpectSameError(
       cpu::ExpertHistogram(static_cast<const int64_t*>(nullptr), 2, 2, ints, ints),
-      gpu::ExpertHistogram(static_cast<const int64_t*>(nullptr), 2, 2, ints, ints, stream));
+      gpu::ExpertHistogram(static_cast<const int64_t*>(nullptr), 2, 2, ints, ints, ints, stream));
   ExpectSameError(cpu::RankHistogram(ints, 2, 0, ints, 1, 1, ints, ints, ints),
                   gpu::RankHistogram(ints, 2, 0, ints, 1, 1, ints, ints, ints, stream));
   QuotaTable table;
