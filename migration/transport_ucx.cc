@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -413,6 +414,16 @@ Result<std::unique_ptr<Transport>> CreateUcxTransport(Communicator& communicator
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &raw_config);
   if (s != UCS_OK) return UcxError("ucp_config_read", s);
   UcpConfig config(raw_config);
+  // UCX connects over TCP with a blocking connect() by default, and connects again at the first
+  // send after a forced close. To a host that cannot be reached, that send then blocks for the
+  // kernel's connect timeout (a second where ARP fails, minutes where SYNs go unanswered), past
+  // any deadline. Connect without blocking unless the user chose otherwise. (A transport's key
+  // goes to ucp_config_modify without its prefix, "TCP_"; UCX applies it to every transport that
+  // has it.)
+  if (std::getenv("UCX_TCP_CONN_NB") == nullptr) {
+    s = ucp_config_modify(config.get(), "CONN_NB", "y");
+    if (s != UCS_OK) return UcxError("ucp_config_modify TCP_CONN_NB=y", s);
+  }
 
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;

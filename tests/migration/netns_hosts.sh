@@ -6,7 +6,8 @@
 # goes down) for 3 s, then restored. Every rank must:
 #   - end every epoch the same way as every other rank (commit or abort),
 #   - abort the epochs the cut hits within the deadline (2 s), the agreement's two graces
-#     (0.4 s each) and a second more on the cut-off rank (UCX posting to hosts it cannot reach),
+#     (0.4 s each) and a second of slack, the cut-off rank too (its reconnects to hosts it cannot
+#     reach must not block: the UCX transport connects without blocking),
 #   - commit the epochs after the link returns (the last 3 at least), and
 #   - end with its slots byte-exact for the last placement: the fault-free run's, since each
 #     epoch's target does not depend on what came before.
