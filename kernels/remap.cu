@@ -74,16 +74,22 @@ __device__ KeyCounters ChunkCounters(int32_t* shared, int32_t* chunk_counts, int
 __device__ int Lane() { return static_cast<int>(threadIdx.x) % kWarp; }
 
 // The keys of a chunk for the calling warp, one per lane and tile; entries past the end have no
-// key.
+// key. KeyOf: Load(entry) reads an entry's value, and Key(value) turns it into its key, -1 being
+// a value without one. The values of every tile are loaded first and then the tables Key reads,
+// so each kind of load is in flight for all tiles at once: at these sizes the time is the loads'
+// latency, which a load after a load would pay once per tile.
 template <typename KeyOf>
 __device__ void LoadChunkKeys(const KeyOf& key_of, int64_t chunk, int64_t num_entries,
                               int (&keys)[kTilesPerChunk]) {
   const int64_t chunk_begin = chunk * kChunk;
+  decltype(key_of.Load(0)) values[kTilesPerChunk];
 #pragma unroll
   for (int tile = 0; tile < kTilesPerChunk; ++tile) {
     const int64_t entry = chunk_begin + tile * kWarp + Lane();
-    keys[tile] = entry < num_entries ? key_of(entry) : kNoKey;
+    values[tile] = entry < num_entries ? key_of.Load(entry) : -1;
   }
+#pragma unroll
+  for (int tile = 0; tile < kTilesPerChunk; ++tile) keys[tile] = key_of.Key(values[tile]);
 }
 
 // The lane that speaks for a group of lanes with equal keys.
@@ -117,17 +123,22 @@ __device__ int RankChunk(const KeyOf& key_of, int64_t chunk, int64_t num_entries
   __syncwarp();
   const unsigned lanes_before = (1u << Lane()) - 1;
   int invalid_entries = 0;
+  int32_t ranks[kTilesPerChunk];
 #pragma unroll
   for (int tile = 0; tile < kTilesPerChunk; ++tile) {
     const int key = keys[tile];
     const unsigned peers = __match_any_sync(kFullMask, key);
-    const int32_t rank = key >= 0 ? counters[key] + __popc(peers & lanes_before) : 0;
+    ranks[tile] = key >= 0 ? counters[key] + __popc(peers & lanes_before) : 0;
     __syncwarp();  // every peer has read the counter before its leader advances it
     if (key >= 0 && IsGroupLeader(peers)) counters[key] += __popc(peers);
     __syncwarp();
-    const int64_t entry = chunk * kChunk + tile * kWarp + Lane();
-    if (entry < num_entries) assign(entry, key, rank);
     invalid_entries += __popc(__ballot_sync(kFullMask, key == kInvalidKey));
+  }
+  // Assigned after every rank is known, so that the tiles' loads in `assign` overlap.
+#pragma unroll
+  for (int tile = 0; tile < kTilesPerChunk; ++tile) {
+    const int64_t entry = chunk * kChunk + tile * kWarp + Lane();
+    if (entry < num_entries) assign(entry, keys[tile], ranks[tile]);
   }
   return invalid_entries;
 }
@@ -407,11 +418,14 @@ struct ExpertKey {
   const int32_t* copy_begin;
   int num_experts;
 
-  __device__ int operator()(int64_t entry) const {
-    const Id id = ids[entry];
+  __device__ Id Load(int64_t entry) const { return ids[entry]; }
+  // Loads under a condition rather than behind a branch, so that LoadChunkKeys' tiles overlap.
+  __device__ int Key(Id id) const {
+    const bool known = id >= 0 && id < num_experts;
+    const int32_t begin = known ? copy_begin[id] : 0;
+    const int32_t end = known ? copy_begin[id + 1] : 0;
     if (id == -1) return kNoKey;
-    if (id < 0 || id >= num_experts || copy_begin[id] == copy_begin[id + 1]) return kInvalidKey;
-    return static_cast<int>(id);
+    return known && begin != end ? static_cast<int>(id) : kInvalidKey;
   }
 };
 
@@ -506,12 +520,13 @@ struct BucketKey {
   int num_slots;
   int num_buckets;
 
-  __device__ int operator()(int64_t entry) const {
-    const int32_t s = slot[entry];
+  __device__ int32_t Load(int64_t entry) const { return slot[entry]; }
+  // As ExpertKey::Key, a load under a condition.
+  __device__ int Key(int32_t s) const {
+    const bool known = s >= 0 && s < num_slots;
+    const int32_t bucket = known ? bucket_of_slot[s] : -1;
     if (s == -1) return kNoKey;
-    if (s < 0 || s >= num_slots) return kInvalidKey;
-    const int32_t bucket = bucket_of_slot[s];
-    return bucket >= 0 && bucket < num_buckets ? bucket : kInvalidKey;
+    return known && bucket >= 0 && bucket < num_buckets ? bucket : kInvalidKey;
   }
 };
 
