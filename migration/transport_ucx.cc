@@ -422,7 +422,7 @@ Result<std::unique_ptr<Transport>> CreateUcxTransport(Communicator& communicator
   // has it.)
   if (std::getenv("UCX_TCP_CONN_NB") == nullptr) {
     s = ucp_config_modify(config.get(), "CONN_NB", "y");
-    if (s != UCS_OK) return UcxError("ucp_config_modify TCP_CONN_NB=y", s);
+    if (s != UCS_OK) return UcxError("ucp_config_modify CONN_NB=y", s);
   }
 
   ucp_params_t params{};
