@@ -387,6 +387,18 @@ def evaluate(model: CharMoE, moe: kt.KeelMoE, corpus: Corpus, args: argparse.Nam
 
 
 # --- launching ----------------------------------------------------------------------------------
+def blas_library() -> str:
+    """The BLAS library torch's products run on, from this process's memory map (Linux), or ""
+    when it cannot tell."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/" in line}
+    except OSError:
+        return ""
+    blas = sorted(p for p in paths if re.search(r"blas|mkl|blis", os.path.basename(p)))
+    return ", ".join(blas)
+
+
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, text: str,
              results: Any) -> None:
     for key, value in LOOPBACK.items():
@@ -489,6 +501,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.exit(f"train_moe_lm: the text has {len(text)} characters; --seq-len {args.seq_len} "
                  f"needs at least {40 * (args.seq_len + 1)}")
     settings = {k: v for k, v in vars(args).items() if k not in ("policy", "report", "quiet")}
+    settings["blas"] = blas_library()
+    if settings["blas"] and not re.search(r"openblas|mkl|blis", settings["blas"]):
+        print(f"train_moe_lm: torch runs on the reference BLAS ({settings['blas']}), about 16 "
+              f"times slower than OpenBLAS, and the experts no longer lead the step: install "
+              f"libopenblas0-serial (scripts/dev does)", file=sys.stderr)
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         for key, value in LOOPBACK.items():
             os.environ.setdefault(key, value)

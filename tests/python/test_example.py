@@ -51,6 +51,14 @@ def test_both_modes_write_the_report(tmp_path) -> None:
     assert ours["heldout_loss"] == pytest.approx(static["heldout_loss"], rel=1e-3)
     assert set(report["comparison"]) >= {"parallel_step_ratio", "keel_mean_imbalance",
                                          "heldout_loss_gap", "python_overhead_fraction"}
+    # The BLAS torch ran on: the libblas this process's torch maps (Debian's torch links it).
+    mapped = set()
+    if os.path.exists("/proc/self/maps"):
+        import torch  # noqa: F401  (maps torch's libraries into this process)
+        with open("/proc/self/maps") as f:
+            mapped = {line.split()[-1] for line in f if "libblas" in line}
+    for library in mapped:
+        assert library in report["settings"]["blas"]
 
 
 @needs_bible
