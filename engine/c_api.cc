@@ -66,6 +66,8 @@ static_assert(KEEL_ABORTED == static_cast<int>(StatusCode::kAborted));
 static_assert(KEEL_GRADIENT_FLOAT32 == static_cast<int>(GradientType::kFloat32));
 static_assert(KEEL_GRADIENT_FLOAT64 == static_cast<int>(GradientType::kFloat64));
 static_assert(KEEL_GRADIENT_FIXED_INT64 == static_cast<int>(GradientType::kFixedInt64));
+static_assert(KEEL_GRADIENT_BFLOAT16 == static_cast<int>(GradientType::kBFloat16));
+static_assert(KEEL_GRADIENT_FLOAT16 == static_cast<int>(GradientType::kFloat16));
 static_assert(KEEL_MEMORY_HOST == static_cast<int>(MemoryKind::kHost));
 static_assert(KEEL_MEMORY_DEVICE == static_cast<int>(MemoryKind::kDevice));
 
@@ -245,10 +247,11 @@ Status BuildEngineOptions(const keel_engine_options_t& options, EngineOptions& o
                            "options->num_experts = " + std::to_string(options.num_experts) + "]");
   }
   const long long gradient_type = RawEnum(options.gradient_type);
-  if (gradient_type < KEEL_GRADIENT_FLOAT32 || gradient_type > KEEL_GRADIENT_FIXED_INT64) {
+  if (gradient_type < KEEL_GRADIENT_FLOAT32 || gradient_type > KEEL_GRADIENT_FLOAT16) {
     return InvalidArgument("options->gradient_type = " + std::to_string(gradient_type) +
                            " is not a keel_gradient_type_t (KEEL_GRADIENT_FLOAT32 = 0, "
-                           "KEEL_GRADIENT_FLOAT64 = 1, KEEL_GRADIENT_FIXED_INT64 = 2)");
+                           "KEEL_GRADIENT_FLOAT64 = 1, KEEL_GRADIENT_FIXED_INT64 = 2, "
+                           "KEEL_GRADIENT_BFLOAT16 = 3, KEEL_GRADIENT_FLOAT16 = 4)");
   }
   const long long memory = RawEnum(options.memory);
   if (memory < KEEL_MEMORY_HOST || memory > KEEL_MEMORY_DEVICE) {

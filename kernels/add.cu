@@ -7,6 +7,7 @@
 #include "kernels/add.h"
 #include "kernels/arguments.h"
 #include "kernels/cuda_check.h"
+#include "kernels/host_device.h"
 
 namespace keel::kernels::gpu {
 namespace {
@@ -14,19 +15,33 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxBlocks = 4096;
 
-template <typename T>
+// The element types' own +; the 16-bit types add through kernels/host_device.h, as the CPU does.
+struct PlainSum {
+  template <typename T>
+  __device__ T operator()(T a, T b) const {
+    return a + b;
+  }
+};
+struct Bf16Sum {
+  __device__ uint16_t operator()(uint16_t a, uint16_t b) const { return AddBf16(a, b); }
+};
+struct Fp16Sum {
+  __device__ uint16_t operator()(uint16_t a, uint16_t b) const { return AddFp16(a, b); }
+};
+
+template <typename T, typename Sum>
 __global__ void AddKernel(T* acc, const T* source, int64_t count) {
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < count; i += stride) {
-    acc[i] += source[i];
+    acc[i] = Sum{}(acc[i], source[i]);
   }
 }
 
-template <typename T>
+template <typename T, typename Sum = PlainSum>
 Status Launch(void* acc, const void* source, int64_t count, Stream stream) {
   if (count == 0) return Status::Ok();
   const unsigned blocks = GridSize(count, kThreads, kMaxBlocks);
-  AddKernel<T>
+  AddKernel<T, Sum>
       <<<blocks, kThreads, 0, stream>>>(static_cast<T*>(acc), static_cast<const T*>(source), count);
   KEEL_CUDA_RETURN_IF_LAUNCH_FAILED(AddKernel);
   return Status::Ok();
@@ -57,6 +72,10 @@ Status AddInto(GradientType type, void* acc, const void* source, int64_t num_byt
       return Launch<double>(acc, source, count, stream);
     case GradientType::kFixedInt64:
       return Launch<unsigned long long>(acc, source, count, stream);
+    case GradientType::kBFloat16:
+      return Launch<uint16_t, Bf16Sum>(acc, source, count, stream);
+    case GradientType::kFloat16:
+      return Launch<uint16_t, Fp16Sum>(acc, source, count, stream);
   }
   return InvalidArgument("type is not a GradientType");
 }

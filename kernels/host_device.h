@@ -1,5 +1,6 @@
 // Arithmetic that the CPU references and the CUDA kernels share word for word, so both give the
-// same bits: bf16 conversion and the checksum's word mix. Header-only, host and device.
+// same bits: bf16 and fp16 conversion, 16-bit gradient sums, and the checksum's word mix.
+// Header-only, host and device.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +45,79 @@ KEEL_HOST_DEVICE inline uint16_t FloatToBf16(float value) {
   if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
   const uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
   return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+// IEEE binary16 (fp16): 1 sign bit, 5 exponent bits (bias 15), 10 fraction bits; the largest
+// finite value is 65504 and the smallest subnormal 2^-24. Every fp16 value is a float32 value, so
+// widening is exact: NaN keeps its sign and payload (shifted into float32's upper fraction bits).
+KEEL_HOST_DEVICE inline float Fp16ToFloat(uint16_t value) {
+  const uint32_t sign = static_cast<uint32_t>(value & 0x8000u) << 16;
+  const uint32_t exponent = (value >> 10) & 0x1fu;
+  const uint32_t fraction = value & 0x3ffu;
+  if (exponent == 0x1fu) return FloatFromBits(sign | 0x7f800000u | (fraction << 13));
+  if (exponent == 0) {
+    // Zero or subnormal: fraction * 2^-24. Both factors and the product are exact in float32
+    // (the product is at least 2^-24, a normal float32), so no rounding mode or fusion with a
+    // later add can change it.
+    const float magnitude = static_cast<float>(fraction) * 5.9604644775390625e-8f;
+    return FloatFromBits(sign | BitsFromFloat(magnitude));
+  }
+  // Normal: rebias the exponent from 15 to 127.
+  return FloatFromBits(sign | ((exponent + 112u) << 23) | (fraction << 13));
+}
+
+// Round to nearest, ties to even, with IEEE's gradual underflow: results below 2^-14 become
+// subnormals (or a signed zero), and magnitudes from 65520 (halfway between 65504 and 2^16) up
+// overflow to infinity. NaN stays a (quiet) NaN with its sign and upper payload bits.
+KEEL_HOST_DEVICE inline uint16_t FloatToFp16(float value) {
+  const uint32_t bits = BitsFromFloat(value);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) {
+    return static_cast<uint16_t>(sign | 0x7e00u | ((magnitude >> 13) & 0x3ffu));
+  }
+  if (magnitude >= 0x47800000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 2^16, inf
+  if (magnitude >= 0x38800000u) {
+    // A normal fp16 (>= 2^-14): rebias the exponent from 127 to 15 and drop 13 fraction bits,
+    // rounding as FloatToBf16 does. A carry out of the fraction bumps the exponent, which is
+    // also how [65520, 2^16) reaches infinity (0x7c00).
+    const uint32_t rebiased = magnitude - (112u << 23);
+    const uint32_t rounding = 0xfffu + ((rebiased >> 13) & 1u);
+    return static_cast<uint16_t>(sign | ((rebiased + rounding) >> 13));
+  }
+  // A subnormal fp16 (or zero): the result's fraction is value * 2^24 rounded to an integer.
+  // value = significand * 2^(exponent - 150) with a 24-bit significand, so that integer is the
+  // significand shifted right by 126 - exponent. From a shift of 25 on (value < 2^-25, float32
+  // subnormals included) it rounds to zero; a rounded-up 1023 carries into the smallest normal
+  // fp16 (0x0400), which is its correct encoding.
+  const uint32_t exponent = magnitude >> 23;
+  const uint32_t shift = 126u - exponent;
+  if (exponent == 0 || shift > 24u) return sign;
+  const uint32_t significand = (magnitude & 0x7fffffu) | 0x800000u;
+  uint32_t fraction = significand >> shift;
+  const uint32_t remainder = significand & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1u);
+  if (remainder > half || (remainder == half && (fraction & 1u) != 0)) ++fraction;
+  return static_cast<uint16_t>(sign | fraction);
+}
+
+// The canonical quiet NaNs that every NaN gradient sum becomes. x86 and CUDA disagree on the sign
+// and payload of a NaN that an add produces (x86 passes an operand's NaN on, or makes a negative
+// one from inf - inf; CUDA always gives 0x7fffffff), so the sums do not pass them on.
+inline constexpr uint16_t kBf16CanonicalNan = 0x7fc0u;
+inline constexpr uint16_t kFp16CanonicalNan = 0x7e00u;
+
+// One gradient add of 16-bit elements: widen both exactly, add once in float32, round once to
+// nearest even. Float32's 24-bit significand is at least twice the 16-bit type's plus two bits
+// (bf16: 8, fp16: 11), so rounding twice gives the exact sum rounded once to the 16-bit type.
+KEEL_HOST_DEVICE inline uint16_t AddBf16(uint16_t acc, uint16_t source) {
+  const float sum = Bf16ToFloat(acc) + Bf16ToFloat(source);
+  return sum != sum ? kBf16CanonicalNan : FloatToBf16(sum);
+}
+
+KEEL_HOST_DEVICE inline uint16_t AddFp16(uint16_t acc, uint16_t source) {
+  const float sum = Fp16ToFloat(acc) + Fp16ToFloat(source);
+  return sum != sum ? kFp16CanonicalNan : FloatToFp16(sum);
 }
 
 // Checksum64 (kernels/checksum.h) is a sum mod 2^64 of one term per 64-bit word, keyed by the

@@ -19,11 +19,25 @@ namespace keel {
 // other copies by ascending slot, then this step's transient replicas), so a given placement
 // always gives the same bits. kFixedInt64 (gradients as int64 fixed point, sums wrapping modulo
 // 2^64) is order-independent too: training is then bitwise identical under every placement.
-enum class GradientType { kFloat32, kFloat64, kFixedInt64 };
+// kBFloat16 and kFloat16 (IEEE half) are what trainers keep in bf16 and fp16: each add widens
+// both elements to float32, adds once and rounds to nearest even, and a NaN sum is the type's
+// canonical quiet NaN, so the CPU and the GPU give the same bits. New types are appended: the
+// values are the C API's KEEL_GRADIENT_* numbers.
+enum class GradientType { kFloat32, kFloat64, kFixedInt64, kBFloat16, kFloat16 };
 
 // Bytes of one gradient element of `type`.
 constexpr size_t GradientElementBytes(GradientType type) {
-  return type == GradientType::kFloat32 ? 4 : 8;
+  switch (type) {
+    case GradientType::kFloat32:
+      return 4;
+    case GradientType::kBFloat16:
+    case GradientType::kFloat16:
+      return 2;
+    case GradientType::kFloat64:
+    case GradientType::kFixedInt64:
+      break;
+  }
+  return 8;
 }
 
 class DeviceMemory {

@@ -100,11 +100,15 @@ keel_status_t keel_comm_destroy(keel_comm_t* comm);
 /* How keel_engine_reduce_gradients adds gradient buffers. Float sums run in a fixed order (home
  * first, then the other copies by ascending slot, then transient replicas), so one placement
  * always gives the same bits. FIXED_INT64 (gradients as int64 fixed point) is order-independent:
- * training is then bitwise identical under every placement. */
+ * training is then bitwise identical under every placement. BFLOAT16 and FLOAT16 (IEEE half,
+ * 2-byte elements) add each pair in float32 and round once to nearest even; a NaN sum is the
+ * type's canonical quiet NaN (0x7fc0, 0x7e00), so the CPU and the GPU give the same bits. */
 typedef enum keel_gradient_type {
   KEEL_GRADIENT_FLOAT32 = 0,
   KEEL_GRADIENT_FLOAT64 = 1,
-  KEEL_GRADIENT_FIXED_INT64 = 2
+  KEEL_GRADIENT_FIXED_INT64 = 2,
+  KEEL_GRADIENT_BFLOAT16 = 3,
+  KEEL_GRADIENT_FLOAT16 = 4
 } keel_gradient_type_t;
 
 /* Where registered buffers live. KEEL_MEMORY_DEVICE: CUDA device memory of the device current

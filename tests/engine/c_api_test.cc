@@ -441,6 +441,9 @@ TEST_F(CApiEngineTest, CreateRejectsBadShapes) {
   options_ = good;
   options_.gradient_type = BadEnum<keel_gradient_type_t>(7);
   EXPECT_TRUE(CreateFails(KEEL_INVALID_ARGUMENT, {"options->gradient_type = 7"}));
+  options_.gradient_type = BadEnum<keel_gradient_type_t>(KEEL_GRADIENT_FLOAT16 + 1);
+  EXPECT_TRUE(CreateFails(KEEL_INVALID_ARGUMENT,
+                          {"options->gradient_type = 5", "KEEL_GRADIENT_FLOAT16 = 4"}));
   options_ = good;
   options_.memory = BadEnum<keel_memory_kind_t>(-4);
   EXPECT_TRUE(CreateFails(KEEL_INVALID_ARGUMENT, {"options->memory = -4"}));
@@ -453,6 +456,21 @@ TEST_F(CApiEngineTest, CreateRejectsBadShapes) {
   options_.gradient_type = KEEL_GRADIENT_FIXED_INT64;
   options_.gradient_bytes = 12;
   EXPECT_TRUE(CreateFails(KEEL_INVALID_ARGUMENT, {"options->gradient_bytes = 12", "8"}));
+  options_.gradient_type = KEEL_GRADIENT_BFLOAT16;
+  options_.gradient_bytes = 11;
+  EXPECT_TRUE(CreateFails(KEEL_INVALID_ARGUMENT,
+                          {"options->gradient_bytes = 11", "multiple of 2 (the size"}));
+}
+
+// 16-bit gradients take any even gradient_bytes.
+TEST_F(CApiEngineTest, CreatesWithSixteenBitGradients) {
+  for (keel_gradient_type_t type : {KEEL_GRADIENT_BFLOAT16, KEEL_GRADIENT_FLOAT16}) {
+    options_.gradient_type = type;
+    options_.gradient_bytes = 6;
+    ASSERT_TRUE(Succeeds(keel_engine_create(&options_, &engine_))) << type;
+    ASSERT_TRUE(Succeeds(keel_engine_destroy(engine_)));
+    engine_ = nullptr;
+  }
 }
 
 // Device buffers are CUDA memory through the C API; without a GPU the error says what is missing.

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/add.h"
@@ -703,18 +704,50 @@ TEST(KernelsGpuTest, SlotChecksumsMatchCpu) {
 
 // ---- Gradient sums
 
+// `offset` elements into both allocations: 2-byte elements need only 2-byte alignment.
 template <typename T>
 void CheckAddInto(GradientType type, const std::vector<T>& acc, const std::vector<T>& source,
-                  const CudaStream& stream) {
+                  const CudaStream& stream, size_t offset = 0) {
   std::vector<T> want = acc;
   ASSERT_OK(cpu::AddInto(type, want.data(), source.data(),
                          static_cast<int64_t>(want.size() * sizeof(T))));
-  DeviceBuffer<T> device_acc(acc);
-  DeviceBuffer<T> device_source(source);
+  DeviceBuffer<T> device_acc(acc, offset);
+  DeviceBuffer<T> device_source(source, offset);
   ASSERT_OK(gpu::AddInto(type, device_acc.get(), device_source.get(),
                          static_cast<int64_t>(acc.size() * sizeof(T)), stream.get()));
   ASSERT_CUDA(stream.Sync());
   ExpectSameBits(want, device_acc.Download(), "AddInto");
+}
+
+// bf16 or fp16 operand pairs: half uniform over all bits (NaN, infinities, subnormals), half of
+// nearby magnitude with random signs (cancellation, ties), the first few replaced by special
+// pairs (inf - inf, NaNs, overflow, signed zeros, subnormals).
+void SixteenBitPairs(GradientType type, size_t count, std::mt19937_64& rng,
+                     std::vector<uint16_t>& acc, std::vector<uint16_t>& source) {
+  const int fraction_bits = type == GradientType::kBFloat16 ? 7 : 10;
+  const auto near = static_cast<uint16_t>((1u << (fraction_bits + 2)) - 1);
+  acc.resize(count);
+  source.resize(count);
+  for (size_t i = 0; i < count; ++i) {
+    acc[i] = static_cast<uint16_t>(rng());
+    const auto draw = static_cast<uint16_t>(rng());
+    source[i] =
+        i % 2 == 0
+            ? draw
+            : static_cast<uint16_t>((acc[i] & ~near & 0x7fff) | (draw & near) | (draw & 0x8000));
+  }
+  const std::vector<std::pair<uint16_t, uint16_t>> special =
+      type == GradientType::kBFloat16
+          ? std::vector<std::pair<uint16_t, uint16_t>>{{0x7f80, 0xff80}, {0x7fc1, 0x3f80},
+                                                       {0xffc0, 0x0000}, {0x7f7f, 0x7f7f},
+                                                       {0x8000, 0x8000}, {0x0001, 0x8001}}
+          : std::vector<std::pair<uint16_t, uint16_t>>{{0x7c00, 0xfc00}, {0x7e01, 0x3c00},
+                                                       {0xfe00, 0x0000}, {0x7bff, 0x7bff},
+                                                       {0x8000, 0x8000}, {0x0001, 0x8001}};
+  for (size_t i = 0; i < special.size() && i < count; ++i) {
+    acc[i] = special[i].first;
+    source[i] = special[i].second;
+  }
 }
 
 TEST(KernelsGpuTest, AddIntoMatchesCpu) {
@@ -739,6 +772,32 @@ TEST(KernelsGpuTest, AddIntoMatchesCpu) {
     CheckAddInto(GradientType::kFloat32, f_acc, f_source, stream);
     CheckAddInto(GradientType::kFloat64, d_acc, d_source, stream);
     CheckAddInto(GradientType::kFixedInt64, i_acc, i_source, stream);
+    for (GradientType type : {GradientType::kBFloat16, GradientType::kFloat16}) {
+      std::vector<uint16_t> h_acc;
+      std::vector<uint16_t> h_source;
+      SixteenBitPairs(type, count, rng, h_acc, h_source);
+      for (size_t offset : {size_t{0}, size_t{1}}) {
+        CheckAddInto(type, h_acc, h_source, stream, offset);
+      }
+    }
+  }
+}
+
+// 2-byte elements at an odd address are refused, naming the pointer.
+TEST(KernelsGpuTest, AddIntoRefusesSixteenBitElementsAtOddAddresses) {
+  if (!keel::kernels::GpuAvailable()) GTEST_SKIP() << "no GPU";
+  CudaStream stream;
+  DeviceBuffer<unsigned char> acc(9);
+  DeviceBuffer<unsigned char> source(9);
+  for (GradientType type : {GradientType::kBFloat16, GradientType::kFloat16}) {
+    Status status = gpu::AddInto(type, acc.get() + 1, source.get(), 8, stream.get());
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(status.message().find("acc is not aligned to its 2-byte elements"), std::string::npos)
+        << status.ToString();
+    status = gpu::AddInto(type, acc.get(), source.get() + 1, 8, stream.get());
+    EXPECT_NE(status.message().find("source is not aligned to its 2-byte elements"),
+              std::string::npos)
+        << status.ToString();
   }
 }
 

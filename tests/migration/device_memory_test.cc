@@ -1,6 +1,7 @@
 // The DeviceMemory implementations: guarded host memory, whose device buffers fault on any direct
 // CPU access (a death test proves the guard works), plain host memory, and CUDA's where a GPU is
-// present. Copies, adds and checksums must equal the kernels' CPU references.
+// present. Copies, adds (float64, bf16, fp16) and checksums must equal the kernels' CPU
+// references.
 #include "keel/device_memory.hpp"
 
 #include <gtest/gtest.h>
@@ -61,20 +62,61 @@ void ExpectCopiesAddsAndChecksums(DeviceMemory& memory) {
   memory.FreeDevice(y);
 }
 
+// bf16 and fp16 adds through `memory` against the CPU reference: random bits (NaN, infinities and
+// subnormals among them), an odd element count, then the sum added into the other buffer.
+void ExpectSixteenBitAdds(DeviceMemory& memory) {
+  constexpr size_t kCount = 1001;
+  const size_t bytes = kCount * sizeof(uint16_t);
+  std::mt19937 rng(3);
+  for (GradientType type : {GradientType::kBFloat16, GradientType::kFloat16}) {
+    SCOPED_TRACE(static_cast<int>(type));
+    std::vector<uint16_t> a(kCount);
+    std::vector<uint16_t> b(kCount);
+    for (size_t i = 0; i < kCount; ++i) {
+      a[i] = static_cast<uint16_t>(rng());
+      b[i] = static_cast<uint16_t>(rng());
+    }
+    std::byte* x = testing::ValueOrDie(memory.AllocateDevice(bytes));
+    std::byte* y = testing::ValueOrDie(memory.AllocateDevice(bytes));
+    ASSERT_TRUE(memory.Copy(x, Bytes(a.data()), bytes).ok());
+    ASSERT_TRUE(memory.Copy(y, Bytes(b.data()), bytes).ok());
+    ASSERT_TRUE(memory.Add(type, x, y, bytes).ok());
+    ASSERT_TRUE(memory.Add(type, y, x, bytes).ok());
+
+    std::vector<uint16_t> want_x = a;
+    ASSERT_TRUE(
+        kernels::cpu::AddInto(type, want_x.data(), b.data(), static_cast<int64_t>(bytes)).ok());
+    std::vector<uint16_t> want_y = b;
+    ASSERT_TRUE(
+        kernels::cpu::AddInto(type, want_y.data(), want_x.data(), static_cast<int64_t>(bytes))
+            .ok());
+    std::vector<uint16_t> got(kCount);
+    ASSERT_TRUE(memory.Copy(Bytes(got.data()), x, bytes).ok());
+    EXPECT_EQ(got, want_x);
+    ASSERT_TRUE(memory.Copy(Bytes(got.data()), y, bytes).ok());
+    EXPECT_EQ(got, want_y);
+    memory.FreeDevice(x);
+    memory.FreeDevice(y);
+  }
+}
+
 TEST(GuardedHostMemoryTest, CopiesAddsAndChecksumsEqualTheCpuReferences) {
   auto memory = testing::ValueOrDie(CreateGuardedHostMemory());
   ExpectCopiesAddsAndChecksums(*memory);
+  ExpectSixteenBitAdds(*memory);
 }
 
 TEST(CudaMemoryAgainstCpuTest, CopiesAddsAndChecksumsEqualTheCpuReferences) {
   auto memory = CreateCudaDeviceMemory();
   if (!memory.ok()) GTEST_SKIP() << memory.status().ToString();
   ExpectCopiesAddsAndChecksums(**memory);
+  ExpectSixteenBitAdds(**memory);
 }
 
 TEST(HostMemoryTest, CopiesAddsAndChecksumsEqualTheCpuReferences) {
   auto memory = CreateHostMemory();
   ExpectCopiesAddsAndChecksums(*memory);
+  ExpectSixteenBitAdds(*memory);
   std::vector<double> host(4);
   EXPECT_FALSE(memory->IsDeviceMemory(host.data()));
 }
