@@ -5,9 +5,10 @@
 //   BM_DeviceToPageLockedHost / BM_PageLockedHostToDevice: the same with page-locked memory, what
 //                       the staging copies use;
 //   BM_SlotExchange     what a transient fill or a replica push costs a rank pair besides the wire:
-//                       the engine's SlotExchange gathers the slot into the host send buffer, the
-//                       collective moves it (one rank here, so a memcpy), and the receiver copies
-//                       it into its slot (engine/slot_exchange.h);
+//                       the engine's SlotExchange gathers the slot into the page-locked send
+//                       buffer, the collective moves it (one rank, a communicator that moves host
+//                       memory only: a memcpy), what arrived is copied up to the device in one
+//                       piece, and the receiver copies it into its slot (engine/slot_exchange.h);
 //   BM_GradientSum      acc += source in float32 (kernels::gpu::AddInto on a GPU).
 // Memory: KEEL_BENCH_MEMORY = cuda | guarded-host | host; by default CUDA where a GPU is, else
 // guarded host memory (the CPU references: their numbers say nothing about a GPU).
@@ -130,11 +131,15 @@ void BM_SlotExchange(benchmark::State& state) {
   LocalCommunicatorGroup group(1);
   std::unique_ptr<Communicator> communicator = group.Join(0);
   SlotExchange exchange;  // kept between steps, as the engine keeps its own
+  const bool on_device = MemoryName() != "host";
   auto step = [&] {
     exchange.Begin(1);
     exchange.Add(0, source.data(), bytes);
-    Buffer::Check(exchange.Run(*communicator, Memory()));
-    Buffer::Check(Memory().Copy(destination.data(), exchange.Next(0, bytes), bytes));
+    exchange.Expect(0, bytes);
+    Buffer::Check(exchange.Run(*communicator, Memory(), on_device));
+    Result<const std::byte*> received = exchange.Received(0, bytes);
+    Buffer::Check(received.status());
+    Buffer::Check(Memory().Copy(destination.data(), *received, bytes));
   };
   step();  // the first exchange allocates the buffers the others reuse
   for (auto _ : state) step();

@@ -1,7 +1,8 @@
-// The local backend (ranks as threads) and the argument checks, error wording and rank-order
-// folds every backend shares. A local collective is two meetings under one mutex: at the first,
-// every rank posts pointers to its own buffers; between the two, each rank copies what is meant
-// for it straight out of the others' buffers; the second tells every rank that nobody reads its
+// The local backend (ranks as threads), the argument checks, error wording and rank-order folds
+// every backend shares, and the interface's defaults for AllToAllVKnownSizes and
+// AllToAllVDevice. A local collective is two meetings under one mutex: at the first, every rank
+// posts pointers to its own buffers; between the two, each rank copies what is meant for it
+// straight out of the others' buffers; the second tells every rank that nobody reads its
 // buffers any more.
 #include <algorithm>
 #include <chrono>
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <type_traits>
 
 #include "comm/communicator.h"
@@ -74,20 +76,54 @@ void Fold(std::span<const T> gathered, ReduceOp op, std::span<T> out) {
 
 }  // namespace
 
-Status CheckAllToAllV(std::string_view backend, int size, size_t send_size,
-                      std::span<const size_t> send_bytes) {
-  if (send_bytes.size() != static_cast<size_t>(size)) {
-    return InvalidArgument(std::string(backend) + " AllToAllV: send_bytes.size() " +
-                           std::to_string(send_bytes.size()) + " != communicator size " +
+namespace {
+
+// InvalidArgument unless `sizes` (`buffer`_bytes) has [size] entries, which add up to
+// `buffer_size` unless that is unknown (nullopt).
+Status CheckSizes(std::string_view backend, std::string_view collective, std::string_view buffer,
+                  int size, std::optional<size_t> buffer_size, std::span<const size_t> sizes) {
+  const std::string where = std::string(backend) + " " + std::string(collective) + ": ";
+  if (sizes.size() != static_cast<size_t>(size)) {
+    return InvalidArgument(where + std::string(buffer) + "_bytes.size() " +
+                           std::to_string(sizes.size()) + " != communicator size " +
                            std::to_string(size));
   }
-  const size_t total = std::accumulate(send_bytes.begin(), send_bytes.end(), size_t{0});
-  if (total != send_size) {
-    return InvalidArgument(std::string(backend) + " AllToAllV: send_bytes add up to " +
-                           std::to_string(total) + " but send.size() is " +
-                           std::to_string(send_size));
+  const size_t total = std::accumulate(sizes.begin(), sizes.end(), size_t{0});
+  if (buffer_size.has_value() && total != *buffer_size) {
+    return InvalidArgument(where + std::string(buffer) + "_bytes add up to " +
+                           std::to_string(total) + " but " + std::string(buffer) + ".size() is " +
+                           std::to_string(*buffer_size));
   }
   return Status::Ok();
+}
+
+}  // namespace
+
+Status CheckAllToAllV(std::string_view backend, int size, size_t send_size,
+                      std::span<const size_t> send_bytes) {
+  return CheckSizes(backend, "AllToAllV", "send", size, send_size, send_bytes);
+}
+
+Status CheckAllToAllVKnownSizes(std::string_view backend, int size, size_t send_size,
+                                std::span<const size_t> send_bytes, size_t recv_size,
+                                std::span<const size_t> recv_bytes) {
+  constexpr std::string_view kName = "AllToAllVKnownSizes";
+  KEEL_RETURN_IF_ERROR(CheckSizes(backend, kName, "send", size, send_size, send_bytes));
+  return CheckSizes(backend, kName, "recv", size, recv_size, recv_bytes);
+}
+
+Status CheckAllToAllVDevice(std::string_view backend, int size, std::span<const size_t> send_bytes,
+                            std::span<const size_t> recv_bytes) {
+  constexpr std::string_view kName = "AllToAllVDevice";
+  KEEL_RETURN_IF_ERROR(CheckSizes(backend, kName, "send", size, std::nullopt, send_bytes));
+  return CheckSizes(backend, kName, "recv", size, std::nullopt, recv_bytes);
+}
+
+Status SizeMismatch(std::string_view backend, int from, int to, size_t sent, size_t expected) {
+  return InvalidArgument(
+      std::string(backend) + " AllToAllVKnownSizes: rank " + std::to_string(from) + " sends " +
+      std::to_string(sent) + " bytes to rank " + std::to_string(to) + ", which expects " +
+      std::to_string(expected) + " (its recv_bytes[" + std::to_string(from) + "])");
 }
 
 Status CheckRoot(std::string_view backend, int size, int root) {
@@ -128,9 +164,45 @@ void FoldInRankOrder(std::span<const double> gathered, ReduceOp op, std::span<do
 
 }  // namespace collective
 
+// Correct over any backend, at the price of the size exchange inside AllToAllV and one copy.
+Status Communicator::AllToAllVKnownSizes(std::span<const std::byte> send,
+                                         std::span<const size_t> send_bytes,
+                                         std::span<std::byte> recv,
+                                         std::span<const size_t> recv_bytes) {
+  KEEL_RETURN_IF_ERROR(collective::CheckAllToAllVKnownSizes(name(), size(), send.size(), send_bytes,
+                                                            recv.size(), recv_bytes));
+  std::vector<std::byte> received;
+  std::vector<size_t> received_bytes;
+  KEEL_RETURN_IF_ERROR(AllToAllV(send, send_bytes, received, received_bytes));
+  for (int r = 0; r < size(); ++r) {
+    if (received_bytes[r] != recv_bytes[r]) {
+      return collective::SizeMismatch(name(), r, rank(), received_bytes[r], recv_bytes[r]);
+    }
+  }
+  std::copy(received.begin(), received.end(), recv.begin());
+  return Status::Ok();
+}
+
+Status Communicator::AllToAllVDevice(const std::byte* /*send*/,
+                                     std::span<const size_t> /*send_bytes*/, std::byte* /*recv*/,
+                                     std::span<const size_t> /*recv_bytes*/) {
+  return Unimplemented("the " + std::string(name()) +
+                       " communicator does not move device memory (AllToAllVDevice); the "
+                       "engine stages device slot buffers through host memory unless "
+                       "MovesDeviceMemory() is true");
+}
+
 namespace {
 
-enum class Kind { kAllGather, kBarrier, kAllReduceInt64, kAllReduceDouble, kBroadcast, kAllToAllV };
+enum class Kind {
+  kAllGather,
+  kBarrier,
+  kAllReduceInt64,
+  kAllReduceDouble,
+  kBroadcast,
+  kAllToAllV,
+  kAllToAllVKnownSizes
+};
 
 std::string_view KindName(Kind kind) {
   switch (kind) {
@@ -145,6 +217,8 @@ std::string_view KindName(Kind kind) {
       return "Broadcast";
     case Kind::kAllToAllV:
       return "AllToAllV";
+    case Kind::kAllToAllVKnownSizes:
+      return "AllToAllVKnownSizes";
   }
   return "unknown";
 }
@@ -163,8 +237,9 @@ struct Posting {
   const void* data = nullptr;            // AllGather: chars; AllReduce: values; Broadcast: bytes;
                                          // AllToAllV: send
   size_t count = 0;                      // elements at `data`
-  const size_t* send_bytes = nullptr;    // AllToAllV: [size] bytes for each rank
-  const size_t* send_offsets = nullptr;  // AllToAllV: [size] where each rank's bytes start
+  const size_t* send_bytes = nullptr;    // AllToAllV*: [size] bytes for each rank
+  const size_t* send_offsets = nullptr;  // AllToAllV*: [size] where each rank's bytes start
+  const size_t* recv_bytes = nullptr;    // AllToAllVKnownSizes: [size] bytes from each rank
   ReduceOp op = ReduceOp::kSum;
   int root = 0;
 };
@@ -318,6 +393,35 @@ class LocalCommunicator final : public Communicator {
     });
   }
 
+  // No sizes travel: each rank posts what it expects next to what it sends, and the postings
+  // check reads both, so every rank reaches the same verdict on a mismatch.
+  Status AllToAllVKnownSizes(std::span<const std::byte> send, std::span<const size_t> send_bytes,
+                             std::span<std::byte> recv,
+                             std::span<const size_t> recv_bytes) override {
+    KEEL_RETURN_IF_ERROR(collective::CheckAllToAllVKnownSizes(name(), size(), send.size(),
+                                                              send_bytes, recv.size(), recv_bytes));
+    std::vector<size_t> send_offsets(size());
+    std::exclusive_scan(send_bytes.begin(), send_bytes.end(), send_offsets.begin(), size_t{0});
+    const Posting mine{.kind = Kind::kAllToAllVKnownSizes,
+                       .data = send.data(),
+                       .count = send.size(),
+                       .send_bytes = send_bytes.data(),
+                       .send_offsets = send_offsets.data(),
+                       .recv_bytes = recv_bytes.data()};
+    return Run(mine, [&] {
+      size_t offset = 0;
+      for (int r = 0; r < size(); ++r) {
+        const Posting& theirs = rendezvous_->posting(r);
+        if (recv_bytes[r] > 0) {
+          std::memcpy(recv.data() + offset,
+                      static_cast<const std::byte*>(theirs.data) + theirs.send_offsets[rank_],
+                      recv_bytes[r]);
+        }
+        offset += recv_bytes[r];
+      }
+    });
+  }
+
  private:
   // One collective: meet, check that the postings match, run `copy` (which reads the others'
   // postings), meet again. Every rank sees the same postings, so every rank reaches the same
@@ -382,6 +486,15 @@ class LocalCommunicator final : public Communicator {
       if (first.kind == Kind::kBroadcast && theirs.root != first.root) {
         return InvalidArgument("local Broadcast: root is " + std::to_string(theirs.root) + where +
                                std::to_string(first.root) + " on rank 0");
+      }
+    }
+    if (first.kind == Kind::kAllToAllVKnownSizes) {
+      for (int to = 0; to < size(); ++to) {
+        for (int from = 0; from < size(); ++from) {
+          const size_t sent = rendezvous_->posting(from).send_bytes[to];
+          const size_t expected = rendezvous_->posting(to).recv_bytes[from];
+          if (sent != expected) return collective::SizeMismatch(name(), from, to, sent, expected);
+        }
       }
     }
     return Status::Ok();

@@ -262,6 +262,68 @@ class MpiCommunicator final : public Communicator {
     return Status::Ok();
   }
 
+  // One MPI_Ialltoallv and no count exchange. Each slice travels behind an 8-byte header with
+  // its length, so a receiver that expects more than was sent names the mismatch instead of
+  // handing on bytes nobody sent. A slice longer than its receiver expects is MPI's truncation
+  // error, which Open MPI 4.1 reports as fatal (MPI_ERR_TRUNCATE aborts the job) although the
+  // communicator returns errors: the engine derives both sides from one plan, so only a bug in
+  // it gets there.
+  Status AllToAllVKnownSizes(std::span<const std::byte> send, std::span<const size_t> send_bytes,
+                             std::span<std::byte> recv,
+                             std::span<const size_t> recv_bytes) override {
+    constexpr std::string_view kName = "AllToAllVKnownSizes";
+    constexpr size_t kHeader = sizeof(int64_t);
+    KEEL_RETURN_IF_ERROR(Usable());
+    KEEL_RETURN_IF_ERROR(collective::CheckAllToAllVKnownSizes(kBackend, size_, send.size(),
+                                                              send_bytes, recv.size(), recv_bytes));
+    const size_t headers = kHeader * static_cast<size_t>(size_);
+    // The totals bound every count and displacement.
+    KEEL_RETURN_IF_ERROR(
+        CheckCount("AllToAllVKnownSizes: send.size() with headers", send.size() + headers));
+    KEEL_RETURN_IF_ERROR(
+        CheckCount("AllToAllVKnownSizes: recv.size() with headers", recv.size() + headers));
+    Staging& s = *staging_;
+    s.send_counts.resize(size_);
+    s.send_displs.resize(size_);
+    s.recv_counts.resize(size_);
+    s.recv_displs.resize(size_);
+    for (int r = 0; r < size_; ++r) {
+      s.send_counts[r] = static_cast<int>(kHeader + send_bytes[r]);
+      s.recv_counts[r] = static_cast<int>(kHeader + recv_bytes[r]);
+    }
+    std::exclusive_scan(s.send_counts.begin(), s.send_counts.end(), s.send_displs.begin(), 0);
+    std::exclusive_scan(s.recv_counts.begin(), s.recv_counts.end(), s.recv_displs.begin(), 0);
+    // Copies, not the caller's buffers: after a timeout MPI may still use them.
+    s.bytes_out.resize(send.size() + headers);
+    size_t from = 0;
+    for (int r = 0; r < size_; ++r) {
+      const int64_t length = static_cast<int64_t>(send_bytes[r]);
+      std::byte* slice = s.bytes_out.data() + s.send_displs[r];
+      std::memcpy(slice, &length, kHeader);
+      if (send_bytes[r] > 0) std::memcpy(slice + kHeader, send.data() + from, send_bytes[r]);
+      from += send_bytes[r];
+    }
+    s.bytes_in.resize(recv.size() + headers);
+    KEEL_RETURN_IF_ERROR(Complete(kName, "MPI_Ialltoallv", [&](MPI_Request* request) {
+      return MPI_Ialltoallv(s.bytes_out.data(), s.send_counts.data(), s.send_displs.data(),
+                            MPI_BYTE, s.bytes_in.data(), s.recv_counts.data(), s.recv_displs.data(),
+                            MPI_BYTE, comm_, request);
+    }));
+    size_t to = 0;
+    for (int r = 0; r < size_; ++r) {
+      const std::byte* slice = s.bytes_in.data() + s.recv_displs[r];
+      int64_t length = 0;
+      std::memcpy(&length, slice, kHeader);
+      if (length != static_cast<int64_t>(recv_bytes[r])) {
+        return collective::SizeMismatch(kBackend, r, rank_, static_cast<size_t>(length),
+                                        recv_bytes[r]);
+      }
+      if (recv_bytes[r] > 0) std::memcpy(recv.data() + to, slice + kHeader, recv_bytes[r]);
+      to += recv_bytes[r];
+    }
+    return Status::Ok();
+  }
+
  private:
   Status Usable() const {
     if (!broken_.ok()) return collective::Broken(kBackend, broken_);

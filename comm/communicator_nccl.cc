@@ -1,6 +1,7 @@
-// The NCCL backend: host data staged through device buffers on a non-blocking stream of its own,
-// collectives on a non-blocking NCCL communicator, completion polled with cudaStreamQuery and
-// ncclCommGetAsyncError so a missing peer becomes a timeout (and ncclCommAbort), never a hang.
+// The NCCL backend: host data staged through device buffers on a non-blocking stream of its own
+// (AllToAllVDevice moves the caller's device buffers directly), collectives on a non-blocking NCCL
+// communicator, completion polled with cudaStreamQuery and ncclCommGetAsyncError so a missing peer
+// becomes a timeout (and ncclCommAbort), never a hang.
 #include <algorithm>
 #include <numeric>
 
@@ -179,29 +180,52 @@ class NcclCommunicator final : public Communicator {
     std::vector<int64_t> counts(send_bytes.begin(), send_bytes.end());
     KEEL_RETURN_IF_ERROR(Upload(counts.data(), sizeof(int64_t) * size_));
     KEEL_RETURN_IF_ERROR(recv_.Reserve(sizeof(int64_t) * size_));
-    KEEL_RETURN_IF_ERROR(Run(kName, [&] {
-      return ncclAlltoAll(send_.data(), recv_.data(), 1, ncclInt64, comm_->get(), stream());
-    }));
+    // One count to each peer by grouped sends and receives: ncclAlltoAll exists only from NCCL
+    // 2.28 on, and torch's wheels bring older NCCLs, which then serve libkeel too.
+    const std::vector<size_t> one_count(size_, sizeof(int64_t));
+    KEEL_RETURN_IF_ERROR(SendReceive(kName, send_.data(), one_count, recv_.data(), one_count));
     KEEL_RETURN_IF_ERROR(Download(counts.data(), sizeof(int64_t) * size_));
     recv_bytes.assign(counts.begin(), counts.end());
     const size_t total = std::accumulate(recv_bytes.begin(), recv_bytes.end(), size_t{0});
     KEEL_RETURN_IF_ERROR(Upload(send.data(), send.size()));
     KEEL_RETURN_IF_ERROR(recv_.Reserve(total));
-    KEEL_RETURN_IF_ERROR(Run(kName, [&] {
-      // Grouped so every pair progresses at once; empty slices post nothing on either side.
+    KEEL_RETURN_IF_ERROR(SendReceive(kName, send_.data(), send_bytes, recv_.data(), recv_bytes));
+    recv.resize(total);
+    return Download(recv.data(), total);
+  }
+
+  bool MovesDeviceMemory() const override { return true; }
+
+  // Straight between the caller's device buffers; Run waits for the stream, so recv holds the
+  // data on return.
+  Status AllToAllVDevice(const std::byte* send, std::span<const size_t> send_bytes, std::byte* recv,
+                         std::span<const size_t> recv_bytes) override {
+    KEEL_RETURN_IF_ERROR(Begin());
+    KEEL_RETURN_IF_ERROR(collective::CheckAllToAllVDevice(kBackend, size_, send_bytes, recv_bytes));
+    return SendReceive("AllToAllVDevice", send, send_bytes, recv, recv_bytes);
+  }
+
+ private:
+  cudaStream_t stream() const { return stream_->get(); }
+
+  // The slices of device buffers send and recv, back to back in rank order, as grouped
+  // ncclSend / ncclRecv so every pair progresses at once; empty slices post nothing on either
+  // side.
+  Status SendReceive(std::string_view collective, const std::byte* send,
+                     std::span<const size_t> send_bytes, std::byte* recv,
+                     std::span<const size_t> recv_bytes) {
+    return Run(collective, [&] {
       ncclResult_t rc = ncclGroupStart();
       if (rc != ncclSuccess) return rc;
       size_t send_offset = 0;
       size_t recv_offset = 0;
       for (int r = 0; r < size_; ++r) {
         if (send_bytes[r] > 0) {
-          rc = ncclSend(send_.data() + send_offset, send_bytes[r], ncclUint8, r, comm_->get(),
-                        stream());
+          rc = ncclSend(send + send_offset, send_bytes[r], ncclUint8, r, comm_->get(), stream());
           if (rc != ncclSuccess && rc != ncclInProgress) break;
         }
         if (recv_bytes[r] > 0) {
-          rc = ncclRecv(recv_.data() + recv_offset, recv_bytes[r], ncclUint8, r, comm_->get(),
-                        stream());
+          rc = ncclRecv(recv + recv_offset, recv_bytes[r], ncclUint8, r, comm_->get(), stream());
           if (rc != ncclSuccess && rc != ncclInProgress) break;
         }
         send_offset += send_bytes[r];
@@ -209,13 +233,8 @@ class NcclCommunicator final : public Communicator {
       }
       const ncclResult_t end = ncclGroupEnd();
       return rc != ncclSuccess && rc != ncclInProgress ? rc : end;
-    }));
-    recv.resize(total);
-    return Download(recv.data(), total);
+    });
   }
-
- private:
-  cudaStream_t stream() const { return stream_->get(); }
 
   // Every collective starts here: refuse once broken, and make this rank's device current (the
   // calling thread may have switched).

@@ -58,8 +58,6 @@ Status Engine::Impl::ReduceGradients() {
       });
     }
   }
-  KEEL_RETURN_IF_ERROR(exchange_.Run(communicator_, *memory_));
-  KEEL_RETURN_IF_ERROR(exchange_.ShareReceived(*memory_, on_device()));
 
   // Sum into zeroed scratch first: a home slot's own gradient buffer may still be another
   // expert's source until every sum of the layer is done.
@@ -75,6 +73,15 @@ Status Engine::Impl::ReduceGradients() {
       sums.push_back({l, e, target[l].home_slot(e) % slots_per_rank_});
     }
   }
+  // The gradients this rank receives, in the order the sums below read them.
+  for (const Sum& sum : sums) {
+    for_each_source(sum.layer, sum.expert, [&](int slot) {
+      const int source_rank = RankOfPhysical(slot);
+      if (source_rank != rank_) exchange_.Expect(source_rank, bytes);
+    });
+  }
+  KEEL_RETURN_IF_ERROR(exchange_.Run(communicator_, *memory_, on_device()));
+
   KEEL_RETURN_IF_ERROR(sum_scratch_.Reserve(*memory_, sums.size() * bytes));
   if (zeros_.size() < sums.size() * bytes) zeros_.resize(sums.size() * bytes, std::byte{0});
   KEEL_RETURN_IF_ERROR(memory_->Copy(sum_scratch_.data(), zeros_.data(), sums.size() * bytes));
@@ -84,9 +91,15 @@ Status Engine::Impl::ReduceGradients() {
     std::byte* sum = sum_scratch_.data() + i * bytes;
     for_each_source(sums[i].layer, sums[i].expert, [&](int slot) {
       const int source_rank = RankOfPhysical(slot);
-      const std::byte* data = source_rank == rank_ ? Gradients(sums[i].layer, LocalOfPhysical(slot))
-                                                   : exchange_.NextForDevice(source_rank, bytes);
-      Result<uint64_t> add = memory_->StartAdd(options_.shape.gradient_type, sum, data, bytes);
+      const Result<const std::byte*> data =
+          source_rank == rank_
+              ? Result<const std::byte*>(Gradients(sums[i].layer, LocalOfPhysical(slot)))
+              : exchange_.Received(source_rank, bytes);
+      if (!data.ok()) {
+        if (added.ok()) added = data.status();
+        return;
+      }
+      Result<uint64_t> add = memory_->StartAdd(options_.shape.gradient_type, sum, *data, bytes);
       if (add.ok()) {
         last = *add;
       } else if (added.ok()) {
@@ -143,18 +156,32 @@ Status Engine::Impl::PushWeights() {
       }
     }
   }
-  KEEL_RETURN_IF_ERROR(exchange_.Run(communicator_, *memory_));
+  // This rank's replicas that a home elsewhere updates, in the sender's (layer, expert, slot)
+  // order: declared to the exchange first, then read back in the same order.
+  struct Incoming {
+    int layer;
+    int slot;
+    int home_rank;
+  };
+  std::vector<Incoming> incoming;
   for (int l = 0; l < options_.num_layers; ++l) {
     const Placement& p = placements_[l];
-    for (int e = 0; e < placements_[l].num_experts(); ++e) {
+    for (int e = 0; e < p.num_experts(); ++e) {
       if (p.logcnt()[e] < 2 || p.home(e) == rank_) continue;
       const int home_slot = p.home_slot(e);
       for (int slot : p.copies(e)) {
-        if (slot == home_slot || p.rank_of_slot(slot) != rank_) continue;
-        KEEL_ASSIGN_OR_RETURN(last, memory_->StartCopy(Weights(l, slot % slots_per_rank_),
-                                                       exchange_.Next(p.home(e), bytes), bytes));
+        if (slot != home_slot && p.rank_of_slot(slot) == rank_)
+          incoming.push_back({l, slot, p.home(e)});
       }
     }
+  }
+  for (const Incoming& replica : incoming) exchange_.Expect(replica.home_rank, bytes);
+  KEEL_RETURN_IF_ERROR(exchange_.Run(communicator_, *memory_, on_device()));
+  for (const Incoming& replica : incoming) {
+    KEEL_ASSIGN_OR_RETURN(const std::byte* weights, exchange_.Received(replica.home_rank, bytes));
+    KEEL_ASSIGN_OR_RETURN(
+        last,
+        memory_->StartCopy(Weights(replica.layer, replica.slot % slots_per_rank_), weights, bytes));
   }
   return WaitForLast(*memory_, last);
 }

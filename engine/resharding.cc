@@ -93,14 +93,20 @@ Status Engine::Impl::ReshardExperts() {
     exchange_.Add(c.piece.dst_slot / slots_per_rank_,
                   at(c.layer, c.piece.src_slot, c.buffer, c.piece.src_offset), c.piece.bytes);
   }
-  KEEL_RETURN_IF_ERROR(exchange_.Run(communicator_, *memory_));
+  // The pieces this rank receives, in the order the loop below reads them.
+  for (const Copy& c : copies) {
+    if (c.piece.dst_slot / slots_per_rank_ != rank_) continue;
+    exchange_.Expect(c.piece.src_slot / slots_per_rank_, c.piece.bytes);
+  }
+  KEEL_RETURN_IF_ERROR(exchange_.Run(communicator_, *memory_, on_device()));
   std::optional<uint64_t> last;
   for (const Copy& c : copies) {
     bytes += c.piece.bytes;
     if (c.piece.dst_slot / slots_per_rank_ != rank_) continue;
+    KEEL_ASSIGN_OR_RETURN(const std::byte* piece,
+                          exchange_.Received(c.piece.src_slot / slots_per_rank_, c.piece.bytes));
     KEEL_ASSIGN_OR_RETURN(
-        last, memory_->StartCopy(at(c.layer, c.piece.dst_slot, c.buffer, c.piece.dst_offset),
-                                 exchange_.Next(c.piece.src_slot / slots_per_rank_, c.piece.bytes),
+        last, memory_->StartCopy(at(c.layer, c.piece.dst_slot, c.buffer, c.piece.dst_offset), piece,
                                  c.piece.bytes));
   }
   KEEL_RETURN_IF_ERROR(WaitForLast(*memory_, last));

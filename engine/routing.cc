@@ -303,14 +303,19 @@ Status Engine::Impl::FillTransients(int layer, const Placement& placement,
     }
     exchange_.Add(t.rank, Buffers(layer, slot % slots_per_rank_).weights, bytes);
   }
-  KEEL_RETURN_IF_ERROR(exchange_.Run(communicator_, *memory_));
+  // The fills this rank receives, in the order the loop below reads them.
+  for (const TransientReplica& t : routing.transients) {
+    if (t.rank == rank_) exchange_.Expect(t.source_rank, bytes);
+  }
+  KEEL_RETURN_IF_ERROR(exchange_.Run(communicator_, *memory_, on_device()));
   std::optional<uint64_t> last;
   for (size_t i = 0; i < routing.transients.size(); ++i) {
     const TransientReplica& t = routing.transients[i];
     if (t.rank != rank_) continue;
-    KEEL_ASSIGN_OR_RETURN(last,
-                          memory_->StartCopy(Weights(layer, LocalOfPhysical(transient_slot[i])),
-                                             exchange_.Next(t.source_rank, bytes), bytes));
+    KEEL_ASSIGN_OR_RETURN(const std::byte* weights, exchange_.Received(t.source_rank, bytes));
+    KEEL_ASSIGN_OR_RETURN(
+        last,
+        memory_->StartCopy(Weights(layer, LocalOfPhysical(transient_slot[i])), weights, bytes));
   }
   return WaitForLast(*memory_, last);
 }

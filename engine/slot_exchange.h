@@ -1,7 +1,9 @@
 // How the engine moves slot bytes between ranks outside migration (transient fills, weight
-// pushes, replica gradients): gathered from the registered buffers through DeviceMemory into one
-// host buffer, exchanged with one AllToAllV, and read back per peer in the order both sides derive
-// from the same plan. Device memory is only ever reached through DeviceMemory.
+// pushes, replica gradients, resharding): gathered from the registered buffers through
+// DeviceMemory, exchanged in one collective whose sizes both sides derive from the same plan (so
+// no sizes travel first), and read back per peer in that plan's order. With device slot buffers
+// and a communicator that moves device memory, the bytes go device to device; otherwise they are
+// staged through page-locked host memory. Device memory is only ever reached through DeviceMemory.
 #pragma once
 
 #include <cstddef>
@@ -43,48 +45,54 @@ inline Status WaitForLast(DeviceMemory& memory, std::optional<uint64_t> last) {
   return last.has_value() ? memory.WaitFor(*last) : Status::Ok();
 }
 
-// Slot bytes for each peer (registered buffers, which may be device memory) sent in one
-// AllToAllV, and read back per peer front to back, in an order both sides derive from the same
-// plan. The engine keeps one and reuses its buffers exchange after exchange: host buffers
-// allocated per exchange would be faulted in page by page every time. The send buffer is
-// page-locked, so gathering device slots into it runs at the device's full copy speed.
+// One exchange of slot bytes among all ranks, collective. Between Begin and Run each rank queues
+// what it sends (Add) and declares what it will read (Expect), both per peer in the order the
+// plan gives, which every rank derives alike: what rank a Adds for rank b is exactly what b
+// Expects from a. After Run, Received hands out the declared pieces in the declared order.
+//
+// The engine keeps one and reuses its buffers exchange after exchange: host buffers allocated
+// per exchange would be faulted in page by page every time, and the host buffers are
+// page-locked, so copies between them and device slots run at the device's full speed.
 class SlotExchange {
  public:
-  // Starts an exchange among `num_ranks` ranks: forgets what was queued and received before.
+  // Starts an exchange among `num_ranks` ranks: forgets what was queued, expected and received.
   void Begin(int num_ranks);
-  // Queues `size` bytes at `data` for `peer`; `data` must stay valid until Run returns.
+  // Queues `size` bytes at `data` (slot memory) for `peer`; `data` must stay valid until Run
+  // returns.
   void Add(int peer, const void* data, size_t size);
-  // Gathers the queued bytes through `memory` into the host send buffer and exchanges them.
-  Status Run(Communicator& communicator, DeviceMemory& memory);
+  // Declares that the next piece read from `peer` has `size` bytes.
+  void Expect(int peer, size_t size);
 
-  // The next `size` bytes received from `peer`, in host memory.
-  const std::byte* Next(int peer, size_t size) { return recv_.data() + Advance(peer, size); }
-  // Makes everything received readable by `memory`'s operations (NextForDevice): a copy in its
-  // device memory when `on_device`, else the received host bytes themselves.
-  Status ShareReceived(DeviceMemory& memory, bool on_device);
-  // The next `size` bytes from `peer`, where ShareReceived put them.
-  const std::byte* NextForDevice(int peer, size_t size) { return shared_ + Advance(peer, size); }
+  // Gathers the queued bytes through `memory` and exchanges them. `on_device`: the slot buffers
+  // are device memory, so Received must return device memory. With a communicator that moves
+  // device memory the sends are gathered into a device buffer and received straight into
+  // another; otherwise both sides are staged through page-locked host memory, and on a device the
+  // whole received buffer is copied up in one piece.
+  Status Run(Communicator& communicator, DeviceMemory& memory, bool on_device);
+
+  // The next piece Expect declared for `peer`, which must have `size` bytes: memory that
+  // `memory`'s operations (StartCopy, StartAdd) read, device memory when Run was `on_device`.
+  // Internal when it is not the piece Expect declared next, so a read loop that strays from its
+  // Expect pre-pass fails instead of reading another piece's bytes.
+  Result<const std::byte*> Received(int peer, size_t size);
 
  private:
   struct Part {
     const std::byte* data;
     size_t size;
   };
-  size_t Advance(int peer, size_t size) {
-    const size_t at = offset_[peer] + consumed_[peer];
-    consumed_[peer] += size;
-    return at;
-  }
 
-  std::vector<std::vector<Part>> parts_;  // [peer]
-  DeviceBuffer send_{DeviceBuffer::Kind::kPageLockedHost};
-  std::vector<size_t> send_bytes_;  // [peer]
-  std::vector<std::byte> recv_;
-  std::vector<size_t> recv_bytes_;  // [peer]
-  std::vector<size_t> offset_;      // [peer] where its bytes start in recv_
-  std::vector<size_t> consumed_;    // [peer] how many of them Next took
-  DeviceBuffer received_on_device_;
-  const std::byte* shared_ = nullptr;  // recv_ or received_on_device_ (ShareReceived)
+  std::vector<std::vector<Part>> parts_;       // [peer] what this rank sends, in order
+  std::vector<std::vector<size_t>> expected_;  // [peer] the sizes it reads, in order
+  std::vector<size_t> send_bytes_;             // [peer]
+  std::vector<size_t> recv_bytes_;             // [peer]
+  std::vector<size_t> offset_;                 // [peer] where the next piece from it starts
+  std::vector<size_t> pieces_read_;            // [peer] how many of expected_ Received took
+  DeviceBuffer send_staging_{DeviceBuffer::Kind::kPageLockedHost};
+  DeviceBuffer recv_staging_{DeviceBuffer::Kind::kPageLockedHost};
+  DeviceBuffer send_on_device_;
+  DeviceBuffer recv_on_device_;
+  const std::byte* received_ = nullptr;  // recv_staging_ or recv_on_device_
 };
 
 }  // namespace keel

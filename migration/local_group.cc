@@ -21,49 +21,16 @@ struct Membership {
 };
 
 // A joined rank's communicator: the local one, and the rank given back when it is destroyed.
-class JoinedCommunicator final : public Communicator {
+class JoinedCommunicator final : public ForwardingCommunicator {
  public:
   JoinedCommunicator(std::unique_ptr<Communicator> local, std::shared_ptr<Membership> membership)
-      : local_(std::move(local)), membership_(std::move(membership)) {}
+      : ForwardingCommunicator(std::move(local)), membership_(std::move(membership)) {}
   ~JoinedCommunicator() override {
     std::lock_guard<std::mutex> lock(membership_->mutex);
-    membership_->joined[static_cast<size_t>(local_->rank())] = false;
-  }
-
-  int rank() const override { return local_->rank(); }
-  int size() const override { return local_->size(); }
-  std::string_view name() const override { return local_->name(); }
-  Result<std::vector<std::string>> AllGather(std::string_view mine) override {
-    Sync();
-    return local_->AllGather(mine);
-  }
-  Status Barrier() override {
-    Sync();
-    return local_->Barrier();
-  }
-  Status AllReduce(std::span<int64_t> values, ReduceOp op) override {
-    Sync();
-    return local_->AllReduce(values, op);
-  }
-  Status AllReduce(std::span<double> values, ReduceOp op) override {
-    Sync();
-    return local_->AllReduce(values, op);
-  }
-  Status Broadcast(std::string& bytes, int root) override {
-    Sync();
-    return local_->Broadcast(bytes, root);
-  }
-  Status AllToAllV(std::span<const std::byte> send, std::span<const size_t> send_bytes,
-                   std::vector<std::byte>& recv, std::vector<size_t>& recv_bytes) override {
-    Sync();
-    return local_->AllToAllV(send, send_bytes, recv, recv_bytes);
+    membership_->joined[static_cast<size_t>(rank())] = false;
   }
 
  private:
-  // The timeout is set on this object; the local communicator does the waiting.
-  void Sync() { local_->set_timeout_seconds(timeout_seconds()); }
-
-  std::unique_ptr<Communicator> local_;
   std::shared_ptr<Membership> membership_;
 };
 

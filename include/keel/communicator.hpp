@@ -58,6 +58,35 @@ class Communicator {
   virtual Status AllToAllV(std::span<const std::byte> send, std::span<const size_t> send_bytes,
                            std::vector<std::byte>& recv, std::vector<size_t>& recv_bytes) = 0;
 
+  // AllToAllV for an exchange whose every size both sides already know (the engine's slot
+  // exchanges derive them from one plan on every rank), so no sizes travel before the bytes.
+  // send and send_bytes as for AllToAllV; recv_bytes: [size] bytes this rank receives from each
+  // rank, which must equal what that rank sends it; recv: exactly their sum, filled back to back
+  // in rank order. A rank that sends another size than its receiver expects is an
+  // InvalidArgument error naming both ranks and both sizes, on the receiving rank at least (the
+  // local backend reports it on every rank; under MPI a slice longer than expected is MPI's
+  // truncation error instead); recv's contents are then undefined. The default runs AllToAllV
+  // and compares the sizes that arrived; a backend overrides it to skip the size exchange (local
+  // and MPI do).
+  virtual Status AllToAllVKnownSizes(std::span<const std::byte> send,
+                                     std::span<const size_t> send_bytes, std::span<std::byte> recv,
+                                     std::span<const size_t> recv_bytes);
+
+  // Whether AllToAllVDevice moves device memory itself (NCCL, or a trainer's process group over
+  // GPUs), so the engine exchanges device slot buffers without staging them through host memory.
+  virtual bool MovesDeviceMemory() const { return false; }
+
+  // AllToAllVKnownSizes between device buffers: send [sum of send_bytes] and recv [sum of
+  // recv_bytes] bytes are device memory of the GPU this rank runs on (the engine allocates them
+  // from its DeviceMemory), laid out as AllToAllVKnownSizes lays out its host buffers. The engine
+  // calls it only when MovesDeviceMemory() is true, from the thread that calls the engine, after
+  // every device operation that wrote send has completed. Returns once recv holds the data and
+  // send may be reused (the caller's next device operations, on streams of their own, read recv).
+  // Sizes that differ between ranks need not be named here: with NCCL they show as the backend's
+  // error or as a timeout. Default: Unimplemented naming the communicator.
+  virtual Status AllToAllVDevice(const std::byte* send, std::span<const size_t> send_bytes,
+                                 std::byte* recv, std::span<const size_t> recv_bytes);
+
   double timeout_seconds() const { return timeout_seconds_; }
   // <= 0: wait forever. The engine sets engine.collective_timeout_seconds (config) at creation.
   void set_timeout_seconds(double seconds) { timeout_seconds_ = seconds; }
@@ -73,8 +102,9 @@ Result<std::unique_ptr<Communicator>> CreateMpiCommunicator();
 
 // An NCCL communicator on CUDA device `device` with the ranks of `bootstrap`, which carries the
 // NCCL unique id from rank 0 to the others; every rank of `bootstrap` calls it. Host data is
-// staged through device buffers on a stream of its own. Unimplemented in builds without NCCL
-// (keel::kWithNccl); FailedPrecondition without a usable GPU.
+// staged through device buffers on a stream of its own; AllToAllVDevice moves device memory of
+// `device` directly. Unimplemented in builds without NCCL (keel::kWithNccl); FailedPrecondition
+// without a usable GPU.
 Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(Communicator& bootstrap, int device);
 
 }  // namespace keel

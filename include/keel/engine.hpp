@@ -80,7 +80,9 @@ struct EngineOptions {
   // With shape.memory = kDevice: the device memory that holds the slot buffers (the same object
   // the trainer allocated them from, or any object that recognizes them). Null: CUDA device
   // memory on the device current on the creating thread (CreateCudaDeviceMemory). A transport
-  // without device support (device_memory() null) is staged through host memory over it.
+  // without device support (device_memory() null) is staged through host memory over it, and so
+  // are the slot bytes the communicator carries (transient fills, weight pushes, replica
+  // gradients) unless it moves device memory itself (Communicator::MovesDeviceMemory).
   // Ignored with kHost.
   std::shared_ptr<DeviceMemory> device_memory;
   // Experts to shard, each (layer, expert) at most once; the others stay whole. Each shard j >= 1

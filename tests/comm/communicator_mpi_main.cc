@@ -1,7 +1,8 @@
 // The MPI communicator across processes, run by tests.cmake under `mpirun -np 4`:
 //   --scenario collectives  every collective for many rounds back to back (double sums bitwise
-//                           equal to a rank-order fold, uneven and empty all-to-all slices,
-//                           broadcast from every root) and the argument errors;
+//                           equal to a rank-order fold, uneven and empty all-to-all slices, with
+//                           and without known sizes, broadcast from every root) and the argument
+//                           errors, a known size that differs from what is sent among them;
 //   --scenario timeout      the last rank sleeps instead of calling; the others must get
 //                           DeadlineExceeded within about the timeout, then Aborted.
 // Exits 0 when every rank saw what it expected.
@@ -107,6 +108,16 @@ void CheckRound(Communicator& comm, int round) {
     expected.insert(expected.end(), slice.begin(), slice.end());
   }
   Expect(comm, recv == expected, "AllToAllV contents in round " + std::to_string(round));
+
+  // The same slices with every size known on both sides: one MPI_Ialltoallv, no counts first.
+  std::vector<size_t> known_bytes;
+  for (int from = 0; from < comm.size(); ++from) {
+    known_bytes.push_back(Slice(round, from, comm.rank(), 50000).size());
+  }
+  std::vector<std::byte> known(expected.size(), std::byte{0xee});
+  const Status known_status = comm.AllToAllVKnownSizes(send, send_bytes, known, known_bytes);
+  Expect(comm, known_status.ok(), "AllToAllVKnownSizes: " + known_status.ToString());
+  Expect(comm, known == expected, "AllToAllVKnownSizes contents in round " + std::to_string(round));
 }
 
 void CheckArgumentErrors(Communicator& comm) {
@@ -119,6 +130,13 @@ void CheckArgumentErrors(Communicator& comm) {
   wrong_sum[0] = 11;
   ExpectError(comm, comm.AllToAllV(send, wrong_sum, recv, recv_bytes), StatusCode::kInvalidArgument,
               "send_bytes add up to 11 but send.size() is 10");
+  std::vector<std::byte> known(3);
+  ExpectError(comm,
+              comm.AllToAllVKnownSizes(send, wrong_sum, known, std::vector<size_t>(comm.size())),
+              StatusCode::kInvalidArgument, "send_bytes add up to 11 but send.size() is 10");
+  std::vector<size_t> known_sum(comm.size(), 0);
+  ExpectError(comm, comm.AllToAllVKnownSizes({}, known_sum, known, known_sum),
+              StatusCode::kInvalidArgument, "recv_bytes add up to 0 but recv.size() is 3");
   std::string bytes = "x";
   ExpectError(comm, comm.Broadcast(bytes, comm.size()), StatusCode::kInvalidArgument,
               "root " + std::to_string(comm.size()));
@@ -134,6 +152,20 @@ void CheckArgumentErrors(Communicator& comm) {
               StatusCode::kInvalidArgument, "op differs between ranks");
   ExpectError(comm, comm.Broadcast(bytes, comm.rank() == 1 ? 1 : 0), StatusCode::kInvalidArgument,
               "root differs between ranks (0 to 1;");
+  // Rank 1 expects a byte more from rank 0 than rank 0 sends: the length that travels with the
+  // slice tells rank 1; the others got what they expected.
+  std::vector<std::byte> eights(8 * comm.size());
+  std::vector<size_t> expected_bytes(comm.size(), 8);
+  if (comm.rank() == 1) expected_bytes[0] = 9;
+  std::vector<std::byte> received(8 * comm.size() + (comm.rank() == 1 ? 1 : 0));
+  const Status mismatch = comm.AllToAllVKnownSizes(eights, std::vector<size_t>(comm.size(), 8),
+                                                   received, expected_bytes);
+  if (comm.rank() == 1) {
+    ExpectError(comm, mismatch, StatusCode::kInvalidArgument,
+                "mpi AllToAllVKnownSizes: rank 0 sends 8 bytes to rank 1, which expects 9");
+  } else {
+    Expect(comm, mismatch.ok(), "AllToAllVKnownSizes beside a mismatch: " + mismatch.ToString());
+  }
   Expect(comm, comm.Barrier().ok(), "Barrier after argument errors");
 }
 

@@ -1,6 +1,7 @@
 // Tests of the communicators: every collective of the local backend (ranks as threads) on 1, 3
-// and 8 ranks for many rounds back to back, argument errors, a rank that never arrives, and the
-// NCCL backend where a GPU is present. communicator_mpi_main.cc runs the MPI backend.
+// and 8 ranks for many rounds back to back, argument errors, a rank that never arrives, the
+// interface's default AllToAllVKnownSizes, and the NCCL backend where a GPU is present.
+// communicator_mpi_main.cc runs the MPI backend.
 #include "comm/communicator.h"
 #include "tests/comm/collective_data.h"
 
@@ -17,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "keel/device_memory.hpp"
 #include "keel/version.hpp"
 
 namespace keel {
@@ -119,6 +121,29 @@ void CheckAllToAllV(Communicator& comm, int round) {
   EXPECT_TRUE(recv == expected) << "round " << round;
 }
 
+// The seeded slices again, with every size derived on both sides: no sizes travel, and recv is
+// exactly the bytes that arrive.
+void CheckAllToAllVKnownSizes(Communicator& comm, int round) {
+  std::vector<std::byte> send;
+  std::vector<size_t> send_bytes;
+  for (int to = 0; to < comm.size(); ++to) {
+    const std::vector<std::byte> slice = Slice(round, comm.rank(), to, 5000);
+    send.insert(send.end(), slice.begin(), slice.end());
+    send_bytes.push_back(slice.size());
+  }
+  std::vector<std::byte> expected;
+  std::vector<size_t> recv_bytes;
+  for (int from = 0; from < comm.size(); ++from) {
+    const std::vector<std::byte> slice = Slice(round, from, comm.rank(), 5000);
+    expected.insert(expected.end(), slice.begin(), slice.end());
+    recv_bytes.push_back(slice.size());
+  }
+  std::vector<std::byte> recv(expected.size(), std::byte{0xee});
+  const Status status = comm.AllToAllVKnownSizes(send, send_bytes, recv, recv_bytes);
+  ASSERT_TRUE(status.ok()) << status.ToString();
+  EXPECT_TRUE(recv == expected) << "round " << round;
+}
+
 // Every collective, `rounds` times back to back, so a rendezvous that mixes up consecutive
 // collectives shows.
 void CheckAllCollectives(Communicator& comm, int rounds) {
@@ -131,8 +156,54 @@ void CheckAllCollectives(Communicator& comm, int rounds) {
     }
     CheckBroadcast(comm, round);
     CheckAllToAllV(comm, round);
-    CheckAllToAllV(comm, round + 1000);
+    CheckAllToAllVKnownSizes(comm, round + 1000);
+    CheckAllToAllV(comm, round + 2000);
   }
+}
+
+// A communicator that passes every collective to another one but leaves AllToAllVKnownSizes and
+// AllToAllVDevice to the interface's defaults, as one written outside Keel before they existed.
+class ForwardingCommunicator final : public Communicator {
+ public:
+  explicit ForwardingCommunicator(Communicator& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::string_view name() const override { return "forwarding"; }
+  Result<std::vector<std::string>> AllGather(std::string_view mine) override {
+    return inner_.AllGather(mine);
+  }
+  Status Barrier() override { return inner_.Barrier(); }
+  Status AllReduce(std::span<int64_t> values, ReduceOp op) override {
+    return inner_.AllReduce(values, op);
+  }
+  Status AllReduce(std::span<double> values, ReduceOp op) override {
+    return inner_.AllReduce(values, op);
+  }
+  Status Broadcast(std::string& bytes, int root) override { return inner_.Broadcast(bytes, root); }
+  Status AllToAllV(std::span<const std::byte> send, std::span<const size_t> send_bytes,
+                   std::vector<std::byte>& recv, std::vector<size_t>& recv_bytes) override {
+    return inner_.AllToAllV(send, send_bytes, recv, recv_bytes);
+  }
+
+ private:
+  Communicator& inner_;
+};
+
+// Rank 1 expects one byte more from rank 0 than rank 0 sends it (with more than one rank).
+struct MismatchedSizes {
+  std::vector<std::byte> send;
+  std::vector<size_t> send_bytes;
+  std::vector<std::byte> recv;
+  std::vector<size_t> recv_bytes;
+};
+MismatchedSizes OneByteTooManyFromRank0(const Communicator& comm) {
+  MismatchedSizes sizes;
+  sizes.send_bytes.assign(comm.size(), 8);
+  sizes.send.resize(8 * comm.size());
+  sizes.recv_bytes.assign(comm.size(), 8);
+  if (comm.rank() == 1) sizes.recv_bytes[0] = 9;
+  sizes.recv.resize(8 * comm.size() + (comm.rank() == 1 ? 1 : 0));
+  return sizes;
 }
 
 TEST(ReduceOpTest, Names) {
@@ -218,6 +289,69 @@ TEST_P(LocalCollectivesTest, ArgumentErrorsNameTheArgumentAndLeaveTheGroupUsable
   });
 }
 
+TEST_P(LocalCollectivesTest, KnownSizesArgumentErrorsNameTheArgument) {
+  RunRanks(GetParam(), 60, [](Communicator& comm) {
+    const int size = comm.size();
+    std::vector<std::byte> send(10);
+    std::vector<size_t> send_bytes(size, 0);
+    send_bytes[0] = 10;
+    std::vector<std::byte> recv(4);
+    std::vector<size_t> too_many(size + 1, 0);
+    Status status = comm.AllToAllVKnownSizes(send, send_bytes, recv, too_many);
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+    EXPECT_TRUE(Contains(status.message(), "local AllToAllVKnownSizes: recv_bytes.size() " +
+                                               std::to_string(size + 1) + " != communicator size"));
+    std::vector<size_t> wrong_sum(size, 0);
+    wrong_sum[0] = 5;
+    status = comm.AllToAllVKnownSizes(send, send_bytes, recv, wrong_sum);
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+    EXPECT_TRUE(Contains(status.message(), "recv_bytes add up to 5 but recv.size() is 4"));
+    status = comm.AllToAllVKnownSizes(send, std::vector<size_t>(size, 0), recv, wrong_sum);
+    EXPECT_TRUE(Contains(status.message(), "send_bytes add up to 0 but send.size() is 10"));
+    EXPECT_TRUE(comm.Barrier().ok());
+    CheckAllCollectives(comm, 1);
+  });
+}
+
+// The local backend sees every rank's sizes, so every rank reports the same mismatch, and the
+// group goes on.
+TEST_P(LocalCollectivesTest, KnownSizesThatDifferAreNamedOnEveryRank) {
+  if (GetParam() == 1) GTEST_SKIP() << "needs two ranks";
+  RunRanks(GetParam(), 60, [](Communicator& comm) {
+    MismatchedSizes sizes = OneByteTooManyFromRank0(comm);
+    const Status status =
+        comm.AllToAllVKnownSizes(sizes.send, sizes.send_bytes, sizes.recv, sizes.recv_bytes);
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.ToString();
+    EXPECT_TRUE(Contains(status.message(),
+                         "local AllToAllVKnownSizes: rank 0 sends 8 bytes to "
+                         "rank 1, which expects 9 (its recv_bytes[0])"));
+    EXPECT_TRUE(comm.Barrier().ok());
+    CheckAllCollectives(comm, 1);
+  });
+}
+
+// The interface's default over a backend that only has AllToAllV: the same bytes, and a
+// mismatch named on the rank that receives it.
+TEST_P(LocalCollectivesTest, KnownSizesDefaultRunsAllToAllVAndComparesTheSizes) {
+  RunRanks(GetParam(), 60, [](Communicator& local) {
+    ForwardingCommunicator comm(local);
+    for (int round = 0; round < 5; ++round) CheckAllToAllVKnownSizes(comm, round);
+    if (comm.size() == 1) return;
+    MismatchedSizes sizes = OneByteTooManyFromRank0(comm);
+    const Status status =
+        comm.AllToAllVKnownSizes(sizes.send, sizes.send_bytes, sizes.recv, sizes.recv_bytes);
+    if (comm.rank() == 1) {
+      EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.ToString();
+      EXPECT_TRUE(Contains(status.message(),
+                           "forwarding AllToAllVKnownSizes: rank 0 sends 8 "
+                           "bytes to rank 1, which expects 9"));
+    } else {
+      EXPECT_TRUE(status.ok()) << status.ToString();
+    }
+    EXPECT_TRUE(comm.Barrier().ok());
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, LocalCollectivesTest, ::testing::Values(1, 3, 8),
                          [](const ::testing::TestParamInfo<int>& info) {
                            return std::to_string(info.param) + "Ranks";
@@ -260,6 +394,18 @@ TEST(LocalCommunicatorTest, CollectivesCalledOutOfOrderBreakTheGroup) {
   });
 }
 
+// Host memory only: the engine stages device slot buffers for it.
+TEST(LocalCommunicatorTest, MovesNoDeviceMemory) {
+  LocalCommunicatorGroup group(1);
+  std::unique_ptr<Communicator> comm = group.Join(0);
+  EXPECT_FALSE(comm->MovesDeviceMemory());
+  std::byte buffer{};
+  const size_t bytes[] = {0};
+  const Status status = comm->AllToAllVDevice(&buffer, bytes, &buffer, bytes);
+  EXPECT_EQ(status.code(), StatusCode::kUnimplemented);
+  EXPECT_TRUE(Contains(status.message(), "the local communicator does not move device memory"));
+}
+
 TEST(LocalCommunicatorTest, CommunicatorsOutliveTheirGroup) {
   std::vector<std::unique_ptr<Communicator>> ranks;
   {
@@ -292,6 +438,25 @@ TEST(NcclCommunicatorTest, CreatesOnAGpuAndFailsCleanlyWithout) {
     CheckAllCollectives(comm, 3);
     std::string bytes;
     EXPECT_EQ(comm.Broadcast(bytes, 1).code(), StatusCode::kInvalidArgument);
+
+    // Device to device, between buffers of the same GPU.
+    EXPECT_TRUE(comm.MovesDeviceMemory());
+    Result<std::shared_ptr<DeviceMemory>> memory = CreateCudaDeviceMemory(0);
+    ASSERT_TRUE(memory.ok()) << memory.status().ToString();
+    std::vector<std::byte> sent(3000);
+    for (size_t i = 0; i < sent.size(); ++i) sent[i] = static_cast<std::byte>(i * 7 + 1);
+    Result<std::byte*> send = (*memory)->AllocateDevice(sent.size());
+    Result<std::byte*> recv = (*memory)->AllocateDevice(sent.size());
+    ASSERT_TRUE(send.ok() && recv.ok());
+    ASSERT_TRUE((*memory)->Copy(*send, sent.data(), sent.size()).ok());
+    const size_t sizes[] = {sent.size()};
+    const Status status = comm.AllToAllVDevice(*send, sizes, *recv, sizes);
+    EXPECT_TRUE(status.ok()) << status.ToString();
+    std::vector<std::byte> received(sent.size());
+    ASSERT_TRUE((*memory)->Copy(received.data(), *recv, received.size()).ok());
+    EXPECT_TRUE(received == sent);
+    (*memory)->FreeDevice(*send);
+    (*memory)->FreeDevice(*recv);
   }
 }
 

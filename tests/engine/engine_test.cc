@@ -1,25 +1,32 @@
 // The engine with ranks as threads (local communicator and transport): physical routing that
 // agrees across ranks, epochs switched at the same step everywhere, aborted epochs that lose no
-// update, and gradient reduction that is deterministic. The training tests run with slot buffers
-// in host memory, in guarded device memory (CreateGuardedHostMemory, one per rank like one GPU
-// per rank), where any host access to a slot buffer by the engine crashes the test, and in CUDA
-// memory where a GPU is present.
+// update, gradient reduction that is deterministic, and slot exchanges that send no sizes (and go
+// device to device over a communicator that moves device memory). The training tests run with
+// slot buffers in host memory, in guarded device memory (CreateGuardedHostMemory, one per rank
+// like one GPU per rank), where any host access to a slot buffer by the engine crashes the test,
+// and in CUDA memory where a GPU is present.
 #include "keel/engine.hpp"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <mutex>
+#include <numeric>
+#include <random>
 #include <thread>
 
 #include "comm/communicator.h"
 #include "engine/engine_internal.h"
 #include "keel/policy.hpp"
+#include "kernels/add.h"
 #include "kernels/device.h"
+#include "kernels/host_device.h"
 #include "kernels/remap.h"
 #include "monitor/metrics.h"
 #include "monitor/trace.h"
@@ -61,9 +68,79 @@ std::shared_ptr<DeviceMemory> RankMemory(Memory memory) {
   return testing::ValueOrDie(CreateCudaDeviceMemory());
 }
 
+// What the engine asked of the all-to-alls of CountingCommunicators, over all their ranks.
+struct AllToAllCounts {
+  std::atomic<int> size_exchanging{0};  // AllToAllV: the sizes travel first
+  std::atomic<int> known_sizes{0};      // AllToAllVKnownSizes
+  std::atomic<int> device{0};           // AllToAllVDevice
+};
+
+// A rank's local communicator that counts the all-to-alls the engine calls. With `device` (the
+// rank's device memory) it moves device memory too, as NCCL does, but through that object's own
+// copies staged through host memory: the bytes never meet the CPU outside DeviceMemory, so
+// guarded device memory still traps any stray access, and each call checks that the engine
+// handed it device buffers.
+class CountingCommunicator final : public ForwardingCommunicator {
+ public:
+  CountingCommunicator(std::unique_ptr<Communicator> local, AllToAllCounts& counts,
+                       std::shared_ptr<DeviceMemory> device)
+      : ForwardingCommunicator(std::move(local)), counts_(counts), device_(std::move(device)) {}
+
+  std::string_view name() const override { return "counting"; }
+  Status AllToAllV(std::span<const std::byte> send, std::span<const size_t> send_bytes,
+                   std::vector<std::byte>& recv, std::vector<size_t>& recv_bytes) override {
+    ++counts_.size_exchanging;
+    return ForwardingCommunicator::AllToAllV(send, send_bytes, recv, recv_bytes);
+  }
+  Status AllToAllVKnownSizes(std::span<const std::byte> send, std::span<const size_t> send_bytes,
+                             std::span<std::byte> recv,
+                             std::span<const size_t> recv_bytes) override {
+    ++counts_.known_sizes;
+    return ForwardingCommunicator::AllToAllVKnownSizes(send, send_bytes, recv, recv_bytes);
+  }
+
+  bool MovesDeviceMemory() const override { return device_ != nullptr; }
+  Status AllToAllVDevice(const std::byte* send, std::span<const size_t> send_bytes, std::byte* recv,
+                         std::span<const size_t> recv_bytes) override {
+    ++counts_.device;
+    if (device_ == nullptr)
+      return Communicator::AllToAllVDevice(send, send_bytes, recv, recv_bytes);
+    if (!device_->IsDeviceMemory(send) || !device_->IsDeviceMemory(recv)) {
+      return InvalidArgument("AllToAllVDevice was handed host memory");
+    }
+    std::vector<std::byte> send_host(
+        std::accumulate(send_bytes.begin(), send_bytes.end(), size_t{0}));
+    std::vector<std::byte> recv_host(
+        std::accumulate(recv_bytes.begin(), recv_bytes.end(), size_t{0}));
+    KEEL_RETURN_IF_ERROR(device_->Copy(send_host.data(), send, send_host.size()));
+    KEEL_RETURN_IF_ERROR(Inner().AllToAllVKnownSizes(send_host, send_bytes, recv_host, recv_bytes));
+    return device_->Copy(recv, recv_host.data(), recv_host.size());
+  }
+
+ private:
+  AllToAllCounts& counts_;
+  std::shared_ptr<DeviceMemory> device_;
+};
+
+// Puts a rank's communicator inside another one; gets the rank's device memory (null for host
+// buffers).
+using WrapCommunicator = std::function<std::unique_ptr<Communicator>(
+    std::unique_ptr<Communicator>, std::shared_ptr<DeviceMemory>)>;
+
+// CountingCommunicators that add to `counts`, moving device memory where the rank has some when
+// `moves_device_memory`.
+WrapCommunicator Counting(AllToAllCounts& counts, bool moves_device_memory) {
+  return [&counts, moves_device_memory](std::unique_ptr<Communicator> local,
+                                        std::shared_ptr<DeviceMemory> device) {
+    return std::make_unique<CountingCommunicator>(std::move(local), counts,
+                                                  moves_device_memory ? device : nullptr);
+  };
+}
+
 TrainingRun RunAll(const KeelConfig& config, int steps, Memory memory,
                    const std::function<void(LocalFabric&)>& before = nullptr,
-                   Metrics* metrics = nullptr, const RunHooks& hooks = {}) {
+                   Metrics* metrics = nullptr, const RunHooks& hooks = {},
+                   const WrapCommunicator& wrap = nullptr) {
   LocalCommunicatorGroup group(kRanks);
   LocalFabric fabric(kRanks);
   if (before) before(fabric);
@@ -73,9 +150,11 @@ TrainingRun RunAll(const KeelConfig& config, int steps, Memory memory,
   std::vector<std::thread> threads;
   for (int r = 0; r < kRanks; ++r) {
     threads.emplace_back([&, r] {
+      std::shared_ptr<DeviceMemory> device = RankMemory(memory);
       std::unique_ptr<Communicator> communicator = group.Join(r);
+      if (wrap) communicator = wrap(std::move(communicator), device);
       run.records[r].status = RunRank(config, steps, *communicator, &fabric, run.buffers[r],
-                                      run.records[r], metrics, RankMemory(memory), hooks);
+                                      run.records[r], metrics, device, hooks);
     });
   }
   for (auto& t : threads) t.join();
@@ -389,8 +468,9 @@ TEST_P(EngineMemoryTest, RecordsTraceAndMetrics) {
 }
 
 // Expert 0's home gradient after one step of float32 gradients whose sum depends on its order
-// (every rank sends everything to expert 0, whose transient replicas split it).
-std::vector<float> FloatHomeGradient(Memory memory) {
+// (every rank sends everything to expert 0, whose transient replicas split it), each rank's
+// communicator inside `wrap`'s if given.
+std::vector<float> FloatHomeGradient(Memory memory, const WrapCommunicator& wrap = nullptr) {
   std::unique_ptr<LocalGroup> group = MakeGroup(kRanks);
   std::vector<std::vector<float>> homes(kRanks);
   std::vector<Status> status(kRanks);
@@ -409,6 +489,10 @@ std::vector<float> FloatHomeGradient(Memory memory) {
         options.shape.gradient_type = GradientType::kFloat32;
         options.device_memory = RankMemory(memory);
         if (options.device_memory != nullptr) options.shape.memory = MemoryKind::kDevice;
+        if (wrap) {
+          communicator = wrap(std::move(communicator), options.device_memory);
+          options.communicator = communicator.get();
+        }
         // Host buffers, or device buffers that only copies reach.
         std::shared_ptr<DeviceMemory> device =
             options.device_memory != nullptr ? options.device_memory : CreateHostMemory();
@@ -484,6 +568,267 @@ TEST(EngineTest, GuardedDeviceMemoryGivesTheBitsOfHostMemory) {
   ASSERT_EQ(host.size(), static_cast<size_t>(kWeightWords));
   ASSERT_EQ(device.size(), host.size());
   EXPECT_EQ(std::memcmp(host.data(), device.data(), host.size() * sizeof(float)), 0);
+}
+
+// ---- bf16 gradients: ReduceGradients against the CPU reference in the documented order.
+
+// One layer on 4 ranks x 3 slots, no transient slots. Expert 0 has a copy on every rank (slots 0,
+// 3, 6, 9) and its home on rank 2 (slot 6); expert 1 has slots 1 and 11, its home on rank 3
+// (slot 11). Every other expert has one copy, so nothing is added into it.
+EngineState ReplicatedState() {
+  EngineState state;
+  state.phy2log = {{0, 1, 2, 0, 3, 4, 0, 5, 6, 0, 7, 1}};
+  state.home = {{2, 3, 0, 1, 1, 2, 2, 3}};
+  return state;
+}
+
+constexpr int kBf16Words = 64;
+
+// The bf16 gradient of persistent slot `slot`, word `word`. Word 0 makes the order visible: the
+// home of expert 0 holds 1 and its replicas 2^-8 each, so home first gives 1 (every 1 + 2^-8 ties
+// to even, down to 1), and any order that adds two replicas first gives more.
+uint16_t Bf16Gradient(int slot, int word) {
+  if (word == 0) return slot == 6 ? 0x3f80 : 0x3b80;
+  std::mt19937 rng(static_cast<uint32_t>(slot * 1000 + word));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  return kernels::FloatToBf16(normal(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 16) - 8));
+}
+
+std::vector<uint16_t> Bf16Gradients(int slot) {
+  std::vector<uint16_t> gradient(kBf16Words);
+  for (int j = 0; j < kBf16Words; ++j) gradient[j] = Bf16Gradient(slot, j);
+  return gradient;
+}
+
+// kernels::cpu::AddInto of the slots' gradients into zeros, in the order given.
+std::vector<uint16_t> Bf16Sum(const std::vector<int>& slots) {
+  std::vector<uint16_t> sum(kBf16Words, 0);
+  for (int slot : slots) {
+    const std::vector<uint16_t> gradient = Bf16Gradients(slot);
+    EXPECT_TRUE(kernels::cpu::AddInto(GradientType::kBFloat16, sum.data(), gradient.data(),
+                                      kBf16Words * sizeof(uint16_t))
+                    .ok());
+  }
+  return sum;
+}
+
+// [rank][expert]: the gradient of each home slot after one ReduceGradients of bf16 gradients
+// under ReplicatedState.
+std::vector<std::map<int, std::vector<uint16_t>>> Bf16HomeGradients(Memory memory) {
+  std::unique_ptr<LocalGroup> group = MakeGroup(kRanks);
+  std::vector<std::map<int, std::vector<uint16_t>>> homes(kRanks);
+  std::vector<Status> status(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      status[r] = [&]() -> Status {
+        KEEL_ASSIGN_OR_RETURN(auto communicator, group->Join(r));
+        KeelConfig config = TestConfig("static");
+        config.slots.transient_per_rank = 0;
+        EngineOptions options = SmallOptions(config, 1, communicator.get(), group.get());
+        const size_t gradient_bytes = kBf16Words * sizeof(uint16_t);
+        options.shape.gradient_bytes = gradient_bytes;
+        options.shape.gradient_type = GradientType::kBFloat16;
+        options.device_memory = RankMemory(memory);
+        if (options.device_memory != nullptr) options.shape.memory = MemoryKind::kDevice;
+        std::shared_ptr<DeviceMemory> device =
+            options.device_memory != nullptr ? options.device_memory : CreateHostMemory();
+        KEEL_ASSIGN_OR_RETURN(auto engine, Engine::Create(options));
+        KEEL_RETURN_IF_ERROR(engine->RestoreState(ReplicatedState()));
+        const int slots = engine->local_slots();
+        std::vector<std::byte*> w(slots), g(slots), o(slots);
+        for (int i = 0; i < slots; ++i) {
+          KEEL_ASSIGN_OR_RETURN(w[i], device->AllocateDevice(8));
+          KEEL_ASSIGN_OR_RETURN(g[i], device->AllocateDevice(gradient_bytes));
+          KEEL_ASSIGN_OR_RETURN(o[i], device->AllocateDevice(8));
+          KEEL_RETURN_IF_ERROR(engine->RegisterSlot(0, i, {w[i], g[i], o[i]}));
+          const std::vector<uint16_t> gradient = Bf16Gradients(r * slots + i);
+          KEEL_RETURN_IF_ERROR(device->Copy(
+              g[i], reinterpret_cast<const std::byte*>(gradient.data()), gradient_bytes));
+        }
+        KEEL_RETURN_IF_ERROR(engine->Route(0, RouterIds(0, r, 0)).status());
+        KEEL_RETURN_IF_ERROR(engine->ReduceGradients());
+        for (const HomeSlot& home : engine->HomeSlots(0)) {
+          std::vector<uint16_t>& got = homes[r][home.expert];
+          got.resize(kBf16Words);
+          KEEL_RETURN_IF_ERROR(device->Copy(reinterpret_cast<std::byte*>(got.data()),
+                                            g[home.local_slot], gradient_bytes));
+        }
+        KEEL_RETURN_IF_ERROR(engine->StepEnd());
+        engine.reset();
+        for (int i = 0; i < slots; ++i) {
+          for (std::byte* buffer : {w[i], g[i], o[i]}) device->FreeDevice(buffer);
+        }
+        return Status::Ok();
+      }();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kRanks; ++r) EXPECT_TRUE(status[r].ok()) << r << ": " << status[r].ToString();
+  return homes;
+}
+
+// Each replicated expert's home holds its copies' bf16 gradients added by kernels::cpu::AddInto
+// in the documented order (home, then the other copies by ascending slot), rounded at every add;
+// an expert with one copy keeps its own gradient.
+TEST_P(EngineMemoryTest, Bf16GradientsSumIntoTheHomeInTheDocumentedOrder) {
+  const std::vector<uint16_t> expert0 = Bf16Sum({6, 0, 3, 9});
+  ASSERT_EQ(expert0[0], 0x3f80) << "1, then three ties to even";
+  ASSERT_NE(Bf16Sum({0, 3, 6, 9}), expert0) << "the order must show in the bits";
+  std::vector<std::map<int, std::vector<uint16_t>>> homes = Bf16HomeGradients(GetParam());
+  ASSERT_EQ(homes.size(), static_cast<size_t>(kRanks));
+  EXPECT_EQ(homes[2][0], expert0);
+  EXPECT_EQ(homes[3][1], Bf16Sum({11, 1}));
+  EXPECT_EQ(homes[0][2], Bf16Gradients(2));
+  EXPECT_EQ(homes[3][7], Bf16Gradients(10));
+}
+
+// FloatHomeGradient's float32 bits, as the fixed order of sums (home, other copies by ascending
+// slot, transients) gives them, pinned so that a change of the exchange under the sums shows.
+std::vector<uint32_t> PinnedFloatHomeGradientBits() {
+  return {
+      0x3ec9cbce, 0x3e9e80d0, 0x3e844d49, 0x3e6550a1, 0x3e4bd2a3, 0x3e3877b7, 0x3e293727,
+      0x3e1cd84c, 0x3e129410, 0x3e09e590, 0x3e0270b4, 0x3df7e730, 0x3dec7bae, 0x3de25625,
+      0x3dd93ed8, 0x3dd10a4f, 0x3dc99621, 0x3dc2c6b4, 0x3dbc859a, 0x3db6c070, 0x3db167ed,
+      0x3dac6f50, 0x3da7cbd3, 0x3da3744f, 0x3d9f60ef, 0x3d9b8af4, 0x3d97ec86, 0x3d94808e,
+      0x3d914296, 0x3d8e2eb5, 0x3d8b4171, 0x3d8877b8, 0x3d85cecc, 0x3d83443a, 0x3d80d5d0,
+      0x3d7d0324, 0x3d788b6f, 0x3d744143, 0x3d7021af, 0x3d6c2a07, 0x3d6857d7, 0x3d64a8e3,
+      0x3d611b1f, 0x3d5daca6, 0x3d5a5bba, 0x3d5726c5, 0x3d540c48, 0x3d510ae3, 0x3d4e2152,
+      0x3d4b4e65, 0x3d489100, 0x3d45e81d, 0x3d4352c8, 0x3d40d019, 0x3d3e5f3a, 0x3d3bff60,
+      0x3d39afcf, 0x3d376fd6, 0x3d353ecd, 0x3d331c16, 0x3d31071c, 0x3d2eff54, 0x3d2d043a,
+      0x3d2b154f,
+  };
+}
+
+std::vector<uint32_t> Bits(const std::vector<float>& values) {
+  std::vector<uint32_t> bits(values.size());
+  if (!values.empty()) std::memcpy(bits.data(), values.data(), values.size() * sizeof(float));
+  return bits;
+}
+
+// Bitwise equality of two runs' slot buffers (all regions, transient slots included).
+void ExpectSameBuffers(const TrainingRun& a, const TrainingRun& b) {
+  for (int r = 0; r < kRanks; ++r) {
+    const RankBuffers& x = a.buffers[r];
+    const RankBuffers& y = b.buffers[r];
+    ASSERT_EQ(x.weights.size(), y.weights.size());
+    for (size_t i = 0; i < x.weights.size(); ++i) {
+      EXPECT_EQ(Bits(x.weights[i]), Bits(y.weights[i])) << "rank " << r << " region " << i;
+      EXPECT_EQ(std::memcmp(x.optimizer[i].data(), y.optimizer[i].data(),
+                            x.optimizer[i].size() * sizeof(double)),
+                0)
+          << "rank " << r << " region " << i;
+      EXPECT_EQ(x.gradients[i], y.gradients[i]) << "rank " << r << " region " << i;
+    }
+  }
+}
+
+// Every transient slot holds what its last fill sent it: the weights of the expert it held in
+// the last step it held one, as they were when that step began (the reference after the steps
+// before), or zeros if it never held one. A fill that read another piece of the exchange shows
+// here, which the reference of the homes cannot see. Returns how many transient slots were
+// filled at least once.
+int ExpectTransientsHoldTheirLastFill(const TrainingRun& run, int steps) {
+  std::vector<Reference> at_start;
+  for (int step = 0; step < steps; ++step) at_start.push_back(ComputeReference(step));
+  int filled = 0;
+  for (int r = 0; r < kRanks; ++r) {
+    const RankRecord& record = run.records[r];
+    for (int l = 0; l < kLayers; ++l) {
+      for (int i = record.slots_per_rank; i < record.local_slots; ++i) {
+        int last_step = -1;
+        int expert = -1;
+        for (int step = 0; step < steps; ++step) {
+          const int held = record.local_experts[step][l][i];
+          if (held >= 0) std::tie(last_step, expert) = std::make_pair(step, held);
+        }
+        const std::vector<float>& weights =
+            run.buffers[r].weights[static_cast<size_t>(l) * record.local_slots + i];
+        const std::vector<float> expected =
+            last_step < 0 ? std::vector<float>(kWeightWords, 0.0f)
+                          : at_start[last_step].weights[l * kExperts + expert];
+        filled += last_step >= 0;
+        EXPECT_EQ(Bits(weights), Bits(expected))
+            << "rank " << r << " layer " << l << " transient slot " << i << " (expert " << expert
+            << " at step " << last_step << ")";
+      }
+    }
+  }
+  return filled;
+}
+
+// Some layer has an expert with more than one persistent copy at the end of `run`, so weight
+// pushes and gradient sums crossed ranks.
+bool HasReplicas(const TrainingRun& run) {
+  for (const LayerPlacement& layout : run.records[0].final_layouts) {
+    for (int32_t copies : layout.logcnt) {
+      if (copies > 1) return true;
+    }
+  }
+  return false;
+}
+
+// Every slot exchange (transient fills, gradient sums, weight pushes, reshards) derives its
+// sizes from the plan on both sides, so no AllToAllV and its size exchange runs any more. The
+// training still equals the exact reference, every transient holds what its fill sent, and the
+// order-dependent float sums keep their pinned bits.
+TEST(EngineTest, SlotExchangesSendNoSizesAndKeepTheBits) {
+  constexpr int kSteps = 24;
+  AllToAllCounts counts;
+  const WrapCommunicator counting = Counting(counts, /*moves_device_memory=*/false);
+  TrainingRun run =
+      RunAll(TestConfig("keel"), kSteps, Memory::kHost, nullptr, nullptr, {}, counting);
+  for (const RankRecord& record : run.records) {
+    ASSERT_TRUE(record.status.ok()) << record.status.ToString();
+  }
+  EXPECT_GE(run.records[0].stats.epochs_committed, 1);
+  EXPECT_TRUE(HasReplicas(run));
+  ExpectMatchesReference(run, ComputeReference(kSteps));
+  EXPECT_GT(ExpectTransientsHoldTheirLastFill(run, kSteps), 0);
+
+  KeelConfig resharding = TestConfig("keel");
+  resharding.policy.keel.shard_experts = true;
+  resharding.cost_model.expert_ffn_size = 8192;
+  TrainingRun reshards = RunAll(resharding, kSteps, Memory::kHost, nullptr, nullptr, {}, counting);
+  for (const RankRecord& record : reshards.records) {
+    ASSERT_TRUE(record.status.ok()) << record.status.ToString();
+  }
+  EXPECT_GE(reshards.records[0].stats.reshards, 1);
+  ExpectMatchesReference(reshards, ComputeReference(kSteps));
+
+  EXPECT_EQ(Bits(FloatHomeGradient(Memory::kHost, counting)), PinnedFloatHomeGradientBits());
+  EXPECT_EQ(counts.size_exchanging.load(), 0);
+  EXPECT_GT(counts.known_sizes.load(), 0);
+  EXPECT_EQ(counts.device.load(), 0);
+}
+
+// Guarded device slot buffers over a communicator that moves device memory: every slot exchange
+// goes device to device (AllToAllVDevice), the engine never touches a slot buffer from the CPU
+// (guarded memory would fault), and training gives the bits of host memory, transient slots and
+// gradients included.
+TEST(EngineTest, DeviceToDeviceExchangesGiveTheBitsOfHostMemory) {
+  constexpr int kSteps = 24;
+  AllToAllCounts counts;
+  const WrapCommunicator device_moving = Counting(counts, /*moves_device_memory=*/true);
+  TrainingRun host = RunAll(TestConfig("keel"), kSteps, Memory::kHost);
+  TrainingRun device = RunAll(TestConfig("keel"), kSteps, Memory::kGuardedDevice, nullptr, nullptr,
+                              {}, device_moving);
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_TRUE(host.records[r].status.ok()) << host.records[r].status.ToString();
+    ASSERT_TRUE(device.records[r].status.ok()) << device.records[r].status.ToString();
+    EXPECT_EQ(device.records[r].epoch_after_step, host.records[r].epoch_after_step);
+    EXPECT_EQ(device.records[r].final_placements, host.records[r].final_placements);
+  }
+  EXPECT_TRUE(HasReplicas(device));
+  ExpectSameBuffers(device, host);
+  ExpectMatchesReference(device, ComputeReference(kSteps));
+  EXPECT_GT(ExpectTransientsHoldTheirLastFill(device, kSteps), 0);
+
+  EXPECT_EQ(Bits(FloatHomeGradient(Memory::kGuardedDevice, device_moving)),
+            PinnedFloatHomeGradientBits());
+  EXPECT_GT(counts.device.load(), 0);
+  EXPECT_EQ(counts.size_exchanging.load(), 0);
+  EXPECT_EQ(counts.known_sizes.load(), 0);
 }
 
 // Host buffers registered as device memory, and the reverse, are refused naming the buffer.

@@ -182,6 +182,8 @@ struct RankRecord {
   // [step][layer] (rows this rank sent to each physical slot) and its recv_counts.
   std::vector<std::vector<std::map<int, int64_t>>> sent;
   std::vector<std::vector<std::vector<int64_t>>> recv;
+  // [step][layer] the route's local_experts: the expert each local slot held in that step.
+  std::vector<std::vector<std::vector<int32_t>>> local_experts;
   std::vector<Placement> final_placements;      // over units
   std::vector<LayerPlacement> final_layouts;    // the same, as the engine answers it
   std::vector<LayerPlacement> initial_layouts;  // as the run started
@@ -281,6 +283,7 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
   }
   record.sent.resize(steps);
   record.recv.resize(steps);
+  record.local_experts.resize(steps);
   for (int step = hooks.first_step; step < steps; ++step) {
     for (auto& g : mine.gradients) std::fill(g.begin(), g.end(), 0);
     for (int l = 0; l < kLayers; ++l) {
@@ -365,6 +368,7 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
       }
       record.sent[step].push_back(std::move(sent));
       record.recv[step].push_back(route.recv_counts);
+      record.local_experts[step].push_back(route.local_experts);
     }
     for (size_t index = 0; index < regions; ++index) {
       KEEL_RETURN_IF_ERROR(slots.Upload(index, false, true, false));
