@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds, on this machine, the whole project's GPU-facing programs for the lent GPU (sm_90) and packs
 # them with the shared libraries they need into .gpu-deps/prebuilt/{bin,lib}, which the device tool
-# carries with .gpu-deps. The GPU machine has CUDA but none of the project's Debian dependencies
+# carries with .gpu-deps; libkeel and the generated keel/version.hpp (prebuilt/include) let
+# bench/gpu/torch_check.sh build the Python extension there. The GPU machine has CUDA but none of the project's Debian dependencies
 # (yaml-cpp, UCX, Open MPI, TBB, GLPK, prometheus-cpp, ...), so bench/gpu/run.sh runs these programs
 # there instead of building the whole project. Left out of lib/: the C and C++ runtimes, the CUDA
 # driver and NCCL (218 MB; run.sh finds the one installed on the GPU machine).
@@ -40,5 +41,9 @@ for p in "$pack"/bin/*; do
 done | sort -u | while read -r name path; do
   [[ $name =~ $system ]] || cp -L "$path" "$pack/lib/$name"
 done
+# torch_check.sh compiles the extension against these, on the GPU machine's own python3.
+mkdir -p "$pack/include/keel"
+cp "$build/generated/keel/version.hpp" "$pack/include/keel/"
+ln -sf libkeel.so.0 "$pack/lib/libkeel.so"  # the link name -lkeel looks for
 echo "pack.sh: $(du -sh "$pack" | cut -f1) in $pack (bin: ${#programs[@]} programs," \
   "lib: $(ls "$pack/lib" | wc -l) libraries)"

@@ -19,6 +19,7 @@
 #include "keel/communicator.hpp"
 #include "keel/condense.hpp"
 #include "keel/config.hpp"
+#include "keel/device_memory.hpp"
 #include "keel/engine.hpp"
 #include "keel/plan.hpp"
 #include "keel/replay.hpp"
@@ -64,13 +65,19 @@ std::string DescribePythonError(const py::error_already_set& error) {
 // object with the same methods). The engine calls it only from the thread that calls the engine,
 // which released the GIL; every call takes the GIL back. A Python exception breaks the
 // communicator as a lost peer does: TimeoutError is DeadlineExceeded, anything else Aborted, and
-// every later call fails at once with Aborted.
+// every later call fails at once with Aborted. Optional, looked up once here:
+// all_to_all_v_known (else AllToAllVKnownSizes runs all_to_all_v and compares the sizes), and
+// moves_device_memory with all_to_all_v_device (device slot buffers exchanged without host
+// staging).
 class PythonCommunicator final : public Communicator {
  public:
   explicit PythonCommunicator(py::object impl) : impl_(std::move(impl)) {
     rank_ = impl_.attr("rank").cast<int>();
     size_ = impl_.attr("size").cast<int>();
     name_ = py::hasattr(impl_, "name") ? impl_.attr("name").cast<std::string>() : "python";
+    has_known_sizes_ = py::hasattr(impl_, "all_to_all_v_known");
+    moves_device_memory_ =
+        py::hasattr(impl_, "moves_device_memory") && impl_.attr("moves_device_memory").cast<bool>();
   }
   ~PythonCommunicator() override {
     py::gil_scoped_acquire gil;
@@ -114,14 +121,7 @@ class PythonCommunicator final : public Communicator {
 
   Status AllToAllV(std::span<const std::byte> send, std::span<const size_t> send_bytes,
                    std::vector<std::byte>& recv, std::vector<size_t>& recv_bytes) override {
-    size_t total = 0;
-    for (size_t b : send_bytes) total += b;
-    if (static_cast<int>(send_bytes.size()) != size_ || total != send.size()) {
-      return InvalidArgument("all_to_all_v: send_bytes has " + std::to_string(send_bytes.size()) +
-                             " entries adding up to " + std::to_string(total) + ", expected " +
-                             std::to_string(size_) + " adding up to " +
-                             std::to_string(send.size()));
-    }
+    KEEL_RETURN_IF_ERROR(CheckSizes("all_to_all_v", "send_bytes", send_bytes, send.size()));
     return Call("all_to_all_v", [&] {
       // The engine's bytes, lent for the call without a copy. Writable only so that torch can
       // wrap them (torch.frombuffer); the callee only reads them.
@@ -142,7 +142,64 @@ class PythonCommunicator final : public Communicator {
     });
   }
 
+  // impl.all_to_all_v_known(send, send_bytes, recv, recv_bytes, timeout) fills recv in place;
+  // both memoryviews lend the engine's buffers for the call.
+  Status AllToAllVKnownSizes(std::span<const std::byte> send, std::span<const size_t> send_bytes,
+                             std::span<std::byte> recv,
+                             std::span<const size_t> recv_bytes) override {
+    if (!has_known_sizes_) {
+      return Communicator::AllToAllVKnownSizes(send, send_bytes, recv, recv_bytes);
+    }
+    KEEL_RETURN_IF_ERROR(CheckSizes("all_to_all_v_known", "send_bytes", send_bytes, send.size()));
+    KEEL_RETURN_IF_ERROR(CheckSizes("all_to_all_v_known", "recv_bytes", recv_bytes, recv.size()));
+    return Call("all_to_all_v_known", [&] {
+      // Writable only so that torch can wrap it (torch.frombuffer); the callee only reads it.
+      py::memoryview send_view = py::memoryview::from_memory(const_cast<std::byte*>(send.data()),
+                                                             static_cast<py::ssize_t>(send.size()));
+      py::memoryview recv_view =
+          py::memoryview::from_memory(recv.data(), static_cast<py::ssize_t>(recv.size()));
+      impl_.attr("all_to_all_v_known")(send_view, Counts(send_bytes), recv_view, Counts(recv_bytes),
+                                       timeout());
+    });
+  }
+
+  bool MovesDeviceMemory() const override { return moves_device_memory_; }
+
+  // impl.all_to_all_v_device(send, send_bytes, recv, recv_bytes, timeout) with the device
+  // buffers' addresses; returns once recv holds the data.
+  Status AllToAllVDevice(const std::byte* send, std::span<const size_t> send_bytes, std::byte* recv,
+                         std::span<const size_t> recv_bytes) override {
+    if (!moves_device_memory_) {
+      return Communicator::AllToAllVDevice(send, send_bytes, recv, recv_bytes);
+    }
+    KEEL_RETURN_IF_ERROR(CheckSizes("all_to_all_v_device", "send_bytes", send_bytes, std::nullopt));
+    KEEL_RETURN_IF_ERROR(CheckSizes("all_to_all_v_device", "recv_bytes", recv_bytes, std::nullopt));
+    return Call("all_to_all_v_device", [&] {
+      impl_.attr("all_to_all_v_device")(reinterpret_cast<uintptr_t>(send), Counts(send_bytes),
+                                        reinterpret_cast<uintptr_t>(recv), Counts(recv_bytes),
+                                        timeout());
+    });
+  }
+
  private:
+  // InvalidArgument unless `sizes` has an entry per rank adding up to `bytes` (when known).
+  Status CheckSizes(const char* method, const char* name, std::span<const size_t> sizes,
+                    std::optional<size_t> bytes) const {
+    size_t total = 0;
+    for (size_t b : sizes) total += b;
+    if (static_cast<int>(sizes.size()) == size_ && (!bytes.has_value() || total == *bytes)) {
+      return Status::Ok();
+    }
+    return InvalidArgument(std::string(method) + ": " + name + " has " +
+                           std::to_string(sizes.size()) + " entries adding up to " +
+                           std::to_string(total) + ", expected " + std::to_string(size_) +
+                           (bytes.has_value() ? " adding up to " + std::to_string(*bytes) : ""));
+  }
+
+  static std::vector<size_t> Counts(std::span<const size_t> sizes) {
+    return {sizes.begin(), sizes.end()};
+  }
+
   // A Python answer of the wrong shape: the Python side is broken, not a peer.
   static std::runtime_error WrongLength(const char* method, size_t got) {
     return std::runtime_error(std::string(method) + " returned " + std::to_string(got) +
@@ -185,6 +242,8 @@ class PythonCommunicator final : public Communicator {
   int rank_ = 0;
   int size_ = 1;
   std::string name_;
+  bool has_known_sizes_ = false;
+  bool moves_device_memory_ = false;
   Status broken_;
 };
 
@@ -192,13 +251,25 @@ GradientType ParseGradientType(const std::string& name) {
   if (name == "float32") return GradientType::kFloat32;
   if (name == "float64") return GradientType::kFloat64;
   if (name == "fixed_int64") return GradientType::kFixedInt64;
+  if (name == "bfloat16") return GradientType::kBFloat16;
+  if (name == "float16") return GradientType::kFloat16;
   throw StatusError(InvalidArgument("gradient_type = '" + name +
-                                    "' is not one of float32, float64, fixed_int64"));
+                                    "' is not one of float32, float64, fixed_int64, bfloat16, "
+                                    "float16"));
 }
 
 template <typename T>
 T* Address(uintptr_t address) {
   return reinterpret_cast<T*>(address);
+}
+
+// Whether the slot buffers are device memory: "host" (false) or "cuda" (true: the GPU current
+// on the creating thread).
+bool ParseSlotMemory(const std::string& memory) {
+  if (memory == "host") return false;
+  if (memory == "cuda") return true;
+  throw StatusError(
+      InvalidArgument("memory = \"" + memory + "\" is not one of \"host\", \"cuda\""));
 }
 
 // One rank's engine and the communicator it runs over (destroyed after the engine).
@@ -207,8 +278,11 @@ class PythonEngine {
   PythonEngine(py::object communicator, std::optional<Config> config,
                const std::string& config_yaml, const std::string& config_path, int num_layers,
                int num_experts, int top_k, size_t weight_bytes, size_t gradient_bytes,
-               size_t optimizer_bytes, const std::string& gradient_type, int mp_group_size)
-      : communicator_(std::make_unique<PythonCommunicator>(std::move(communicator))) {
+               size_t optimizer_bytes, const std::string& gradient_type, int mp_group_size,
+               const std::string& memory)
+      : communicator_(std::make_unique<PythonCommunicator>(std::move(communicator))),
+        num_experts_(num_experts) {
+    const bool on_cuda = ParseSlotMemory(memory);
     EngineOptions options;
     options.config = std::move(config);
     options.config_yaml = config_yaml;
@@ -223,6 +297,15 @@ class PythonEngine {
     options.mp_group_size = mp_group_size;
     options.communicator = communicator_.get();
     py::gil_scoped_release release;
+    if (on_cuda) {
+      options.shape.memory = MemoryKind::kDevice;
+      Result<std::shared_ptr<DeviceMemory>> cuda = CreateCudaDeviceMemory(-1);
+      if (!cuda.ok()) {
+        throw StatusError(
+            Status(cuda.status().code(), "memory = \"cuda\": " + cuda.status().message()));
+      }
+      options.device_memory = std::move(*cuda);
+    }
     engine_ = ValueOrThrow(Engine::Create(options));
     if (engine_->shards_experts()) {
       engine_.reset();
@@ -298,7 +381,7 @@ class PythonEngine {
   }
 
   // Routes `num_entries` int32 ids at `topk_ids` and writes each entry's physical slot to
-  // `slot_out` ([num_entries] int32); returns the splits as lists.
+  // `slot_out` ([num_entries] int32); returns the splits and the quota table as lists.
   py::dict Route(int layer, uintptr_t topk_ids, int64_t num_entries, uintptr_t slot_out) {
     if (num_entries < 0) {
       throw StatusError(InvalidArgument("num_entries = " + std::to_string(num_entries) + " < 0"));
@@ -318,15 +401,20 @@ class PythonEngine {
       std::memcpy(Address<int32_t>(slot_out), value.slot.data(),
                   value.slot.size() * sizeof(int32_t));
     }
-    py::dict out;
-    out["send_counts"] = value.send_counts;
-    out["recv_counts"] = value.recv_counts;
-    out["recv_totals"] = value.recv_totals;
-    out["local_experts"] = value.local_experts;
-    out["epoch"] = value.epoch;
-    out["share_begin"] = value.share_begin;
-    out["share_end"] = value.share_end;
-    return out;
+    return RouteDict(value);
+  }
+
+  // Engine::RouteCounts: `expert_counts` is the address of [num_experts] int32 counts (this
+  // rank's entries per expert, on the host); returns route's dict. The trainer assigns the slots
+  // from the quota table (copy_begin, copy_slot, copy_quota, slot_rank).
+  py::dict RouteCounts(int layer, uintptr_t expert_counts) {
+    Engine& e = engine();
+    LayerRoute value = [&] {
+      py::gil_scoped_release release;
+      return ValueOrThrow(e.RouteCounts(
+          layer, {Address<const int32_t>(expert_counts), static_cast<size_t>(num_experts_)}));
+    }();
+    return RouteDict(value);
   }
 
   // Collectives run with the GIL released: the communicator takes it back for each call. A
@@ -425,7 +513,25 @@ class PythonEngine {
   }
 
  private:
+  // A route's splits and quota table as lists (everything but the slots).
+  static py::dict RouteDict(const LayerRoute& value) {
+    py::dict out;
+    out["send_counts"] = value.send_counts;
+    out["recv_counts"] = value.recv_counts;
+    out["recv_totals"] = value.recv_totals;
+    out["local_experts"] = value.local_experts;
+    out["epoch"] = value.epoch;
+    out["share_begin"] = value.share_begin;
+    out["share_end"] = value.share_end;
+    out["copy_begin"] = value.copy_begin;
+    out["copy_slot"] = value.copy_slot;
+    out["copy_quota"] = value.copy_quota;
+    out["slot_rank"] = value.slot_rank;
+    return out;
+  }
+
   std::unique_ptr<PythonCommunicator> communicator_;
+  int num_experts_ = 0;
   std::unique_ptr<Engine> engine_;
 };
 
@@ -592,18 +698,20 @@ PYBIND11_MODULE(_keel, m) {
         py::arg("include_series") = true);
 
   py::class_<PythonEngine>(m, "Engine")
-      .def(py::init<py::object, std::optional<Config>, const std::string&, const std::string&, int,
-                    int, int, size_t, size_t, size_t, const std::string&, int>(),
-           py::arg("communicator"), py::arg("config") = std::nullopt, py::arg("config_yaml") = "",
-           py::arg("config_path") = "", py::arg("num_layers"), py::arg("num_experts"),
-           py::arg("top_k"), py::arg("weight_bytes"), py::arg("gradient_bytes"),
-           py::arg("optimizer_bytes"), py::arg("gradient_type") = "float32",
-           py::arg("mp_group_size") = 1)
+      .def(
+          py::init<py::object, std::optional<Config>, const std::string&, const std::string&, int,
+                   int, int, size_t, size_t, size_t, const std::string&, int, const std::string&>(),
+          py::arg("communicator"), py::arg("config") = std::nullopt, py::arg("config_yaml") = "",
+          py::arg("config_path") = "", py::arg("num_layers"), py::arg("num_experts"),
+          py::arg("top_k"), py::arg("weight_bytes"), py::arg("gradient_bytes"),
+          py::arg("optimizer_bytes"), py::arg("gradient_type") = "float32",
+          py::arg("mp_group_size") = 1, py::arg("memory") = "host")
       .def("close", &PythonEngine::Close)
       .def("register_slot", &PythonEngine::RegisterSlot, py::arg("layer"), py::arg("local_slot"),
            py::arg("weights"), py::arg("gradients"), py::arg("optimizer"))
       .def("route", &PythonEngine::Route, py::arg("layer"), py::arg("topk_ids"),
            py::arg("num_entries"), py::arg("slot_out"))
+      .def("route_counts", &PythonEngine::RouteCounts, py::arg("layer"), py::arg("expert_counts"))
       .def("plan_sequences", &PythonEngine::PlanSequences, py::arg("first_layer"),
            py::arg("num_sequences"), py::arg("tokens"), py::arg("expert_rows"), py::arg("row_size"),
            py::arg("max_token_imbalance"), py::arg("move_bytes_per_token"), py::arg("objective"))

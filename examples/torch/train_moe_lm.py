@@ -14,15 +14,15 @@ bytes moved, the loss curve and the held-out loss.
 
 Run it (4 ranks as processes on this machine, both policies, a comparison table at the end):
 
-    PYTHONPATH=build/python examples/torch/train_moe_lm.py --report out/torch-demo.json
+    python examples/torch/train_moe_lm.py --report out/torch-demo.json
 
-or under torchrun (on Python 3.11 with torch 1.13, torchrun needs --redirects and --tee):
+or under torchrun, one mode:
 
-    torchrun --nproc_per_node 4 --redirects 2 --tee 2 examples/torch/train_moe_lm.py \\
-        --policy keel --report keel.json
+    torchrun --nproc_per_node 4 examples/torch/train_moe_lm.py --policy keel --report keel.json
 
 The text comes from Debian's bible-kjv package (`bible -f Gen1:1-Rev22:21`); --text FILE trains
-on any other UTF-8 text instead. Needs torch (Debian: python3-torch) and the keel package.
+on any other UTF-8 text instead. Needs torch 2.x and the keel package (`pip install .`, or
+`scripts/dev torch-demo`, which runs it from the build with the project's .venv).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 # One BLAS thread per rank, as one GPU per rank: a rank's expert time is its thread's time.
-# (torch.set_num_threads governs torch's own pool, not OpenBLAS's threads.)
+# (torch.set_num_threads governs torch's own pool and MKL, not a system OpenBLAS's threads.)
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import torch
@@ -388,8 +388,12 @@ def evaluate(model: CharMoE, moe: kt.KeelMoE, corpus: Corpus, args: argparse.Nam
 
 # --- launching ----------------------------------------------------------------------------------
 def blas_library() -> str:
-    """The BLAS library torch's products run on, from this process's memory map (Linux), or ""
-    when it cannot tell."""
+    """The BLAS torch's products run on: the one built into torch (``mkl`` in PyPI's wheels, by
+    torch's build configuration), else the system library this process maps (Debian's torch
+    links libblas.so.3, whichever BLAS that is), or "" when it cannot tell."""
+    built_in = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    if built_in and built_in.group(1) == "mkl":
+        return "mkl (built into torch)"
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "/" in line}
@@ -455,8 +459,17 @@ def summarize(modes: Dict[str, Dict[str, Any]], args: argparse.Namespace) -> Dic
         target = 0.85 if args.aux_loss > 0 else 0.7
         ratio = ours["parallel_step_seconds"]["mean"] / static["parallel_step_seconds"]["mean"]
         loss_gap = abs(ours["heldout_loss"] - static["heldout_loss"]) / static["heldout_loss"]
+        # What a keel that balanced perfectly at no cost would reach: static's step with its
+        # expert time at the balanced ideal (divided by its mean imbalance), the rest as measured.
+        static_step = static["parallel_step_seconds"]["mean"]
+        balanced = (static["expert_seconds"] / static["mean_imbalance"]
+                    + static_step - static["expert_seconds"])
+        bound = balanced / static_step
         comparison = {
             "parallel_step_ratio": {"value": ratio, "target": target, "met": ratio <= target},
+            "no_cost_bound": bound,
+            "gap_to_no_cost_bound": {"value": ratio - bound, "target": 0.03,
+                                     "met": ratio - bound <= 0.03},
             "keel_mean_imbalance": {"value": ours["mean_imbalance"], "target": 1.10,
                                     "met": ours["mean_imbalance"] <= 1.10},
             "heldout_loss_gap": {"value": loss_gap, "target": 0.01, "met": loss_gap <= 0.01},
@@ -469,6 +482,8 @@ def summarize(modes: Dict[str, Dict[str, Any]], args: argparse.Namespace) -> Dic
         met = lambda c: "met" if c["met"] else "MISSED"  # noqa: E731
         print(f"keel / static parallel step: {ratio:.3f} (target <= {target}: "
               f"{met(comparison['parallel_step_ratio'])})")
+        print(f"no-cost bound:               {bound:.3f} (keel's gap to it: {ratio - bound:.3f}, "
+              f"target <= 0.03: {met(comparison['gap_to_no_cost_bound'])})")
         print(f"keel mean imbalance:         {ours['mean_imbalance']:.3f} (target <= 1.10: "
               f"{met(comparison['keel_mean_imbalance'])}; static {static['mean_imbalance']:.3f})")
         print(f"held-out loss gap:           {loss_gap * 100:.2f}% (target <= 1%: "
@@ -504,8 +519,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     settings["blas"] = blas_library()
     if settings["blas"] and not re.search(r"openblas|mkl|blis", settings["blas"]):
         print(f"train_moe_lm: torch runs on the reference BLAS ({settings['blas']}), about 16 "
-              f"times slower than OpenBLAS, and the experts no longer lead the step: install "
-              f"libopenblas0-serial (scripts/dev does)", file=sys.stderr)
+              f"times slower than OpenBLAS, and the experts no longer lead the step: use PyPI's "
+              f"torch (MKL built in; scripts/dev's .venv has it) or install OpenBLAS (Debian: "
+              f"libopenblas0-serial)", file=sys.stderr)
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         for key, value in LOOPBACK.items():
             os.environ.setdefault(key, value)

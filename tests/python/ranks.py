@@ -1,6 +1,11 @@
-"""Runs a function on N ranks as real processes joined by torch.distributed (gloo on loopback),
-the way torchrun would, and brings back each rank's result or exception. A rank that never
-answers fails the test after `timeout` seconds instead of hanging it."""
+"""Runs a function on N ranks as real processes joined by torch.distributed (gloo on loopback,
+or NCCL), the way torchrun would, and brings back each rank's result or exception. A rank that
+never answers fails the test after `timeout` seconds instead of hanging it.
+
+Devices: keel.torch's tests run on every device in ``DEVICES`` (pytest parameters): ``cpu``,
+and ``cuda`` where torch sees a GPU (else that case is skipped with the reason). Set
+``KEEL_TEST_DEVICE=cuda`` (or ``cpu``) to run one device's cases only, as the GPU check does.
+gloo ranks share the one GPU; an NCCL group needs a GPU per rank."""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
+import pytest
+import torch
 import torch.multiprocessing as mp
 
 
@@ -29,14 +36,33 @@ class RankFailed(Exception):
     """A rank raised; carries its traceback."""
 
 
+def _device_cases() -> List[Any]:
+    only = os.environ.get("KEEL_TEST_DEVICE", "")
+    cases = []
+    for device in ("cpu", "cuda"):
+        if only and device != only:
+            continue
+        marks = []
+        if device == "cuda" and not torch.cuda.is_available():
+            marks.append(pytest.mark.skip(reason="torch sees no CUDA device on this machine"))
+        cases.append(pytest.param(device, marks=marks, id=device))
+    return cases
+
+
+DEVICES = _device_cases()
+
+
 def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple,
-            results: Any) -> None:
+            results: Any, backend: str, device: str) -> None:
     os.environ.update(LOOPBACK_ENV)
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        if device == "cuda":
+            # gloo ranks share the GPUs round robin; NCCL needs one GPU per rank.
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
         # Plain pickle: tensors travel by value, not as shared memory that dies with the rank.
         results.put(pickle.dumps((rank, "ok", fn(rank, world, *args))))
@@ -51,13 +77,16 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0,
-              allow_missing: Optional[List[int]] = None) -> Dict[int, Any]:
-    """Runs ``fn(rank, world, *args)`` on ``world`` processes; returns rank -> ("ok", value) or
-    ("error", (type name, message, traceback)). Ranks in ``allow_missing`` may die silently."""
+              allow_missing: Optional[List[int]] = None, backend: str = "gloo",
+              device: str = "cpu") -> Dict[int, Any]:
+    """Runs ``fn(rank, world, *args)`` on ``world`` processes joined by ``backend``, with
+    ``device`` ("cpu" or "cuda") current; returns rank -> ("ok", value) or ("error", (type
+    name, message, traceback)). Ranks in ``allow_missing`` may die silently."""
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_worker, args=(r, world, port, fn, args, results),
+    processes = [context.Process(target=_worker,
+                                 args=(r, world, port, fn, args, results, backend, device),
                                  daemon=True) for r in range(world)]
     for p in processes:
         p.start()
@@ -94,6 +123,17 @@ def values(answers: Dict[int, Any]) -> List[Any]:
             raise RankFailed(f"rank {rank} raised {value[0]}: {value[1]}\n{value[2]}")
         out.append(value)
     return out
+
+
+def expect_error(messages: List[str], kind: type, call: Callable[[], Any]) -> None:
+    """Calls ``call`` and appends the message of the ``kind`` it raised to ``messages``, or a note
+    that it raised none (which the test's expected messages then fail on)."""
+    try:
+        call()
+    except kind as error:
+        messages.append(str(error))
+    else:
+        messages.append(f"NO ERROR from {call}")
 
 
 def static_config(world: int, experts: int) -> Any:

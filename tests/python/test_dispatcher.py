@@ -1,7 +1,14 @@
-"""keel.torch.MoEDispatcher on 4 real ranks against a dense MoE layer computed without Keel: the
-outputs and every gradient (hidden states, gate weights, each expert's parameters summed over
-ranks) agree within float32 tolerance under the static and the keel placement, with replicas and
-transient slots in use; and a home that moves carries its Adam state."""
+"""keel.torch.MoEDispatcher on 4 real ranks against a dense MoE layer computed without Keel, on
+every test device (ranks.DEVICES): the outputs and every gradient (hidden states, gate weights,
+each expert's parameters summed over ranks) agree under the static and the keel placement, with
+replicas and transient slots in use, in float32, bfloat16 and float16 (and float32 experts with
+bfloat16 hidden states); a home that moves carries its Adam state.
+
+Tolerances, relative to the reference's largest magnitude (1 + max |x|), against a dense layer in
+float64 on the same values: float32 1e-6; float16 (eps 2**-11) 3e-3; bfloat16 (eps 2**-8)
+2e-2: a few roundings of the products over 16- and 24-wide dot products, then of the summed
+replica gradients. The largest differences seen on the CPU (8 steps, both policies): float32
+5.5e-7, float16 8.2e-4, bfloat16 7.8e-3 (both 16-bit cases led by the experts' gradients)."""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ from typing import Any, Dict, List
 
 import pytest
 
-from ranks import run_ranks, values
+from ranks import DEVICES, run_ranks, values
 
 RANKS = 4
 EXPERTS = 8
@@ -52,11 +59,20 @@ def skewed_batch(step: int, rank: int):
     return hidden, ids, weights
 
 
+# precision -> (expert parameters' dtype, hidden states' dtype, tolerance)
+PRECISIONS = {"float32": ("float32", "float32", 1e-6),
+              "bfloat16": ("bfloat16", "bfloat16", 2e-2),
+              "float16": ("float16", "float16", 3e-3),
+              "float32-bfloat16": ("float32", "bfloat16", 2e-2)}
+
+
 def dense_reference(spec, experts: List[Dict[str, Any]], hidden, ids, weights, probe):
-    """The same layer without Keel: every expert on every token that chose it."""
+    """The same layer without Keel, in float64 on the CPU: every expert on every token that
+    chose it."""
     import torch
-    params = [{n: t.clone().requires_grad_(True) for n, t in e.items()} for e in experts]
-    out = torch.zeros(hidden.shape[0], HIDDEN)
+    params = [{n: t.detach().cpu().double().requires_grad_(True) for n, t in e.items()}
+              for e in experts]
+    out = torch.zeros(hidden.shape[0], HIDDEN, dtype=torch.float64)
     for k in range(TOP_K):
         for e in range(EXPERTS):
             rows = (ids[:, k] == e).nonzero().flatten()
@@ -69,41 +85,53 @@ def dense_reference(spec, experts: List[Dict[str, Any]], hidden, ids, weights, p
 
 
 def compare_with_dense(rank: int, world: int, policy: str, steps: int, batch=skewed_batch,
-                       condense_threshold: float = 0.0) -> Dict[str, Any]:
-    """Trains one layer for `steps` steps on `batch(step, rank)`; returns the largest relative
-    difference from the dense layer per quantity, what the placement used, the epochs and the
-    dispatcher's condensation counts."""
+                       condense_threshold: float = 0.0, device: str = "cpu",
+                       precision: str = "float32") -> Dict[str, Any]:
+    """Trains one layer for `steps` steps on `batch(step, rank)` (on `device`, in `precision`);
+    returns the largest relative difference from the dense layer per quantity, what the
+    placement used, the epochs and the dispatcher's condensation counts."""
     import torch
     import torch.distributed as dist
     import keel.torch as kt
 
+    param_dtype, hidden_dtype = (getattr(torch, name) for name in PRECISIONS[precision][:2])
     spec = kt.ffn_expert(HIDDEN, FFN)
     moe = kt.KeelMoE(spec, num_layers=1, num_experts=EXPERTS, top_k=TOP_K,
                      config=moe_config(policy), average_gradients=False, seed=3,
-                     condense_threshold=condense_threshold)
+                     condense_threshold=condense_threshold, device=device, dtype=param_dtype)
     layer = moe.layer(0)
-    optimizer = torch.optim.Adam(moe.parameters(), lr=1e-2)
+    # float16 moments underflow below eps = 1e-8, which then divides 0 by 0.
+    optimizer = torch.optim.Adam(moe.parameters(), lr=1e-2,
+                                 eps=1e-4 if param_dtype == torch.float16 else 1e-8,
+                                 fused=device == "cuda")
     moe.attach(optimizer)
     # Largest difference relative to the reference's own scale, per quantity.
     worst = {"out": 0.0, "hidden": 0.0, "weights": 0.0, "experts": 0.0}
 
     def note(what: str, got, want) -> None:
+        got = got.detach().cpu().double()
+        want = want.detach()
         scale = 1.0 + float(want.abs().max()) if want.numel() else 1.0
         worst[what] = max(worst[what], float((got - want).abs().max()) / scale)
 
     used = {"replicas": 0, "transient_rows": 0}
     probe = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(77 + rank))
+    probe = probe.to(hidden_dtype)
     for step in range(steps):
         experts = moe.gather_experts(0)
         hidden, ids, weights = batch(step, rank)
-        ref_hidden = hidden.clone().requires_grad_(True)
-        ref_weights = weights.clone().requires_grad_(True)
-        ref_out, ref_params = dense_reference(spec, experts, ref_hidden, ids, ref_weights, probe)
+        # Both layers see the same values: the inputs rounded to the layer's dtypes.
+        hidden = hidden.to(hidden_dtype)
+        weights = weights.to(hidden_dtype)
+        ref_hidden = hidden.double().requires_grad_(True)
+        ref_weights = weights.double().requires_grad_(True)
+        ref_out, ref_params = dense_reference(spec, experts, ref_hidden, ids, ref_weights,
+                                              probe.double())
 
-        x = hidden.clone().requires_grad_(True)
-        w = weights.clone().requires_grad_(True)
-        out = layer(x, ids, w)
-        (out * probe).sum().backward()
+        x = hidden.to(device).requires_grad_(True)
+        w = weights.to(device).requires_grad_(True)
+        out = layer(x, ids.to(device), w)
+        (out * probe.to(device)).sum().backward()
         note("out", out, ref_out)
         note("hidden", x.grad, ref_hidden.grad)
         note("weights", w.grad, ref_weights.grad)
@@ -130,12 +158,16 @@ def compare_with_dense(rank: int, world: int, policy: str, steps: int, batch=ske
             "kept": kept}
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("policy", ["static", "keel"])
-def test_dispatcher_matches_dense_layer(policy: str) -> None:
-    results = values(run_ranks(compare_with_dense, RANKS, policy, 8))
+def test_dispatcher_matches_dense_layer(policy: str, precision: str, device: str) -> None:
+    results = values(run_ranks(compare_with_dense, RANKS, policy, 8, skewed_batch, 0.0, device,
+                               precision, device=device))
+    tolerance = PRECISIONS[precision][2]
     for rank, result in enumerate(results):
         for what, error in result["worst"].items():
-            assert error < 1e-6, f"rank {rank}: {what} differs by {error} (relative)"
+            assert error < tolerance, f"rank {rank}: {what} differs by {error} (relative)"
     used = {k: sum(r["used"][k] for r in results) for k in ("replicas", "transient_rows")}
     if policy == "keel":
         assert results[0]["epochs"] >= 1, "no placement was committed: nothing was tested"
@@ -145,39 +177,44 @@ def test_dispatcher_matches_dense_layer(policy: str) -> None:
         assert used == {"replicas": 0, "transient_rows": 0}
 
 
-def train_and_track_homes(rank: int, world: int, policy: str, steps: int) -> Dict[str, Any]:
-    """Trains one layer with Adam; returns every expert's final weights and how many homes moved
-    between consecutive steps."""
+def train_and_track_homes(rank: int, world: int, policy: str, steps: int,
+                          device: str) -> Dict[str, Any]:
+    """Trains one layer with Adam on `device`; returns every expert's final weights and how
+    many homes moved between consecutive steps."""
     import torch
     import keel.torch as kt
 
     spec = kt.ffn_expert(HIDDEN, FFN)
     config = moe_config(policy, slots={"transient_per_rank": 0})
     moe = kt.KeelMoE(spec, num_layers=1, num_experts=EXPERTS, top_k=TOP_K, config=config,
-                     seed=5)
+                     seed=5, device=device)
     layer = moe.layer(0)
-    optimizer = torch.optim.Adam(moe.parameters(), lr=2e-2)
+    optimizer = torch.optim.Adam(moe.parameters(), lr=2e-2, fused=device == "cuda")
     moe.attach(optimizer)
     probe = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(77 + rank))
+    probe = probe.to(device)
     homes = moe.engine.placement(0)["home"]
     moved = 0
     for step in range(steps):
-        hidden, ids, weights = skewed_batch(step, rank)
+        hidden, ids, weights = (t.to(device) for t in skewed_batch(step, rank))
         (layer(hidden, ids, weights) * probe).sum().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         now = moe.engine.placement(0)["home"]
         moved += int((now != homes).sum())
         homes = now
-    experts = moe.gather_experts(0)
+    experts = [{n: t.cpu() for n, t in e.items()} for e in moe.gather_experts(0)]
     moe.close()
     return {"experts": experts, "moved_homes": moved}
 
 
-def test_a_moving_home_keeps_its_adam_state() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_moving_home_keeps_its_adam_state(device: str) -> None:
     import torch
-    steady = values(run_ranks(train_and_track_homes, RANKS, "static", 12))[0]
-    moving = values(run_ranks(train_and_track_homes, RANKS, "eplb", 12))[0]
+    steady = values(run_ranks(train_and_track_homes, RANKS, "static", 12, device,
+                              device=device))[0]
+    moving = values(run_ranks(train_and_track_homes, RANKS, "eplb", 12, device,
+                              device=device))[0]
     assert steady["moved_homes"] == 0
     assert moving["moved_homes"] > 0, "eplb moved no home: the test would prove nothing"
     for e in range(EXPERTS):

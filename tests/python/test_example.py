@@ -50,15 +50,24 @@ def test_both_modes_write_the_report(tmp_path) -> None:
     assert ours["loss"][0] == pytest.approx(static["loss"][0], rel=1e-6)
     assert ours["heldout_loss"] == pytest.approx(static["heldout_loss"], rel=1e-3)
     assert set(report["comparison"]) >= {"parallel_step_ratio", "keel_mean_imbalance",
-                                         "heldout_loss_gap", "python_overhead_fraction"}
-    # The BLAS torch ran on: the libblas this process's torch maps (Debian's torch links it).
-    mapped = set()
-    if os.path.exists("/proc/self/maps"):
-        import torch  # noqa: F401  (maps torch's libraries into this process)
+                                         "heldout_loss_gap", "python_overhead_fraction",
+                                         "no_cost_bound", "gap_to_no_cost_bound"}
+    # The bound: static's step with its expert time divided by its imbalance.
+    bound = (static["expert_seconds"] / static["mean_imbalance"]
+             + static["parallel_step_seconds"]["mean"] - static["expert_seconds"])
+    assert report["comparison"]["no_cost_bound"] == pytest.approx(
+        bound / static["parallel_step_seconds"]["mean"])
+    # The BLAS torch ran on: MKL where torch has it built in (PyPI's wheels), else the libblas
+    # this process's torch maps (Debian's torch links it).
+    import re
+    import torch
+    if re.search(r"BLAS_INFO=mkl\b", torch.__config__.show()):
+        assert report["settings"]["blas"] == "mkl (built into torch)"
+    elif os.path.exists("/proc/self/maps"):
         with open("/proc/self/maps") as f:
             mapped = {line.split()[-1] for line in f if "libblas" in line}
-    for library in mapped:
-        assert library in report["settings"]["blas"]
+        for library in mapped:
+            assert library in report["settings"]["blas"]
 
 
 @needs_bible

@@ -1,7 +1,8 @@
-"""What keel.torch does with bad input, with a lost rank, and across a checkpoint: bad tensors,
-ids, configs and groups raise an exception naming the argument and its value; a rank that dies
-mid-step makes the others raise within the collective deadline instead of hanging; a checkpoint of
-the engine state and the experts loads into a new engine."""
+"""What keel.torch does with bad input, with a lost rank, and across a checkpoint, on every test
+device (ranks.DEVICES): bad tensors, ids, configs and groups raise an exception naming the
+argument and its value; a rank that dies mid-step makes the others raise within the collective
+deadline instead of hanging; a checkpoint of the engine state and the experts loads into a new
+engine."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from typing import Any, Dict, List
 
 import pytest
 
-from ranks import run_ranks, values
+import ranks
+from ranks import DEVICES, run_ranks, values
 
 
-def bad_inputs(rank: int, world: int) -> List[str]:
+def bad_inputs(rank: int, world: int, device: str) -> List[str]:
     """One rank: every bad call, and the message each raised (or a note that it did not)."""
     import torch
     import keel
@@ -24,21 +26,17 @@ def bad_inputs(rank: int, world: int) -> List[str]:
     messages: List[str] = []
 
     def expect_error(kind: type, call: Any) -> None:
-        try:
-            call()
-        except kind as error:
-            messages.append(str(error))
-        else:
-            messages.append(f"NO ERROR from {call}")
+        ranks.expect_error(messages, kind, call)
 
     config = {"topology": {"num_nodes": 1, "gpus_per_node": 1},
               "slots": {"persistent_per_rank": 4, "transient_per_rank": 0},
               "policy": {"name": "static"}, "migration": {"transport": "ucx"}}
-    moe = kt.KeelMoE(kt.ffn_expert(8, 16), num_layers=1, num_experts=4, top_k=2, config=config)
+    moe = kt.KeelMoE(kt.ffn_expert(8, 16), num_layers=1, num_experts=4, top_k=2, config=config,
+                     device=device)
     layer = moe.layer(0)
-    hidden = torch.randn(5, 8)
-    ids = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]])
-    weights = torch.full((5, 2), 0.5)
+    hidden = torch.randn(5, 8, device=device)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]], device=device)
+    weights = torch.full((5, 2), 0.5, device=device)
     expect_error(keel.InvalidArgumentError, lambda: layer(hidden, ids.float(), weights))
     expect_error(keel.InvalidArgumentError, lambda: layer(hidden, ids[:, :1], weights))
     expect_error(keel.InvalidArgumentError, lambda: layer(hidden, ids.to("meta"), weights))
@@ -72,8 +70,9 @@ def bad_inputs(rank: int, world: int) -> List[str]:
     return messages
 
 
-def test_bad_input_names_the_argument_and_value() -> None:
-    messages = values(run_ranks(bad_inputs, 1))[0]
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input_names_the_argument_and_value(device: str) -> None:
+    messages = values(run_ranks(bad_inputs, 1, device, device=device))[0]
     expected = [
         "topk_ids has dtype float32, expected int32 or int64",
         "topk_ids has shape [5, 1]: dimension 1 is 1, expected 2",
@@ -96,7 +95,7 @@ def test_bad_input_names_the_argument_and_value() -> None:
 DEADLINE = 5.0
 
 
-def lose_a_rank(rank: int, world: int, how: str) -> Dict[str, Any]:
+def lose_a_rank(rank: int, world: int, how: str, device: str) -> Dict[str, Any]:
     """Trains until rank `world - 1` dies (or stalls) at the start of step 2; the others report
     what they raised and how long after that step began."""
     import torch
@@ -106,8 +105,9 @@ def lose_a_rank(rank: int, world: int, how: str) -> Dict[str, Any]:
               "slots": {"persistent_per_rank": 3, "transient_per_rank": 1},
               "migration": {"transport": "ucx", "deadline_seconds": DEADLINE},
               "engine": {"collective_timeout_seconds": DEADLINE}}
-    moe = kt.KeelMoE(kt.ffn_expert(8, 16), num_layers=2, num_experts=8, top_k=2, config=config)
-    optimizer = torch.optim.Adam(moe.parameters(), lr=1e-2)
+    moe = kt.KeelMoE(kt.ffn_expert(8, 16), num_layers=2, num_experts=8, top_k=2, config=config,
+                     device=device)
+    optimizer = torch.optim.Adam(moe.parameters(), lr=1e-2, fused=device == "cuda")
     moe.attach(optimizer)
     generator = torch.Generator().manual_seed(rank)
     for step in range(5):
@@ -117,10 +117,10 @@ def lose_a_rank(rank: int, world: int, how: str) -> Dict[str, Any]:
                 os._exit(1)  # the process dies between steps, without a word to anyone
             time.sleep(4 * DEADLINE)  # stuck, as in a long kernel or a debugger
         try:
-            x = torch.randn(32, 8, generator=generator)
+            x = torch.randn(32, 8, generator=generator).to(device)
             for layer in range(2):
-                ids = torch.randint(0, 8, (32, 2), generator=generator)
-                x = x + moe.layer(layer)(x, ids, torch.full((32, 2), 0.5))
+                ids = torch.randint(0, 8, (32, 2), generator=generator).to(device)
+                x = x + moe.layer(layer)(x, ids, torch.full((32, 2), 0.5, device=device))
             x.sum().backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -131,9 +131,11 @@ def lose_a_rank(rank: int, world: int, how: str) -> Dict[str, Any]:
     return {"step": None}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("how", ["dies", "stalls"])
-def test_a_lost_rank_is_an_error_within_the_deadline(how: str) -> None:
-    answers = run_ranks(lose_a_rank, 4, how, timeout=90, allow_missing=[3])
+def test_a_lost_rank_is_an_error_within_the_deadline(how: str, device: str) -> None:
+    answers = run_ranks(lose_a_rank, 4, how, device, timeout=90, allow_missing=[3],
+                        device=device)
     survivors = [answers[r] for r in range(3)]
     for rank, (status, result) in enumerate(survivors):
         assert status == "ok", result
@@ -144,7 +146,7 @@ def test_a_lost_rank_is_an_error_within_the_deadline(how: str) -> None:
         assert result["seconds"] < 3 * DEADLINE, f"rank {rank} took {result['seconds']:.1f} s"
 
 
-def checkpoint_round_trip(rank: int, world: int, folder: str) -> Dict[str, Any]:
+def checkpoint_round_trip(rank: int, world: int, folder: str, device: str) -> Dict[str, Any]:
     """Trains 3 steps, checkpoints the engine state and the experts, then loads them into a new
     KeelMoE with other initial weights; returns what matched and what a bad state raised."""
     import torch
@@ -154,14 +156,15 @@ def checkpoint_round_trip(rank: int, world: int, folder: str) -> Dict[str, Any]:
     config = {"topology": {"num_nodes": 1, "gpus_per_node": world},
               "slots": {"persistent_per_rank": 4, "transient_per_rank": 0},
               "policy": {"name": "static"}, "migration": {"transport": "ucx"}}
-    moe = kt.KeelMoE(kt.ffn_expert(8, 16), num_layers=1, num_experts=4, top_k=2, config=config)
-    optimizer = torch.optim.Adam(moe.parameters(), lr=1e-2)
+    moe = kt.KeelMoE(kt.ffn_expert(8, 16), num_layers=1, num_experts=4, top_k=2, config=config,
+                     device=device)
+    optimizer = torch.optim.Adam(moe.parameters(), lr=1e-2, fused=device == "cuda")
     moe.attach(optimizer)
     generator = torch.Generator().manual_seed(rank)
     for _ in range(3):
-        x = torch.randn(16, 8, generator=generator)
-        ids = torch.randint(0, 4, (16, 2), generator=generator)
-        moe.layer(0)(x, ids, torch.full((16, 2), 0.5)).sum().backward()
+        x = torch.randn(16, 8, generator=generator).to(device)
+        ids = torch.randint(0, 4, (16, 2), generator=generator).to(device)
+        moe.layer(0)(x, ids, torch.full((16, 2), 0.5, device=device)).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
     state = moe.engine.save_state()
@@ -170,7 +173,7 @@ def checkpoint_round_trip(rank: int, world: int, folder: str) -> Dict[str, Any]:
     moe.close()
 
     fresh = kt.KeelMoE(kt.ffn_expert(8, 16), num_layers=1, num_experts=4, top_k=2,
-                       config=config, seed=12345)
+                       config=config, seed=12345, device=device)
     differed = any(not torch.equal(a, b) for a, b in zip(trained, fresh.parameters()))
     fresh.engine.restore_state(state)
     fresh.engine.load_experts(folder)
@@ -185,8 +188,10 @@ def checkpoint_round_trip(rank: int, world: int, folder: str) -> Dict[str, Any]:
             "state_epoch": __import__("json").loads(state)["epoch"]}
 
 
-def test_a_checkpoint_loads_the_trained_experts_into_a_new_engine(tmp_path) -> None:
-    answer = values(run_ranks(checkpoint_round_trip, 1, str(tmp_path / "experts")))[0]
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_checkpoint_loads_the_trained_experts_into_a_new_engine(tmp_path, device: str) -> None:
+    answer = values(run_ranks(checkpoint_round_trip, 1, str(tmp_path / "experts"), device,
+                              device=device))[0]
     assert answer["differed"], "the new engine started from the trained weights already"
     assert answer["loaded"], "load_experts did not bring back the trained weights"
     assert answer["state_epoch"] == 0

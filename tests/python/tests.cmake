@@ -1,6 +1,7 @@
-# The keel Python package (pytest, Debian's python3-pytest): one ctest per test file, run by the
-# Python the package was built for, with PYTHONPATH at the build tree's package. The multi-rank
-# files start 4 processes joined by torch.distributed (gloo) on loopback.
+# The keel Python package (pytest): one ctest per test file, run by the Python the package was
+# built for (scripts/dev: .venv's, with torch and pytest from scripts/requirements-dev.txt), with
+# PYTHONPATH at the build tree's package. The multi-rank files start 4 processes joined by
+# torch.distributed (gloo) on loopback.
 if(KEEL_WITH_PYTHON AND NOT KEEL_SANITIZE)
   file(GLOB _python_tests CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/test_*.py)
   foreach(_file ${_python_tests})

@@ -27,7 +27,7 @@ from keel import _keel
 from keel._errors import (AbortedError, DeadlineExceededError, FailedPreconditionError,
                           InternalError, InvalidArgumentError, IoError, KeelError, NotFoundError,
                           OutOfRangeError, UnimplementedError)
-from keel.engine import Engine, Route, SequencePlacement, check_tensor
+from keel.engine import Engine, Route, SequencePlacement, check_tensor, to_int32
 
 __version__: str = _keel.__version__
 
@@ -339,7 +339,7 @@ def condense_rows(rows: Any, bucket_begin: Any, threshold: float,
     check_tensor("rows", rows, (torch.float32,), dims=2)
     check_tensor("bucket_begin", bucket_begin, (torch.int32, torch.int64), dims=1)
     data = rows.contiguous()
-    begin = bucket_begin.to(torch.int32).contiguous()
+    begin = to_int32("bucket_begin", bucket_begin)
     if begin.numel() < 1:
         raise InvalidArgumentError("bucket_begin is empty: it needs num_buckets + 1 entries")
     representative = torch.empty(data.shape[0], dtype=torch.int32)

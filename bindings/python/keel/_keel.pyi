@@ -65,11 +65,23 @@ def replay(trace: Trace, config: Optional[Config] = None, policies: Sequence[str
 
 class Engine:
     """One rank's engine over a Python communicator object (keel.torch.ProcessGroupCommunicator
-    or any object with rank, size, all_gather, barrier, all_reduce, broadcast, all_to_all_v)."""
+    or any object with rank, size, all_gather, barrier, all_reduce, broadcast, all_to_all_v).
+
+    Optional on the communicator, looked up once at construction:
+    all_to_all_v_known(send: memoryview, send_bytes: list[int], recv: memoryview,
+    recv_bytes: list[int], timeout: float) -> None fills recv (writable, len = sum(recv_bytes))
+    with what each rank sends, every size known on both sides (without it the engine's slot
+    exchanges run all_to_all_v and compare the sizes); moves_device_memory: bool with
+    all_to_all_v_device(send: int, send_bytes: list[int], recv: int, recv_bytes: list[int],
+    timeout: float) -> None moves device buffers given by address, returning once recv holds
+    the data (used with memory="cuda" instead of staging through host memory)."""
     def __init__(self, communicator: Any, config: Optional[Config] = None, config_yaml: str = "",
                  config_path: str = "", *, num_layers: int, num_experts: int, top_k: int,
                  weight_bytes: int, gradient_bytes: int, optimizer_bytes: int,
-                 gradient_type: str = "float32", mp_group_size: int = 1) -> None: ...
+                 gradient_type: str = "float32", mp_group_size: int = 1,
+                 memory: str = "host") -> None:
+        """memory: where the slot buffers live, "host" or "cuda" (device memory of the GPU
+        current on the creating thread)."""
     def close(self) -> None: ...
     def register_slot(self, layer: int, local_slot: int, weights: int, gradients: int,
                       optimizer: int) -> None:
@@ -83,8 +95,14 @@ class Engine:
     def route(self, layer: int, topk_ids: int, num_entries: int, slot_out: int) -> Dict[str, Any]:
         """topk_ids: address of [num_entries] int32; slot_out: address of [num_entries] int32,
         written. Returns send_counts [num_ranks], recv_counts [num_ranks * local_slots],
-        recv_totals [num_ranks], local_experts [local_slots], epoch, and share_begin and
-        share_end (the tokens this rank routes)."""
+        recv_totals [num_ranks], local_experts [local_slots], epoch, share_begin and share_end
+        (the tokens this rank routes), and the quota table the slots came from (LayerRoute):
+        copy_begin [num_experts + 1], copy_slot [num_copies], copy_quota [num_copies] and
+        slot_rank [num_slots + num_ranks * transient_per_rank]."""
+    def route_counts(self, layer: int, expert_counts: int) -> Dict[str, Any]:
+        """Engine::RouteCounts. expert_counts: address of [num_experts] int32 on the host, this
+        rank's entries per expert. Returns route's keys (share_begin and share_end 0); the
+        trainer assigns slots from the quota table."""
     def reduce_gradients(self) -> None: ...
     def step_end(self) -> None: ...
     def home_slots(self, layer: int) -> List[Tuple[int, int]]: ...

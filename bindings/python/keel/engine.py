@@ -15,12 +15,15 @@ same address; the engine keeps a reference to each.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from keel import _keel
 from keel._errors import InvalidArgumentError
 
-_GRADIENT_TYPES = {"float32": "float32", "float64": "float64", "fixed_int64": "int64"}
+# gradient_type -> the torch dtype of its elements.
+_GRADIENT_TYPES = {"float32": "float32", "float64": "float64", "fixed_int64": "int64",
+                   "bfloat16": "bfloat16", "float16": "float16"}
+_MEMORIES = ("host", "cuda")
 
 
 def _torch() -> Any:
@@ -41,6 +44,13 @@ class Route(NamedTuple):
     #: (``Engine(mp_group_size=M)``) its share of the group's; the others' slots are -1.
     share_begin: int = 0
     share_end: int = 0
+    #: This rank's quota table, which ``slot`` was assigned from (include/keel/engine.hpp,
+    #: LayerRoute): the copies of expert e are c in ``[copy_begin[e], copy_begin[e + 1])``;
+    #: copy c is physical slot ``copy_slot[c]`` and takes ``copy_quota[c]`` of this rank's
+    #: entries of e in entry order, the last copy the rest. Lists of int.
+    copy_begin: Sequence[int] = ()
+    copy_slot: Sequence[int] = ()
+    copy_quota: Sequence[int] = ()
 
 
 class SequencePlacement(NamedTuple):
@@ -59,20 +69,28 @@ class SequencePlacement(NamedTuple):
 
 def check_tensor(name: str, tensor: Any, dtypes: Optional[Tuple[Any, ...]],
                  dims: Optional[int] = None,
-                 shape: Optional[Tuple[Optional[int], ...]] = None) -> None:
-    """Raises InvalidArgumentError naming `name` unless `tensor` is a CPU torch tensor of one of
-    `dtypes` (None: any) with `dims` dimensions (or `shape`, None entries free)."""
+                 shape: Optional[Tuple[Optional[int], ...]] = None,
+                 device: Any = "cpu") -> None:
+    """Raises InvalidArgumentError naming `name` unless `tensor` is a torch tensor of one of
+    `dtypes` (None: any) with `dims` dimensions (or `shape`, None entries free) on `device`: a
+    ``torch.device`` or device string it must be on, ``"cpu"`` (the default: host memory only),
+    or None for a CPU or CUDA device."""
     torch = _torch()
     if not isinstance(tensor, torch.Tensor):
         raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if dtypes is not None and tensor.dtype not in dtypes:
-        expected = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        expected = " or ".join(_dtype_name(d) for d in dtypes)
         raise InvalidArgumentError(
-            f"{name} has dtype {str(tensor.dtype).replace('torch.', '')}, expected {expected}")
-    if tensor.device.type != "cpu":
-        raise InvalidArgumentError(
-            f"{name} is on device {tensor.device}; this release of keel takes host (CPU) "
-            f"tensors only")
+            f"{name} has dtype {_dtype_name(tensor.dtype)}, expected {expected}")
+    if device is None:
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise InvalidArgumentError(
+                f"{name} is on device {tensor.device}; keel takes CPU or CUDA tensors")
+    elif tensor.device != torch.device(device):
+        wanted = torch.device(device)
+        where = ("host (CPU) tensors only" if wanted.type == "cpu"
+                 else f"tensors on {wanted}, like the other arguments of this call")
+        raise InvalidArgumentError(f"{name} is on device {tensor.device}; expected {where}")
     if shape is not None:
         dims = len(shape)
     if dims is not None and tensor.dim() != dims:
@@ -85,6 +103,49 @@ def check_tensor(name: str, tensor: Any, dtypes: Optional[Tuple[Any, ...]],
                 raise InvalidArgumentError(
                     f"{name} has shape {list(tensor.shape)}: dimension {axis} is {got}, "
                     f"expected {want}")
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def to_int32(name: str, tensor: Any) -> Any:
+    """``tensor`` (int32 or int64) as a contiguous int32 tensor; InvalidArgumentError naming the
+    first element outside int32's range, which a plain conversion would wrap into another
+    (valid-looking) value."""
+    torch = _torch()
+    if tensor.dtype == torch.int64 and tensor.numel() > 0:
+        outside = (tensor < -2 ** 31) | (tensor >= 2 ** 31)
+        if bool(outside.any()):
+            flat = int(outside.reshape(-1).nonzero()[0])
+            index = list(_unravel(flat, tuple(tensor.shape)))
+            where = "".join(f"[{i}]" for i in index)
+            raise InvalidArgumentError(
+                f"{name}{where} = {int(tensor.reshape(-1)[flat])} does not fit in int32")
+    return tensor.to(torch.int32).contiguous()
+
+
+def check_expert_ids(name: str, topk_ids: Any, num_experts: int) -> None:
+    """InvalidArgumentError naming the first entry of ``topk_ids`` (flat index) that is neither
+    an expert id in ``[0, num_experts)`` nor -1: checked on the ids as given, before any narrowing
+    to int32 could turn an id such as 2**32 into a valid one. One reduction on the tensor's
+    device; the slow search for the index runs only when there is a bad id."""
+    flat = topk_ids.reshape(-1)
+    bad = (flat < -1) | (flat >= num_experts)
+    if flat.numel() > 0 and bool(bad.any()):
+        index = int(bad.nonzero()[0])
+        raise InvalidArgumentError(
+            f"{name}[{index}] = {int(flat[index])} is not an expert id in [0, {num_experts}) "
+            f"or -1")
+
+
+def _unravel(flat: int, shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The index of element ``flat`` of a row-major tensor of ``shape``."""
+    index = []
+    for size in reversed(shape):
+        index.append(flat % size if size else 0)
+        flat = flat // size if size else 0
+    return tuple(reversed(index))
 
 
 class Engine:
@@ -102,8 +163,9 @@ class Engine:
         weight_bytes: one expert's working weights in bytes (every copy).
         gradient_bytes: one expert's gradient buffer in bytes (every copy).
         optimizer_bytes: a home's optimizer state in bytes (moves with the home); 0 for none.
-        gradient_type: element type of gradient buffers: ``float32``, ``float64`` or
-            ``fixed_int64``.
+        gradient_type: element type of gradient buffers: ``float32``, ``float64``,
+            ``fixed_int64``, ``bfloat16`` or ``float16`` (16-bit sums add in float32 and
+            round once per add).
         mp_group_size: tensor-parallel (MP) groups of this many consecutive ranks, whose
             members hold the same tokens (Parm's de-duplicated dispatch, docs/integration.md):
             every member passes the group's ``topk_ids`` to :meth:`route`, and member ``m =
@@ -111,12 +173,15 @@ class Engine:
             the trainer all-gathers the combined outputs inside the group. Must divide
             ``topology.gpus_per_node``; 1 (the default): no groups. :class:`keel.torch.KeelMoE`
             does not use MP groups.
+        memory: where the registered slot buffers live: ``"host"`` (CPU tensors) or ``"cuda"``
+            (tensors on the CUDA device current when the engine is created; the engine then
+            reaches them only through CUDA copies and adds on a stream of its own).
     """
 
     def __init__(self, communicator: Any, *, config: Any = None, num_layers: int,
                  num_experts: int, top_k: int, weight_bytes: int, gradient_bytes: int,
                  optimizer_bytes: int = 0, gradient_type: str = "float32",
-                 mp_group_size: int = 1) -> None:
+                 mp_group_size: int = 1, memory: str = "host") -> None:
         from keel import Config
         if isinstance(config, dict):
             config = Config.from_dict(config)
@@ -126,6 +191,12 @@ class Engine:
         if gradient_type not in _GRADIENT_TYPES:
             raise InvalidArgumentError(f"gradient_type = {gradient_type!r} is not one of "
                                        f"{', '.join(_GRADIENT_TYPES)}")
+        if memory not in _MEMORIES:
+            raise InvalidArgumentError(f"memory = {memory!r} is not one of {', '.join(_MEMORIES)}")
+        self.memory = memory
+        torch = _torch()
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if memory == "cuda"
+                       else torch.device("cpu"))
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.top_k = top_k
@@ -139,7 +210,7 @@ class Engine:
             num_layers=num_layers, num_experts=num_experts, top_k=top_k,
             weight_bytes=weight_bytes, gradient_bytes=gradient_bytes,
             optimizer_bytes=optimizer_bytes, gradient_type=gradient_type,
-            mp_group_size=mp_group_size)
+            mp_group_size=mp_group_size, memory=memory)
         self._buffers: Dict[Tuple[int, int], Tuple[Any, ...]] = {}
 
     # --- shape of this rank ---------------------------------------------------------------------
@@ -177,12 +248,13 @@ class Engine:
         route. Local slots ``[0, slots_per_rank)`` are persistent, the rest transient.
 
         Args:
-            weights: contiguous CPU tensor of at least ``weight_bytes`` bytes (any dtype).
-            gradients: contiguous CPU tensor of at least ``gradient_bytes`` bytes, elements of
-                ``gradient_type``.
-            optimizer: contiguous CPU tensor of at least ``optimizer_bytes`` bytes for a
-                persistent slot (any persistent slot can become a home); None for a transient
-                slot.
+            weights: contiguous tensor of at least ``weight_bytes`` bytes (any dtype), on the
+                engine's device (:attr:`device`: the CPU for ``memory="host"``).
+            gradients: contiguous tensor of at least ``gradient_bytes`` bytes, elements of
+                ``gradient_type``, on the engine's device.
+            optimizer: contiguous tensor of at least ``optimizer_bytes`` bytes for a persistent
+                slot (any persistent slot can become a home), on the engine's device; None for
+                a transient slot.
         """
         persistent = 0 <= local_slot < self.slots_per_rank
         pointers = []
@@ -192,7 +264,7 @@ class Engine:
             if tensor is None:
                 pointers.append(0)
                 continue
-            check_tensor(name, tensor, None)
+            check_tensor(name, tensor, None, device=self.device)
             if not tensor.is_contiguous():
                 raise InvalidArgumentError(f"{name} of layer {layer} slot {local_slot} is not "
                                            f"contiguous")
@@ -246,7 +318,7 @@ class Engine:
                 f"[{tokens.shape[0]}, layers, {self.num_experts}] (one row per sequence of "
                 f"tokens)")
         counts = tokens.to(torch.int64).contiguous()
-        rows = expert_rows.to(torch.int32).contiguous()
+        rows = to_int32("expert_rows", expert_rows)
         answer = self._native.plan_sequences(first_layer, counts.numel(), counts.data_ptr(),
                                              rows.data_ptr(), rows.shape[1] * rows.shape[2],
                                              float(max_token_imbalance),
@@ -274,9 +346,30 @@ class Engine:
         """
         torch = _torch()
         check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), shape=(None, self.top_k))
+        check_expert_ids("topk_ids", topk_ids, self.num_experts)
         ids = topk_ids.to(torch.int32).contiguous()
         slot = torch.empty(ids.shape, dtype=torch.int32)
         answer = self._native.route(layer, ids.data_ptr(), ids.numel(), slot.data_ptr())
+        return self._route(answer, slot)
+
+    def route_counts(self, layer: int, expert_counts: Any) -> Route:
+        """Routes one layer from this rank's count of (token, k) entries per expert, for a
+        trainer that assigns the slots itself (on the GPU, say) from the returned quota table
+        (:attr:`Route.copy_begin`...): everything :meth:`route` returns but ``slot`` (None).
+        Collective like :meth:`route`; a layer takes one of the two per step. Not with MP groups.
+
+        Args:
+            expert_counts: ``[num_experts]`` int32 or int64 CPU tensor, each >= 0.
+        """
+        torch = _torch()
+        check_tensor("expert_counts", expert_counts, (torch.int32, torch.int64),
+                     shape=(self.num_experts,))
+        counts = to_int32("expert_counts", expert_counts)
+        answer = self._native.route_counts(layer, counts.data_ptr())
+        return self._route(answer, None)
+
+    def _route(self, answer: Dict[str, Any], slot: Any) -> Route:
+        torch = _torch()
         return Route(slot=slot,
                      send_counts=torch.tensor(answer["send_counts"], dtype=torch.int64),
                      recv_counts=torch.tensor(answer["recv_counts"], dtype=torch.int64)
@@ -285,7 +378,10 @@ class Engine:
                      local_experts=list(answer["local_experts"]),
                      epoch=int(answer["epoch"]),
                      share_begin=int(answer["share_begin"]),
-                     share_end=int(answer["share_end"]))
+                     share_end=int(answer["share_end"]),
+                     copy_begin=list(answer["copy_begin"]),
+                     copy_slot=list(answer["copy_slot"]),
+                     copy_quota=list(answer["copy_quota"]))
 
     def reduce_gradients(self) -> None:
         """Collective, after backward and before the optimizer: commits a migrated placement

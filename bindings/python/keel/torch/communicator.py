@@ -5,7 +5,8 @@ step_end), with the collective's deadline in seconds. Every operation is posted 
 waited for with that deadline, so a stalled peer becomes a ``TimeoutError`` (the engine's
 DEADLINE_EXCEEDED) and a dead one the backend's error (ABORTED), never a hang. Sums are folded in
 rank order, so every rank gets the same bits on every run. Gloo runs on CPU tensors; an NCCL group
-runs the same code on the current CUDA device.
+runs the same code on the current CUDA device, and moves the engine's GPU slot buffers device to
+device (:meth:`ProcessGroupCommunicator.all_to_all_v_device`).
 """
 
 from __future__ import annotations
@@ -41,9 +42,12 @@ class ProcessGroupCommunicator:
         self.size: int = dist.get_world_size(self.group)
         if self.rank < 0:
             raise InvalidArgumentError("this process is not a member of the given group")
-        backend = str(dist.get_backend(self.group)).lower()
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
-                       else torch.device("cpu"))
+        self.backend = str(dist.get_backend(self.group)).lower()
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if self.backend == "nccl" else torch.device("cpu"))
+        # An NCCL group exchanges GPU slot buffers without staging them in host memory; a gloo
+        # group's engine stages them (gloo would copy CUDA tensors through the host anyway).
+        self.moves_device_memory = self.backend == "nccl"
         # Broadcast names its root by global rank; the group's members tell theirs (public API
         # on every torch version).
         me = torch.tensor([dist.get_rank()], dtype=torch.int64, device=self.device)
@@ -123,6 +127,37 @@ class ProcessGroupCommunicator:
                        "broadcast")
         return payload.cpu().numpy().tobytes()
 
+    def all_to_all_v_known(self, send: memoryview, send_bytes: Sequence[int], recv: memoryview,
+                           recv_bytes: Sequence[int], timeout: float) -> None:
+        """Sends ``send_bytes[r]`` bytes of ``send`` to each rank r and writes what every rank
+        sends here into ``recv``, ``recv_bytes[r]`` from rank r in rank order: the sizes are
+        known on both sides (the engine derives them from one plan), so no collective exchanges
+        them. On gloo the bytes go straight between the engine's buffers."""
+        payload = self._bytes_tensor(send)
+        if self.device.type == "cpu":
+            received = (torch.frombuffer(recv, dtype=torch.uint8) if len(recv) > 0
+                        else torch.empty(0, dtype=torch.uint8))
+        else:
+            received = torch.empty(len(recv), dtype=torch.uint8, device=self.device)
+        self._wait(dist.all_to_all_single(received, payload, list(recv_bytes), list(send_bytes),
+                                          group=self.group, async_op=True),
+                   timeout, "all_to_all_v")
+        if self.device.type != "cpu" and len(recv) > 0:
+            torch.frombuffer(recv, dtype=torch.uint8).copy_(received.cpu())
+
+    def all_to_all_v_device(self, send: int, send_bytes: Sequence[int], recv: int,
+                            recv_bytes: Sequence[int], timeout: float) -> None:
+        """The same over GPU memory at the addresses ``send`` and ``recv`` (the engine's slot
+        exchange buffers on this rank's device), device to device through the group (NCCL).
+        Returns when ``recv`` holds the bytes: the engine reads them next on a stream of its
+        own."""
+        payload = _device_bytes(send, sum(send_bytes), self.device)
+        received = _device_bytes(recv, sum(recv_bytes), self.device)
+        self._wait(dist.all_to_all_single(received, payload, list(recv_bytes), list(send_bytes),
+                                          group=self.group, async_op=True),
+                   timeout, "all_to_all_v (device)")
+        torch.cuda.current_stream(self.device).synchronize()
+
     def all_to_all_v(self, send: memoryview, send_bytes: Sequence[int],
                      timeout: float) -> Tuple[Any, List[int]]:
         """Sends ``send_bytes[r]`` bytes of ``send`` (back to back in rank order) to each rank r;
@@ -139,3 +174,19 @@ class ProcessGroupCommunicator:
                                           group=self.group, async_op=True),
                    timeout, "all_to_all_v")
         return received.cpu().numpy(), recv_bytes
+
+
+class _CudaBytes:
+    """``size`` bytes of CUDA memory at ``address``, as the CUDA array interface describes them,
+    so that ``torch.as_tensor`` wraps them without a copy."""
+
+    def __init__(self, address: int, size: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1",
+                                         "data": (address, False), "version": 2}
+
+
+def _device_bytes(address: int, size: int, device: Any) -> Any:
+    """A uint8 tensor over ``size`` bytes of the engine's memory on ``device`` (no copy)."""
+    if size == 0:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.as_tensor(_CudaBytes(address, size), device=device)

@@ -1,6 +1,7 @@
 """What one expert is: the shapes of its parameters and how it computes. Keel keeps every copy
-of an expert (home, replica, transient replica) as one contiguous float32 buffer per slot, split
-into these parameters, so the engine can move and add whole experts by address."""
+of an expert (home, replica, transient replica) as one contiguous buffer per slot (of the
+experts' dtype, on their device), split into these parameters, so the engine can move and add
+whole experts by address."""
 
 from __future__ import annotations
 
@@ -19,10 +20,13 @@ class ExpertSpec:
 
     Args:
         shapes: parameter name -> shape, in the order they are packed into a slot's buffer.
-        forward: ``forward(params, x) -> y``: ``x`` is ``[rows, input_size]`` float32, ``y``
-            ``[rows, output_size]``; ``params`` maps each name to a tensor of its shape.
-        init: ``init(generator) -> params`` with every parameter's initial value (float32); the
-            same generator state must give the same values on every rank.
+        forward: ``forward(params, x) -> y``: ``x`` is ``[rows, input_size]`` (the hidden
+            states' dtype), ``y`` ``[rows, output_size]`` of the same dtype; ``params`` maps each
+            name to a tensor of its shape in the experts' dtype (which may differ from ``x``'s:
+            cast, as :func:`ffn_expert` does).
+        init: ``init(generator) -> params`` with every parameter's initial value (float32, on
+            the CPU; a CPU ``torch.Generator`` is passed); the same generator state must give
+            the same values on every rank.
         input_size, output_size: the widths of ``x`` and ``y`` (the model's hidden size).
     """
 
@@ -46,7 +50,7 @@ class ExpertSpec:
             count = math.prod(shape)
             self.offsets[name] = (at, count)
             at += count
-        self.numel = at  # float32 values per slot
+        self.numel = at  # values per slot
 
     @property
     def names(self) -> List[str]:
@@ -58,7 +62,8 @@ class ExpertSpec:
                 for name, (at, count) in self.offsets.items()}
 
     def pack(self, params: Params, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The parameters as one flat float32 buffer ``[numel]``; checks every name and shape."""
+        """The parameters as one flat buffer ``[numel]`` (``out``'s dtype and device, else a new
+        float32 CPU tensor); checks every name and shape."""
         out = torch.empty(self.numel, dtype=torch.float32) if out is None else out
         missing = set(self.shapes) - set(params)
         if missing:
@@ -87,9 +92,12 @@ def ffn_expert(hidden_size: int, ffn_size: int, activation: str = "gelu") -> Exp
         shapes["w3"] = (hidden_size, ffn_size)
 
     def forward(p: Params, x: torch.Tensor) -> torch.Tensor:
+        # In the hidden states' dtype: float32 master weights give bfloat16 products for
+        # bfloat16 hidden states, as torch.autocast would.
+        w = {name: value.to(x.dtype) for name, value in p.items()}
         if activation == "swiglu":
-            return (torch.nn.functional.silu(x @ p["w1"]) * (x @ p["w3"])) @ p["w2"]
-        return activations[activation](x @ p["w1"]) @ p["w2"]
+            return (torch.nn.functional.silu(x @ w["w1"]) * (x @ w["w3"])) @ w["w2"]
+        return activations[activation](x @ w["w1"]) @ w["w2"]
 
     def init(generator: torch.Generator) -> Params:
         out = {}

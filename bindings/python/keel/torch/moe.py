@@ -10,9 +10,12 @@ and push the homes' new weights to the replicas after it.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Callable, Dict, List, Optional
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -20,6 +23,7 @@ from keel._errors import FailedPreconditionError, InternalError, InvalidArgument
 from keel.engine import Engine, check_tensor
 from keel.torch.communicator import ProcessGroupCommunicator
 from keel.torch.experts import ExpertSpec
+from keel.torch.routing import count_experts, dispatch_order, slot_major_order
 
 
 class StepTimes:
@@ -167,18 +171,23 @@ class MoEDispatcher(torch.nn.Module):
     """One MoE layer's dispatcher and its slots' expert parameters (a ``torch.nn.Module``; put it
     in your model so that ``model.parameters()`` includes the slots).
 
-    ``forward(hidden, topk_ids, topk_weights) -> out``:
+    ``forward(hidden, topk_ids, topk_weights) -> out``, every tensor on the device of the
+    :class:`KeelMoE` (CPU or CUDA):
 
-    - ``hidden``: ``[num_tokens, input_size]`` float32, this rank's tokens.
+    - ``hidden``: ``[num_tokens, input_size]`` float32, bfloat16 or float16, this rank's tokens.
     - ``topk_ids``: ``[num_tokens, top_k]`` int64 or int32, the router's expert per choice
       (``-1`` drops a choice).
-    - ``topk_weights``: ``[num_tokens, top_k]`` float32, the router's gate weight per choice
-      (gradients flow back into it).
-    - ``out``: ``[num_tokens, output_size]`` float32, ``sum_k topk_weights[t, k] *
-      expert[topk_ids[t, k]](hidden[t])``, exactly what a dense MoE layer gives.
+    - ``topk_weights``: ``[num_tokens, top_k]`` float32, bfloat16 or float16, the router's gate
+      weight per choice (gradients flow back into it).
+    - ``out``: ``[num_tokens, output_size]`` of ``hidden``'s dtype, ``sum_k topk_weights[t, k] *
+      expert[topk_ids[t, k]](hidden[t])``, what a dense MoE layer gives. The experts compute in
+      ``hidden``'s dtype (:func:`keel.torch.ffn_expert` casts its weights to it), and the
+      weighted sum over k runs in that dtype with float32 accumulation (one batched product).
 
     Collective: every rank calls every layer in the same order, forward and backward.
     """
+
+    _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
     def __init__(self, moe: "KeelMoE", layer: int) -> None:
         super().__init__()
@@ -194,11 +203,11 @@ class MoEDispatcher(torch.nn.Module):
         placement = engine.placement(layer)["phy2log"]
         rank, per_rank = engine.rank, engine.slots_per_rank
         for local in range(engine.local_slots):
-            weights = torch.zeros(spec.numel, dtype=torch.float32)
-            gradients = torch.zeros(spec.numel, dtype=torch.float32)
+            weights = torch.zeros(spec.numel, dtype=moe.dtype, device=moe.device)
+            gradients = torch.zeros(spec.numel, dtype=moe.dtype, device=moe.device)
             persistent = local < per_rank
-            optimizer = torch.zeros(moe.optimizer_floats, dtype=torch.float32) \
-                if persistent and moe.optimizer_floats > 0 else None
+            optimizer = (torch.zeros(moe.optimizer_bytes, dtype=torch.uint8, device=moe.device)
+                         if persistent and moe.optimizer_bytes > 0 else None)
             slot = torch.nn.ParameterDict()
             for name, view in spec.views(weights).items():
                 slot[name] = torch.nn.Parameter(view)
@@ -258,78 +267,91 @@ class MoEDispatcher(torch.nn.Module):
 
     def optimizer_state_views(self, local: int) -> Dict[str, Dict[str, torch.Tensor]]:
         """name -> the Adam state of that parameter of persistent slot ``local``, as views of the
-        slot's optimizer buffer (which the engine moves with the home)."""
+        slot's optimizer buffer (which the engine moves with the home): ``step`` a float32
+        scalar, ``exp_avg`` and ``exp_avg_sq`` of the parameter's dtype and shape, packed per
+        parameter in that order."""
         buffer = self._optimizer[local]
+        spec = self._moe.spec
+        element = self._moe.element_size
         out = {}
         at = 0
-        for name, (_, count) in self._moe.spec.offsets.items():
-            shape = self._moe.spec.shapes[name]
-            out[name] = {"step": buffer[at:at + 1].view(()),
-                         "exp_avg": buffer[at + 1:at + 1 + count].view(shape),
-                         "exp_avg_sq": buffer[at + 1 + count:at + 1 + 2 * count].view(shape)}
-            at += 1 + 2 * count
+        for name, (_, count) in spec.offsets.items():
+            moment = count * element
+            out[name] = {
+                "step": buffer[at:at + 4].view(torch.float32).view(()),
+                "exp_avg": buffer[at + 4:at + 4 + moment].view(self._moe.dtype)
+                .view(spec.shapes[name]),
+                "exp_avg_sq": buffer[at + 4 + moment:at + 4 + 2 * moment].view(self._moe.dtype)
+                .view(spec.shapes[name])}
+            at += 4 + 2 * moment
         return out
 
     # --- forward --------------------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         moe = self._moe
-        engine = moe.engine
         spec = moe.spec
-        top_k = engine.top_k
-        check_tensor("hidden", hidden, (torch.float32,), shape=(None, spec.input_size))
+        check_tensor("hidden", hidden, self._FLOATS, shape=(None, spec.input_size),
+                     device=moe.device)
         tokens = hidden.shape[0]
-        check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), shape=(tokens, top_k))
-        check_tensor("topk_weights", topk_weights, (torch.float32,), shape=(tokens, top_k))
-        times = moe.times
-        if times is not None:
-            entered = time.thread_time()
-            before = times.expert[self.layer] + times.exchange_thread
-
-        started, started_thread = time.process_time(), time.thread_time()
-        route = engine.route(self.layer, topk_ids)
-        self.last_route = route  # for inspection: which slots this step used
-        if times is not None:
-            elapsed = time.process_time() - started
-            times.route += elapsed
-            times.communication[self.layer] += elapsed
-            times.route_thread += time.thread_time() - started_thread
-
-        # Dispatch order: by (destination rank, local slot), stable in (token, k); dropped
-        # choices (slot -1) sort last and are not sent.
-        order = torch.sort(moe.slot_keys[route.slot.reshape(-1).long()], stable=True)[1]
+        check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64),
+                     shape=(tokens, moe.top_k), device=moe.device)
+        check_tensor("topk_weights", topk_weights, self._FLOATS, shape=(tokens, moe.top_k),
+                     device=moe.device)
+        clock = _LayerClock(moe.times, self.layer)
+        with clock.route():
+            route, dispatch = self._route(topk_ids)
+        self.last_route = route
         send = route.send_counts.tolist()
         recv = route.recv_totals.tolist()
-        order = order[:sum(send)]
-        token = torch.div(order, top_k, rounding_mode="floor")
-        exchange = moe.exchange(self.layer)
-        moe.condensation_rows[0] += order.numel()
+        token = torch.div(dispatch.order, moe.top_k, rounding_mode="floor")
+        moe.condensation_rows[0] += dispatch.order.numel()
+        clock.count_rows(route)
         if moe.condense_threshold > 0:
-            keys = moe.slot_keys[route.slot.reshape(-1).long()].index_select(0, order)
-            if times is not None:
-                times.rows[self.layer] += int(route.recv_counts.sum())
+            keys = torch.from_numpy(moe.slot_keys[dispatch.slot.long().numpy()])[dispatch.order]
             returned = _CondensedExperts.apply(hidden.index_select(0, token), self, keys, send,
                                                recv, route.recv_counts)
-            weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1)
-            out = hidden.new_zeros((tokens, spec.output_size)).index_add(0, token,
-                                                                         returned * weights)
-            if times is not None:
-                spent_elsewhere = times.expert[self.layer] + times.exchange_thread - before
-                times.dispatch += time.thread_time() - entered - spent_elsewhere
-            return out
-        moe.condensation_rows[1] += order.numel()
-        received = _AllToAll.apply(hidden.index_select(0, token), send, recv, exchange)
+        else:
+            moe.condensation_rows[1] += dispatch.order.numel()
+            returned = self._exchange_and_compute(hidden.index_select(0, token), route, send,
+                                                  recv, clock)
+        out = self._combine(returned, dispatch, topk_weights, tokens)
+        clock.end_dispatch()
+        return out
 
+    def _route(self, topk_ids: torch.Tensor) -> Any:
+        """The engine's routing of this layer and every entry's place in the dispatch."""
+        moe = self._moe
+        count = count_experts(topk_ids, moe.num_experts)
+        route = moe.engine.route_counts(self.layer, count.counts_E)
+        dispatch = dispatch_order(count, route.copy_begin, route.copy_slot, route.copy_quota,
+                                  moe.slot_keys, topk_ids.numel())
+        return route._replace(slot=dispatch.slot.view(topk_ids.shape)), dispatch
+
+    def _exchange_and_compute(self, rows: torch.Tensor, route: Any, send: List[int],
+                              recv: List[int], clock: "_LayerClock") -> torch.Tensor:
+        """Rows to their slots' ranks, through this rank's experts, and back (dispatch order)."""
+        moe = self._moe
+        exchange = moe.exchange(self.layer)
+        received = _AllToAll.apply(rows, send, recv, exchange)
         # Received rows come grouped by source rank, then local slot; the experts want them
-        # grouped by slot.
+        # grouped by slot. One rank: already so.
         counts = route.recv_counts
-        slot_rows = counts.sum(0).tolist()
-        by_slot = _slot_major_order(counts)
-        inputs = received.index_select(0, by_slot)
-        if times is not None:
-            times.rows[self.layer] += int(counts.sum())
-            inputs = _OnBackward.apply(inputs, moe.stop_expert_clock(self.layer))
-        started = time.thread_time()
+        by_slot = None
+        if moe.engine.num_ranks > 1:
+            by_slot = slot_major_order(counts.numpy(), moe.device)
+            received = received.index_select(0, by_slot)
+        computed = clock.experts(lambda x: self._experts(x, counts.sum(0).tolist(), route),
+                                 received)
+        if by_slot is not None:
+            back = torch.empty_like(by_slot)
+            back[by_slot] = torch.arange(by_slot.numel(), device=by_slot.device)
+            computed = computed.index_select(0, back)
+        return _AllToAll.apply(computed, recv, send, exchange)
+
+    def _experts(self, inputs: torch.Tensor, slot_rows: List[int], route: Any) -> torch.Tensor:
+        """Each local slot's expert on its rows (``inputs`` grouped by slot)."""
+        spec = self._moe.spec
         outputs = []
         at = 0
         for local, rows in enumerate(slot_rows):
@@ -337,38 +359,79 @@ class MoEDispatcher(torch.nn.Module):
                 continue
             if route.local_experts[local] < 0:
                 raise InternalError(f"layer {self.layer}: {rows} rows routed to local slot "
-                                    f"{local} of rank {engine.rank}, which holds no expert")
+                                    f"{local} of rank {self._moe.engine.rank}, which holds no "
+                                    f"expert")
             params = dict(self.slots[local].items())
             outputs.append(spec.forward(params, inputs[at:at + rows]))
             at += rows
-        computed = torch.cat(outputs) if outputs else inputs.new_zeros((0, spec.output_size))
-        if times is not None:
-            times.expert[self.layer] += time.thread_time() - started
-            computed = _OnBackward.apply(computed, moe.start_expert_clock(self.layer))
-        back = torch.empty_like(by_slot)
-        back[by_slot] = torch.arange(by_slot.numel(), dtype=torch.int64)
-        unsorted = computed.index_select(0, back)
-        returned = _AllToAll.apply(unsorted, recv, send, exchange)
-        weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1)
-        out = hidden.new_zeros((tokens, spec.output_size)).index_add(0, token, returned * weights)
-        if times is not None:
-            spent_elsewhere = times.expert[self.layer] + times.exchange_thread - before
-            times.dispatch += time.thread_time() - entered - spent_elsewhere
-        return out
+        return torch.cat(outputs) if outputs else inputs.new_zeros((0, spec.output_size))
+
+    def _combine(self, returned: torch.Tensor, dispatch: Any, topk_weights: torch.Tensor,
+                 tokens: int) -> torch.Tensor:
+        """``out[t] = sum_k topk_weights[t, k] * returned[row of (t, k)]``: the rows back in
+        entry order (a dropped entry reads a zero row) and one batched product over k, with no
+        scattered adds, so the sum's order is fixed."""
+        top_k = self._moe.top_k
+        rows = returned
+        if dispatch.position.numel() > returned.shape[0]:  # dropped entries read the zero row
+            rows = torch.cat([returned, returned.new_zeros((1, returned.shape[1]))])
+        width = rows.shape[1]
+        rows_TKD = rows.index_select(0, dispatch.position).view(tokens, top_k, width)
+        weights_T1K = topk_weights.to(rows.dtype).view(tokens, 1, top_k)
+        return torch.bmm(weights_T1K, rows_TKD).view(tokens, width)
 
 
-def _slot_major_order(counts: torch.Tensor) -> torch.Tensor:
-    """[rows] received-row index of every row in (local slot, source rank) order, given
-    ``counts`` ``[num_ranks, local_slots]`` rows per (source rank, local slot) in received order
-    (source-major)."""
-    flat = counts.reshape(-1)
-    starts = torch.cumsum(flat, 0) - flat  # where each (source, slot) block starts
-    by_slot_counts = counts.t().reshape(-1)
-    by_slot_starts = starts.reshape(counts.shape).t().reshape(-1)
-    block_offsets = torch.cumsum(by_slot_counts, 0) - by_slot_counts
-    total = int(flat.sum())
-    return (torch.repeat_interleave(by_slot_starts - block_offsets, by_slot_counts)
-            + torch.arange(total, dtype=torch.int64))
+class _LayerClock:
+    """One layer call's share of :class:`StepTimes`, when the trainer asked for them
+    (``KeelMoE.times``): route, all-to-all and expert time, and the dispatcher's own work on
+    the calling thread (what is left of its thread time). CPU clocks: on a GPU they measure the
+    host's side only."""
+
+    def __init__(self, times: Optional[StepTimes], layer: int) -> None:
+        self.times, self.layer = times, layer
+        if times is not None:
+            self.entered = time.thread_time()
+            self.before = times.expert[layer] + times.exchange_thread
+
+    @contextlib.contextmanager
+    def route(self) -> Iterator[None]:
+        started, started_thread = time.process_time(), time.thread_time()
+        yield
+        if self.times is not None:
+            elapsed = time.process_time() - started
+            self.times.route += elapsed
+            self.times.communication[self.layer] += elapsed
+            self.times.route_thread += time.thread_time() - started_thread
+
+    def count_rows(self, route: Any) -> None:
+        if self.times is not None:
+            self.times.rows[self.layer] += int(route.recv_counts.sum())
+
+    def experts(self, run: Callable[[torch.Tensor], torch.Tensor],
+                inputs: torch.Tensor) -> torch.Tensor:
+        """``run(inputs)``, its forward and backward counted as expert time."""
+        if self.times is None:
+            return run(inputs)
+        moe_times, layer = self.times, self.layer
+        clock = [0.0]
+
+        def start() -> None:
+            clock[0] = time.thread_time()
+
+        def stop() -> None:
+            moe_times.expert[layer] += time.thread_time() - clock[0]
+
+        inputs = _OnBackward.apply(inputs, stop)
+        started = time.thread_time()
+        outputs = run(inputs)
+        moe_times.expert[layer] += time.thread_time() - started
+        return _OnBackward.apply(outputs, start)
+
+    def end_dispatch(self) -> None:
+        if self.times is not None:
+            spent_elsewhere = (self.times.expert[self.layer] + self.times.exchange_thread
+                               - self.before)
+            self.times.dispatch += time.thread_time() - self.entered - spent_elsewhere
 
 
 class KeelMoE:
@@ -398,16 +461,25 @@ class KeelMoE:
             computed once in the forward. 1.0 condenses only repeated rows and trains as without
             it; lower values change the math. ``condensation_rows`` counts [rows, rows kept].
         condense_window: rows before a row in its slot that it is compared with.
+        device: where the experts' slots live and the layer's tensors come from: the CPU or a
+            CUDA device. Default: this rank's current CUDA device for an NCCL group, else the
+            CPU. A gloo group takes CUDA tensors too (several ranks may share one GPU).
+        dtype: the expert parameters' dtype (and their gradients' and Adam moments'): float32,
+            bfloat16 or float16. Hidden states may have another of these dtypes: the experts
+            compute in the hidden states' dtype, so float32 parameters with bfloat16 hidden
+            states train with float32 master weights, as ``torch.autocast`` does.
     """
 
     _OPTIMIZERS = ("adam", "none")
+    _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
     def __init__(self, expert: ExpertSpec, *, num_layers: int, num_experts: int, top_k: int,
                  group: Any = None, config: Any = None, optimizer: str = "adam",
                  average_gradients: bool = True,
                  init_expert: Optional[Callable[[int, int], Dict[str, torch.Tensor]]] = None,
                  seed: int = 0, condense_threshold: float = 0.0,
-                 condense_window: int = 32) -> None:
+                 condense_window: int = 32, device: Any = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         if not isinstance(expert, ExpertSpec):
             raise InvalidArgumentError(
                 f"expert must be a keel.torch.ExpertSpec, got {type(expert).__name__}")
@@ -419,43 +491,77 @@ class KeelMoE:
                 f"condense_threshold = {condense_threshold} is not in [0, 1] (0 = off)")
         if condense_window < 1:
             raise InvalidArgumentError(f"condense_window = {condense_window} must be >= 1")
+        if dtype not in self._DTYPES:
+            raise InvalidArgumentError(
+                f"dtype = {dtype} is not one of {', '.join(str(d) for d in self._DTYPES)}")
         self.condense_threshold = float(condense_threshold)
         self.condense_window = int(condense_window)
         self.condensation_rows = [0, 0]  # forward rows dispatched, rows sent after condensation
         self.spec = expert
         self.optimizer_kind = optimizer
-        # Adam: [step, exp_avg, exp_avg_sq] per parameter, packed per slot.
-        self.optimizer_floats = (sum(1 + 2 * count for _, count in expert.offsets.values())
-                                 if optimizer == "adam" else 0)
+        self.dtype = dtype
+        self.element_size = torch.empty(0, dtype=dtype).element_size()
+        # Adam: a float32 step, then exp_avg and exp_avg_sq in the parameters' dtype, per
+        # parameter, packed per slot (4-byte aligned throughout: 2 moments of 2-byte elements).
+        self.optimizer_bytes = (sum(4 + 2 * count * self.element_size
+                                    for _, count in expert.offsets.values())
+                                if optimizer == "adam" else 0)
         self.average_gradients = average_gradients
         self.seed = seed
         self._init_expert = init_expert
         self.communicator = ProcessGroupCommunicator(group)
         self.group = self.communicator.group
+        self.device = self._choose_device(device)
+        if self.condense_threshold > 0 and (self.device.type != "cpu" or dtype != torch.float32):
+            raise InvalidArgumentError(
+                f"condense_threshold = {condense_threshold} needs float32 experts on the CPU; "
+                f"these are {self._DTYPES[dtype]} on {self.device}")
         if isinstance(config, dict):
             from keel import Config
             config = Config.from_dict(config)
-        self.engine = Engine(self.communicator, config=config, num_layers=num_layers,
-                             num_experts=num_experts, top_k=top_k,
-                             weight_bytes=expert.numel * 4, gradient_bytes=expert.numel * 4,
-                             optimizer_bytes=self.optimizer_floats * 4,
-                             gradient_type="float32")
+        slot_bytes = expert.numel * self.element_size
+        with _current_cuda_device(self.device):
+            self.engine = Engine(self.communicator, config=config, num_layers=num_layers,
+                                 num_experts=num_experts, top_k=top_k, weight_bytes=slot_bytes,
+                                 gradient_bytes=slot_bytes, optimizer_bytes=self.optimizer_bytes,
+                                 gradient_type=self._DTYPES[dtype],
+                                 memory="cuda" if self.device.type == "cuda" else "host")
         self.collective_timeout = _collective_timeout(config)
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
-        # Physical slot -> dispatch key rank * local_slots + local slot; the last entry (index
-        # -1, a dropped choice) sorts after every real key.
+        # Physical slot -> dispatch bucket: rank * local_slots + local slot.
         engine = self.engine
         num_physical = engine.num_ranks * engine.local_slots
         keys = [0] * num_physical
         for slot in range(num_physical):
             owner, local = engine.locate_slot(slot)
             keys[slot] = owner * engine.local_slots + local
-        self.slot_keys = torch.tensor(keys + [num_physical], dtype=torch.int64)
+        self.slot_keys = numpy.asarray(keys, dtype=numpy.int64)
         self.times: Optional[StepTimes] = None
-        self._expert_clock: List[float] = [0.0] * num_layers
         self.layers = [MoEDispatcher(self, layer) for layer in range(num_layers)]
         self._reduced = False
         self._optimizers: List[Any] = []
+
+    def _choose_device(self, device: Any) -> torch.device:
+        if device is None:
+            return self.communicator.device
+        try:
+            chosen = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise InvalidArgumentError(f"device = {device!r} is not a torch device") from None
+        if chosen.type == "cuda":
+            if not torch.cuda.is_available():
+                raise InvalidArgumentError(f"device = {device!r}, but torch sees no CUDA device")
+            if chosen.index is None:
+                chosen = torch.device("cuda", torch.cuda.current_device())
+        elif chosen.type != "cpu":
+            raise InvalidArgumentError(f"device = {device!r}: keel takes CPU or CUDA devices")
+        return chosen
+
+    def synchronize(self) -> None:
+        """Waits for the work torch queued on this device: the engine's copies and sums run on
+        a stream of their own, so what torch's stream wrote must be there first."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     # --- pieces for the model -------------------------------------------------------------------
     def layer(self, index: int) -> MoEDispatcher:
@@ -493,17 +599,6 @@ class KeelMoE:
             return out
 
         return run
-
-    def start_expert_clock(self, layer: int) -> Callable[[], None]:
-        def start() -> None:
-            self._expert_clock[layer] = time.thread_time()
-        return start
-
-    def stop_expert_clock(self, layer: int) -> Callable[[], None]:
-        def stop() -> None:
-            if self.times is not None:
-                self.times.expert[layer] += time.thread_time() - self._expert_clock[layer]
-        return stop
 
     # --- the optimizer --------------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
@@ -545,24 +640,20 @@ class KeelMoE:
             if settings and settings.get("amsgrad"):
                 raise InvalidArgumentError("amsgrad=True is not supported: Keel moves exp_avg "
                                            "and exp_avg_sq with a home, not max_exp_avg_sq")
+            if (self.device.type == "cuda" and settings
+                    and not (settings.get("fused") or settings.get("capturable"))):
+                # The step counts live on the GPU, in the buffer that moves with a home; torch's
+                # default Adam reads each one back to the host (a synchronisation per parameter).
+                warnings.warn("Adam over Keel's CUDA slots runs fastest with fused=True (or "
+                              "capturable=True): the step counts live on the GPU",
+                              stacklevel=2)
             for layer in self.layers:
                 for local in range(self.engine.slots_per_rank):
                     views = layer.optimizer_state_views(local)
                     for name, param in layer.slots[local].items():
                         optimizer.state[param] = dict(views[name])
-        if hasattr(optimizer, "register_step_pre_hook"):  # torch >= 2.0
-            optimizer.register_step_pre_hook(lambda *_: self.reduce_gradients())
-            optimizer.register_step_post_hook(lambda *_: self.step_end())
-        else:
-            step = optimizer.step
-
-            def step_with_keel(*args: Any, **kwargs: Any) -> Any:
-                self.reduce_gradients()
-                result = step(*args, **kwargs)
-                self.step_end()
-                return result
-
-            optimizer.step = step_with_keel
+        optimizer.register_step_pre_hook(lambda *_: self.reduce_gradients())
+        optimizer.register_step_post_hook(lambda *_: self.step_end())
         self._optimizers.append(optimizer)
 
     def reduce_gradients(self) -> None:
@@ -576,6 +667,7 @@ class KeelMoE:
         started = time.process_time()
         for layer in self.layers:
             layer.collect_gradients()
+        self.synchronize()
         self.engine.reduce_gradients()
         scale = 1.0 / self.engine.num_ranks if self.average_gradients else 1.0
         for layer in self.layers:
@@ -592,6 +684,7 @@ class KeelMoE:
             raise FailedPreconditionError(
                 "step_end before reduce_gradients: the optimizer ran on unreduced gradients")
         started = time.process_time()
+        self.synchronize()
         self.engine.step_end()
         for layer in self.layers:
             layer.attach_gradients()
@@ -607,13 +700,14 @@ class KeelMoE:
             raise FailedPreconditionError(
                 "end_forward_pass after reduce_gradients: finish the training step with "
                 "optimizer.step() (or step_end())")
+        self.synchronize()
         self.engine.step_end()
 
     # --- results --------------------------------------------------------------------------------
     def gather_experts(self, layer: int) -> List[Dict[str, torch.Tensor]]:
         """Collective: every expert's weights of ``layer`` from its home, on every rank
-        (``[num_experts]`` of name -> tensor)."""
-        mine = {e: {n: p.detach().clone() for n, p in params.items()}
+        (``[num_experts]`` of name -> tensor on this rank's device)."""
+        mine = {e: {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
                 for e, params in self.layers[layer].home_parameters().items()}
         everyone: List[Any] = [None] * self.engine.num_ranks
         dist.all_gather_object(everyone, mine, group=self.group)
@@ -624,6 +718,7 @@ class KeelMoE:
         missing = [e for e, p in enumerate(experts) if p is None]
         if missing:
             raise InternalError(f"layer {layer}: experts {missing} have no home")
+        experts = [{n: t.to(self.device) for n, t in params.items()} for params in experts]
         return experts  # type: ignore[return-value]
 
     def stats(self) -> Dict[str, Any]:
@@ -640,3 +735,9 @@ def _collective_timeout(config: Any) -> float:
         from keel import Config
         config = Config()
     return float(config.to_dict()["engine"]["collective_timeout_seconds"])
+
+
+def _current_cuda_device(device: torch.device) -> Any:
+    """``device`` current for the block when it is a CUDA device (the engine takes the device
+    current at its creation), else nothing."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
