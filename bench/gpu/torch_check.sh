@@ -41,7 +41,8 @@ cp -r "$root/bindings/python/keel" "$package/keel"
 suffix=$("$python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 echo "== building keel._keel for $("$python" --version 2>&1)"
 started=$SECONDS
-if ! c++ -O2 -DNDEBUG -std=c++20 -shared -fPIC $("$python" -m pybind11 --includes) \
+read -r -a includes <<<"$("$python" -m pybind11 --includes)"  # -I python's and pybind11's
+if ! c++ -O2 -DNDEBUG -std=c++20 -shared -fPIC "${includes[@]}" \
     -I"$root/include" -I"$prebuilt/include" "$root/bindings/python/keel_module.cc" \
     -L"$prebuilt/lib" -lkeel -Wl,-rpath,"$prebuilt/lib" -o "$package/keel/_keel$suffix" \
     >"$out/torch_build.log" 2>&1; then
@@ -55,14 +56,14 @@ export PYTHONPATH="$package:$root/tests/python${PYTHONPATH:+:$PYTHONPATH}"
   keel._keel.with_cuda)' || status=1
 
 echo "== keel.torch tests on CUDA"
-tests=${KEEL_TORCH_CHECK_TESTS:-"test_dispatcher.py test_routing.py test_failures.py test_torch_devices.py"}
+read -r -a tests <<<"${KEEL_TORCH_CHECK_TESTS:-test_dispatcher.py test_routing.py test_failures.py test_torch_devices.py}"
 workers=()
 if "$python" -c 'import xdist' 2>/dev/null; then
   workers=(-n "${KEEL_PYTEST_WORKERS:-4}")
 fi
 (cd "$root/tests/python" &&
   KEEL_TEST_DEVICE=cuda UCX_TLS=tcp,self UCX_NET_DEVICES=lo timeout 420 "$python" -m pytest -q \
-    -p no:cacheprovider -rs "${workers[@]}" --junitxml="$out/torch_tests.xml" $tests \
+    -p no:cacheprovider -rs "${workers[@]}" --junitxml="$out/torch_tests.xml" "${tests[@]}" \
     >"$out/torch_tests.log" 2>&1)
 rc=$?
 tail -n 30 "$out/torch_tests.log"
