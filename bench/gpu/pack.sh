@@ -20,6 +20,7 @@ cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKEEL_WITH_PYT
   -DKEEL_WITH_CUDA=ON -DKEEL_WITH_NCCL=ON -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
 targets=()
 for p in "${programs[@]}"; do targets+=("$(basename "$p")"); done
+targets+=(keel_shared)  # libkeel, which bench/gpu/torch_check.sh links the Python extension to
 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
 
 # .gpu-deps/ is the device tool's carry folder, never committed.
@@ -36,7 +37,9 @@ done
 # Every shared library the programs load, less those any Linux with CUDA has (cuBLAS is part of
 # the toolkit there, and far larger than the carry allows).
 system='^(linux-vdso|ld-linux|libc\.|libm\.|libpthread\.|libdl\.|librt\.|libstdc\+\+|libgcc_s|libcuda\.|libnccl\.|libcublas)'
-for p in "$pack"/bin/*; do
+cp -L "$build/lib/libkeel.so.0" "$pack/lib/"
+strip --strip-debug "$pack/lib/libkeel.so.0"
+for p in "$pack"/bin/* "$pack/lib/libkeel.so.0"; do
   ldd "$p" | awk '$3 ~ /^\// {print $1, $3}'
 done | sort -u | while read -r name path; do
   [[ $name =~ $system ]] || cp -L "$path" "$pack/lib/$name"

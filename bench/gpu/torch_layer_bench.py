@@ -9,7 +9,8 @@ difference is Keel's routing and bookkeeping.
 
 - *plain*: sort the (token, k) entries by expert, count them per expert (read on the host, as
   the split sizes of torch's all_to_all_single need them), all-to-all (torch's differentiable
-  one), each expert on its rows, all-to-all back, weighted scatter-add into the tokens.
+  one), each expert on its rows (one split of the received rows), all-to-all back, weighted
+  scatter-add into the tokens.
 - *keel*: ``KeelMoE(...).layer(0)(hidden, topk_ids, topk_weights)``.
 
 Reported, milliseconds (median of the timed repeats, the GPU synchronised before and after
@@ -20,7 +21,7 @@ remap by torch operations; it is also inside keel's forward) and the optimizer h
 layer's forward + backward.
 
 Usage: torch_layer_bench.py [--tokens N] [--experts E] [--top-k K] [--hidden H] [--ffn F]
-       [--repeats R] [--json FILE]
+       [--repeats R] [--warmup W] [--device cuda|cpu] [--json FILE] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,10 @@ def parse_args() -> argparse.Namespace:
                         help="cuda (NCCL group), or cpu (gloo) to try the script at a small "
                              "size on a machine without a GPU (cuda)")
     parser.add_argument("--json", help="write the results here as JSON")
+    parser.add_argument("--profile", metavar="FILE",
+                        help="after the timed calls, profile a few calls of each layer and the "
+                             "hooks with torch.profiler and write its tables here (by host "
+                             "time and by device time)")
     return parser.parse_args()
 
 
@@ -72,16 +77,44 @@ class PlainLayer:
         token = order // self.top_k
         rows = hidden.index_select(0, token)
         received = all_to_all(torch.empty_like(rows), rows, [rows.shape[0]], [rows.shape[0]])
-        outputs, at = [], 0
-        for expert, n in zip(self.experts, counts):
-            if n:
-                outputs.append(self.spec.forward(expert, received[at:at + n]))
-            at += n
+        outputs = [self.spec.forward(expert, part)
+                   for expert, n, part in zip(self.experts, counts, received.split(counts)) if n]
         computed = torch.cat(outputs)
         returned = all_to_all(torch.empty_like(computed), computed, [rows.shape[0]],
                               [rows.shape[0]])
         scaled = returned * weights.reshape(-1).index_select(0, order).unsqueeze(1)
         return torch.zeros_like(hidden).index_add(0, token, scaled.to(hidden.dtype))
+
+
+def profile(path: str, device: torch.device, plain: PlainLayer, layer: Any, moe: Any,
+            hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, probe: torch.Tensor,
+            clear: Callable[[], None]) -> None:
+    """torch.profiler's tables over 5 calls of each layer (Keel's with its hooks), each call in
+    a record_function range named after it."""
+    from torch.profiler import ProfilerActivity, record_function
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(5):
+            with record_function("plain layer"):
+                (plain(hidden, ids, weights) * probe).sum().backward()
+            clear()
+            with record_function("keel layer"):
+                (layer(hidden, ids, weights) * probe).sum().backward()
+            with record_function("keel hooks"):
+                moe.reduce_gradients()
+                moe.step_end()
+            clear()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    with open(path, "w") as out:
+        out.write("# by host time (self)\n")
+        out.write(averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
+        if device.type == "cuda":
+            out.write("# by device time (self)\n")
+            out.write(averages.table(sort_by="self_device_time_total", row_limit=40) + "\n")
 
 
 def main() -> int:
@@ -156,6 +189,9 @@ def main() -> int:
             samples["keel"].append(ended_keel - started_keel)
             samples["hooks"].append(ended_hooks - ended_keel)
             samples["route"].append(ended_route - started_route)
+
+    if args.profile:
+        profile(args.profile, device, plain, layer, moe, hidden, ids, weights, probe, clear)
 
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     results: Dict[str, Any] = {"device": name,

@@ -146,6 +146,22 @@ def test_a_lost_rank_is_an_error_within_the_deadline(how: str, device: str) -> N
         assert result["seconds"] < 3 * DEADLINE, f"rank {rank} took {result['seconds']:.1f} s"
 
 
+def test_waiting_on_the_gpu_keeps_the_deadline() -> None:
+    """The host's wait for an NCCL collective or the GPU's queue (keel.torch.communicator.
+    wait_until): returns as soon as the work is done, and raises the caller's TimeoutError
+    once the deadline has passed, never before."""
+    from keel.torch.communicator import wait_until
+
+    checks = []
+    wait_until(lambda: checks.append(1) or len(checks) == 5, 10.0, lambda: "unused")
+    assert len(checks) == 5
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="all-to-all did not complete"):
+        wait_until(lambda: False, 0.2, lambda: "all-to-all did not complete within 0.2 s")
+    assert time.monotonic() - started >= 0.2
+    wait_until(lambda: True, None, lambda: "unused")  # no deadline, already done
+
+
 def checkpoint_round_trip(rank: int, world: int, folder: str, device: str) -> Dict[str, Any]:
     """Trains 3 steps, checkpoints the engine state and the experts, then loads them into a new
     KeelMoE with other initial weights; returns what matched and what a bad state raised."""

@@ -7,12 +7,17 @@ DEADLINE_EXCEEDED) and a dead one the backend's error (ABORTED), never a hang. S
 rank order, so every rank gets the same bits on every run. Gloo runs on CPU tensors; an NCCL group
 runs the same code on the current CUDA device, and moves the engine's GPU slot buffers device to
 device (:meth:`ProcessGroupCommunicator.all_to_all_v_device`).
+
+On an NCCL group the deadline is kept on the host by polling the collective's completion
+(:func:`wait_until`): NCCL's own ``work.wait(timeout)`` would sleep a millisecond between checks,
+which costs a millisecond on every collective.
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Any, List, Sequence, Tuple
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -55,6 +60,10 @@ class ProcessGroupCommunicator:
 
     # --- helpers ------------------------------------------------------------------------------
     def _wait(self, work: Any, timeout: float, what: str) -> None:
+        if self.moves_device_memory:
+            work.wait()  # torch's current stream waits for the collective; the host does not
+            wait_until(work.is_completed, timeout, lambda: self._late(what, timeout))
+            return
         if timeout is None or timeout <= 0:
             work.wait()
             return
@@ -62,9 +71,12 @@ class ProcessGroupCommunicator:
             work.wait(timeout=datetime.timedelta(seconds=timeout))
         except RuntimeError as error:
             if "timed out" in str(error).lower():
-                raise TimeoutError(f"{what} did not complete within {timeout:g} s on rank "
-                                   f"{self.rank} of {self.size}: a peer stalled or died") from None
+                raise TimeoutError(self._late(what, timeout)) from None
             raise
+
+    def _late(self, what: str, timeout: float) -> str:
+        return (f"{what} did not complete within {timeout:g} s on rank {self.rank} of "
+                f"{self.size}: a peer stalled or died")
 
     def _gather(self, tensor: Any, timeout: float, what: str) -> List[Any]:
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
@@ -149,14 +161,13 @@ class ProcessGroupCommunicator:
                             recv_bytes: Sequence[int], timeout: float) -> None:
         """The same over GPU memory at the addresses ``send`` and ``recv`` (the engine's slot
         exchange buffers on this rank's device), device to device through the group (NCCL).
-        Returns when ``recv`` holds the bytes: the engine reads them next on a stream of its
-        own."""
+        Returns when ``recv`` holds the bytes (the collective has completed): the engine reads
+        them next on a stream of its own."""
         payload = _device_bytes(send, sum(send_bytes), self.device)
         received = _device_bytes(recv, sum(recv_bytes), self.device)
         self._wait(dist.all_to_all_single(received, payload, list(recv_bytes), list(send_bytes),
                                           group=self.group, async_op=True),
                    timeout, "all_to_all_v (device)")
-        torch.cuda.current_stream(self.device).synchronize()
 
     def all_to_all_v(self, send: memoryview, send_bytes: Sequence[int],
                      timeout: float) -> Tuple[Any, List[int]]:
@@ -174,6 +185,24 @@ class ProcessGroupCommunicator:
                                           group=self.group, async_op=True),
                    timeout, "all_to_all_v")
         return received.cpu().numpy(), recv_bytes
+
+
+def wait_until(done: Callable[[], bool], timeout: Optional[float],
+               message: Callable[[], str]) -> None:
+    """Returns once ``done()`` is true; raises ``TimeoutError(message())`` if that takes longer
+    than ``timeout`` seconds (None or <= 0: no limit). Checks without pause for the first
+    millisecond, then every 50 microseconds: GPU work usually ends within microseconds of the
+    first check, and a spinning thread must not starve the others for long."""
+    if done():
+        return
+    started = time.monotonic()
+    deadline = started + timeout if timeout is not None and timeout > 0 else None
+    while not done():
+        now = time.monotonic()
+        if deadline is not None and now > deadline:
+            raise TimeoutError(message())
+        if now - started > 1e-3:
+            time.sleep(50e-6)
 
 
 class _CudaBytes:

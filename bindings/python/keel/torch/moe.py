@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from keel._errors import FailedPreconditionError, InternalError, InvalidArgumentError
 from keel.engine import Engine, check_tensor
-from keel.torch.communicator import ProcessGroupCommunicator
+from keel.torch.communicator import ProcessGroupCommunicator, wait_until
 from keel.torch.experts import ExpertSpec
 from keel.torch.routing import count_experts, dispatch_order, slot_major_order
 
@@ -59,6 +59,25 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         return ctx.exchange(grad.contiguous(), ctx.recv, ctx.send), None, None, None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``rows[index]`` where ``index`` takes every row of ``rows`` once, except that several
+    entries may read the last row (the zero row of dropped entries, whose gradient nobody
+    uses). Backward writes each gradient row to its place, where ``index_select``'s own
+    backward would add them (a zero-filled tensor and atomic adds)."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.num_rows = rows.shape[0]
+        return rows.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        (index,) = ctx.saved_tensors
+        out = grad.new_empty((ctx.num_rows,) + tuple(grad.shape[1:]))
+        return out.index_copy_(0, index, grad), None
 
 
 class _OnBackward(torch.autograd.Function):
@@ -130,7 +149,7 @@ class _CondensedExperts(torch.autograd.Function):
             for local in range(local_slots):
                 chosen = (kept_slot == local).nonzero().squeeze(1)
                 if chosen.numel() > 0:
-                    params = dict(dispatcher.slots[local].items())
+                    params = dispatcher._params[local]
                     kept_outputs[chosen] = moe.spec.forward(params, kept_inputs[chosen])
         if moe.times is not None:
             moe.times.expert[dispatcher.layer] += time.thread_time() - started
@@ -156,7 +175,7 @@ class _CondensedExperts(torch.autograd.Function):
             for local in range(moe.engine.local_slots):
                 chosen = (slot == local).nonzero().squeeze(1)
                 if chosen.numel() > 0:
-                    params = dict(dispatcher.slots[local].items())
+                    params = dispatcher._params[local]
                     outputs.append(moe.spec.forward(params, inputs[chosen]))
                     grads.append(received_grad[chosen])
             if outputs:
@@ -182,7 +201,7 @@ class MoEDispatcher(torch.nn.Module):
     - ``out``: ``[num_tokens, output_size]`` of ``hidden``'s dtype, ``sum_k topk_weights[t, k] *
       expert[topk_ids[t, k]](hidden[t])``, what a dense MoE layer gives. The experts compute in
       ``hidden``'s dtype (:func:`keel.torch.ffn_expert` casts its weights to it), and the
-      weighted sum over k runs in that dtype with float32 accumulation (one batched product).
+      weighted sum over k takes float32 products and sums, rounded once to that dtype.
 
     Collective: every rank calls every layer in the same order, forward and backward.
     """
@@ -200,6 +219,10 @@ class MoEDispatcher(torch.nn.Module):
         self._weights: List[torch.Tensor] = []
         self._gradients: List[torch.Tensor] = []
         self._optimizer: List[Optional[torch.Tensor]] = []
+        # Per slot, built once (the hooks run every step): name -> parameter, name -> its
+        # gradient's view of the slot's gradient buffer.
+        self._params: List[Dict[str, torch.nn.Parameter]] = []
+        self._grad_views: List[Dict[str, torch.Tensor]] = []
         placement = engine.placement(layer)["phy2log"]
         rank, per_rank = engine.rank, engine.slots_per_rank
         for local in range(engine.local_slots):
@@ -220,49 +243,54 @@ class MoEDispatcher(torch.nn.Module):
             self._weights.append(weights)
             self._gradients.append(gradients)
             self._optimizer.append(optimizer)
+            self._params.append(dict(slot.items()))
+            self._grad_views.append(spec.views(gradients))
         self.attach_gradients()
 
     # --- gradients ------------------------------------------------------------------------------
-    def _grad_views(self, local: int) -> Dict[str, torch.Tensor]:
-        return self._moe.spec.views(self._gradients[local])
-
     def attach_gradients(self) -> None:
-        """Points every slot parameter's ``.grad`` at the slot's gradient buffer, zeroed, so that
-        backward accumulates where the engine reads."""
-        for local, slot in enumerate(self.slots):
-            self._gradients[local].zero_()
-            for name, view in self._grad_views(local).items():
-                slot[name].grad = view
+        """Clears every slot parameter's ``.grad`` for the next backward: autograd then hands
+        over the gradients it computed (accumulating only across backward passes), where a
+        gradient already in place would cost an add per parameter."""
+        for params in self._params:
+            for param in params.values():
+                param.grad = None
 
     def collect_gradients(self) -> None:
-        """Brings gradients that autograd put elsewhere (after ``zero_grad(set_to_none=True)``)
-        into the slot buffers the engine reads."""
-        for local, slot in enumerate(self.slots):
-            for name, view in self._grad_views(local).items():
-                grad = slot[name].grad
+        """Brings the gradients autograd left in ``.grad`` into the slot buffers the engine reads
+        (zeros where a parameter has none: its slot got no rows), in one copy and one fill over
+        all of them, and points each ``.grad`` at its place in the buffer."""
+        copy_to, copy_from, zero = [], [], []
+        for params, views in zip(self._params, self._grad_views):
+            for name, param in params.items():
+                grad, view = param.grad, views[name]
                 if grad is None:
-                    view.zero_()
-                elif grad.data_ptr() != view.data_ptr():
-                    view.copy_(grad)
-                slot[name].grad = view
+                    zero.append(view)
+                elif grad is not view:
+                    copy_to.append(view)
+                    copy_from.append(grad)
+                param.grad = view
+        if copy_to:
+            torch._foreach_copy_(copy_to, copy_from)
+        if zero:
+            torch._foreach_zero_(zero)
 
     def keep_home_gradients(self, scale: float) -> List[int]:
         """After the engine's reduction: homes keep their (scaled) gradients for the optimizer,
         every other slot's parameters get ``.grad = None`` so that the optimizer skips them.
         Returns the home slots."""
         homes = sorted(local for _, local in self._moe.engine.home_slots(self.layer))
-        for local, slot in enumerate(self.slots):
-            home = local in homes
-            if home and scale != 1.0:
-                self._gradients[local].mul_(scale)
-            views = self._grad_views(local)
-            for name in slot:
-                slot[name].grad = views[name] if home else None
+        if scale != 1.0 and homes:
+            torch._foreach_mul_([self._gradients[local] for local in homes], scale)
+        chosen = set(homes)
+        for local, (params, views) in enumerate(zip(self._params, self._grad_views)):
+            for name, param in params.items():
+                param.grad = views[name] if local in chosen else None
         return homes
 
     def home_parameters(self) -> Dict[int, Dict[str, torch.nn.Parameter]]:
         """expert -> its parameters, for this rank's home slots of this layer."""
-        return {expert: dict(self.slots[local].items())
+        return {expert: dict(self._params[local])
                 for expert, local in self._moe.engine.home_slots(self.layer)}
 
     def optimizer_state_views(self, local: int) -> Dict[str, Dict[str, torch.Tensor]]:
@@ -322,7 +350,7 @@ class MoEDispatcher(torch.nn.Module):
     def _route(self, topk_ids: torch.Tensor) -> Any:
         """The engine's routing of this layer and every entry's place in the dispatch."""
         moe = self._moe
-        count = count_experts(topk_ids, moe.num_experts)
+        count = count_experts(topk_ids, moe.num_experts, moe.collective_timeout)
         route = moe.engine.route_counts(self.layer, count.counts_E)
         dispatch = dispatch_order(count, route.copy_begin, route.copy_slot, route.copy_quota,
                                   moe.slot_keys, topk_ids.numel())
@@ -350,35 +378,34 @@ class MoEDispatcher(torch.nn.Module):
         return _AllToAll.apply(computed, recv, send, exchange)
 
     def _experts(self, inputs: torch.Tensor, slot_rows: List[int], route: Any) -> torch.Tensor:
-        """Each local slot's expert on its rows (``inputs`` grouped by slot)."""
+        """Each local slot's expert on its rows (``inputs`` grouped by slot). One split, not a
+        slice per slot: the backward of a slice is a zero-filled tensor of the whole input, so
+        slices would cost every slot a pass over all the rows."""
         spec = self._moe.spec
         outputs = []
-        at = 0
-        for local, rows in enumerate(slot_rows):
+        for local, (rows, part) in enumerate(zip(slot_rows, inputs.split(slot_rows))):
             if rows == 0:
                 continue
             if route.local_experts[local] < 0:
                 raise InternalError(f"layer {self.layer}: {rows} rows routed to local slot "
                                     f"{local} of rank {self._moe.engine.rank}, which holds no "
                                     f"expert")
-            params = dict(self.slots[local].items())
-            outputs.append(spec.forward(params, inputs[at:at + rows]))
-            at += rows
+            outputs.append(spec.forward(self._params[local], part))
         return torch.cat(outputs) if outputs else inputs.new_zeros((0, spec.output_size))
 
     def _combine(self, returned: torch.Tensor, dispatch: Any, topk_weights: torch.Tensor,
                  tokens: int) -> torch.Tensor:
         """``out[t] = sum_k topk_weights[t, k] * returned[row of (t, k)]``: the rows back in
-        entry order (a dropped entry reads a zero row) and one batched product over k, with no
-        scattered adds, so the sum's order is fixed."""
+        entry order (a dropped entry reads a zero row), then the products in float32 summed
+        over k in a fixed order (no scattered adds) and rounded once to the rows' dtype."""
         top_k = self._moe.top_k
         rows = returned
         if dispatch.position.numel() > returned.shape[0]:  # dropped entries read the zero row
             rows = torch.cat([returned, returned.new_zeros((1, returned.shape[1]))])
         width = rows.shape[1]
-        rows_TKD = rows.index_select(0, dispatch.position).view(tokens, top_k, width)
-        weights_T1K = topk_weights.to(rows.dtype).view(tokens, 1, top_k)
-        return torch.bmm(weights_T1K, rows_TKD).view(tokens, width)
+        rows_TKD = _PermuteRows.apply(rows, dispatch.position).view(tokens, top_k, width)
+        weights_TK1 = topk_weights.view(tokens, top_k, 1).float()
+        return (rows_TKD * weights_TK1).sum(1).to(rows.dtype)
 
 
 class _LayerClock:
@@ -557,11 +584,19 @@ class KeelMoE:
             raise InvalidArgumentError(f"device = {device!r}: keel takes CPU or CUDA devices")
         return chosen
 
-    def synchronize(self) -> None:
+    def synchronize(self, what: str = "the work queued on the GPU") -> None:
         """Waits for the work torch queued on this device: the engine's copies and sums run on
-        a stream of their own, so what torch's stream wrote must be there first."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        a stream of their own, so what torch's stream wrote must be there first. Within the
+        collective deadline: that work includes the layers' all-to-alls, which a stalled peer
+        holds up."""
+        if self.device.type != "cuda":
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        wait_until(done.query, self.collective_timeout,
+                   lambda: f"{what} did not finish within {self.collective_timeout:g} s on rank "
+                           f"{self.engine.rank}: a layer's all-to-all is waiting for a peer "
+                           f"that stalled or died")
 
     # --- pieces for the model -------------------------------------------------------------------
     def layer(self, index: int) -> MoEDispatcher:
@@ -591,8 +626,14 @@ class KeelMoE:
             out = rows.new_empty((sum(recv),) + tuple(rows.shape[1:]))
             work = dist.all_to_all_single(out, rows.contiguous(), recv, send, group=self.group,
                                           async_op=True)
-            self.communicator._wait(work, self.collective_timeout,
-                                    f"layer {layer} all-to-all")
+            if self.communicator.moves_device_memory:
+                # NCCL: only torch's stream waits, so the GPU runs on while Python queues the
+                # next work; a stalled peer shows at the next wait with a deadline (the next
+                # count's fetch, the optimizer hooks).
+                work.wait()
+            else:
+                self.communicator._wait(work, self.collective_timeout,
+                                        f"layer {layer} all-to-all")
             if self.times is not None:
                 self.times.communication[layer] += time.process_time() - started
                 self.times.exchange_thread += time.thread_time() - started_thread
@@ -667,7 +708,7 @@ class KeelMoE:
         started = time.process_time()
         for layer in self.layers:
             layer.collect_gradients()
-        self.synchronize()
+        self.synchronize("backward")
         self.engine.reduce_gradients()
         scale = 1.0 / self.engine.num_ranks if self.average_gradients else 1.0
         for layer in self.layers:
@@ -678,13 +719,13 @@ class KeelMoE:
 
     def step_end(self) -> None:
         """Collective, after the optimizer: pushes each home's new weights to its replicas, plans
-        the next placement in the background, and re-attaches every slot's zeroed gradient
-        buffer."""
+        the next placement in the background, and clears every slot parameter's ``.grad`` for
+        the next backward."""
         if not self._reduced:
             raise FailedPreconditionError(
                 "step_end before reduce_gradients: the optimizer ran on unreduced gradients")
         started = time.process_time()
-        self.synchronize()
+        self.synchronize("the optimizer step")
         self.engine.step_end()
         for layer in self.layers:
             layer.attach_gradients()
@@ -700,7 +741,7 @@ class KeelMoE:
             raise FailedPreconditionError(
                 "end_forward_pass after reduce_gradients: finish the training step with "
                 "optimizer.step() (or step_end())")
-        self.synchronize()
+        self.synchronize("the forward pass")
         self.engine.step_end()
 
     # --- results --------------------------------------------------------------------------------

@@ -13,12 +13,13 @@ experts, ``C`` copies in this rank's quota table, ``R`` ranks, ``S`` local slots
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy
 import torch
 
 from keel._errors import InternalError, InvalidArgumentError
+from keel.torch.communicator import wait_until
 
 
 class ExpertCount(NamedTuple):
@@ -29,11 +30,14 @@ class ExpertCount(NamedTuple):
     dropped: int        #: entries with id -1 (they sort first)
 
 
-def count_experts(topk_ids_TK: torch.Tensor, num_experts: int) -> ExpertCount:
+def count_experts(topk_ids_TK: torch.Tensor, num_experts: int,
+                  timeout: Optional[float] = None) -> ExpertCount:
     """Counts the entries per expert on the ids' device and sorts the entries by expert, then
     brings the counts (and the number of bad ids) to the host in one copy: the layer's one
-    device-to-host synchronisation. Raises InvalidArgumentError naming the first entry that is
-    neither an expert id nor -1, checked before any narrowing."""
+    device-to-host synchronisation, which raises TimeoutError after ``timeout`` seconds (the
+    GPU's queue may hold an earlier all-to-all that waits for a stalled peer). Raises
+    InvalidArgumentError naming the first entry that is neither an expert id nor -1, checked
+    before any narrowing."""
     ids_N = topk_ids_TK.reshape(-1)
     # Bin 0 takes the dropped entries (-1) and the bad ids; bins 1..E the experts.
     valid_N = (ids_N >= 0) & (ids_N < num_experts)
@@ -42,7 +46,7 @@ def count_experts(topk_ids_TK: torch.Tensor, num_experts: int) -> ExpertCount:
     summary.scatter_add_(0, bins_N, torch.ones_like(bins_N))
     summary[num_experts + 1] = (~valid_N & (ids_N != -1)).sum()
     sorted_N = torch.sort(torch.where(valid_N, ids_N.long(), -1), stable=True)[1]
-    summary = summary.cpu()  # waits for the device: the counts are the planner's input
+    summary = _fetch(summary, timeout)  # the counts are the planner's input
     if int(summary[num_experts + 1]) > 0:
         bad_N = (ids_N < -1) | (ids_N >= num_experts)
         index = int(bad_N.nonzero()[0])
@@ -134,6 +138,20 @@ def slot_major_order(recv_counts_RS: Any, device: Any) -> Any:
     shift_and_count = to_device(numpy.stack([shift, by_slot_counts]), device)
     return (torch.repeat_interleave(shift_and_count[0], shift_and_count[1], output_size=total)
             + torch.arange(total, device=device))
+
+
+def _fetch(small: torch.Tensor, timeout: Optional[float]) -> torch.Tensor:
+    """``small`` on the host, waiting for the device at most ``timeout`` seconds."""
+    if small.device.type == "cpu":
+        return small
+    host = torch.empty(small.shape, dtype=small.dtype, pin_memory=True)
+    host.copy_(small, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(small.device))
+    wait_until(copied.query, timeout,
+               lambda: f"the expert counts did not reach the host within {timeout:g} s: the GPU "
+                       f"is still waiting for an earlier all-to-all (a peer stalled or died)")
+    return host
 
 
 def to_device(array: Any, device: Any) -> torch.Tensor:
