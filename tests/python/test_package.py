@@ -99,3 +99,17 @@ def test_reads_a_recorded_trace() -> None:
     trace = keel.read_trace(str(SHARED / "smartmoe-ae" / "moe_trace.tar.xz"))
     assert (trace.num_layers, trace.num_experts, trace.num_sources) == (24, 32, 16)
     assert trace.num_steps == 501
+
+
+def test_int64_values_that_do_not_fit_int32_are_named_not_wrapped() -> None:
+    """Every int64 argument the package narrows to int32 (route counts, sequence rows, bucket
+    bounds) is checked first: 2**32 would wrap to 0, a valid-looking value."""
+    with pytest.raises(keel.InvalidArgumentError,
+                       match=r"bucket_begin\[1\] = 4294967296 does not fit in int32"):
+        keel.condense_rows(torch.zeros(3, 4), torch.tensor([0, 2 ** 32]), 1.0, 8)
+    with pytest.raises(keel.InvalidArgumentError,
+                       match=r"expert_rows\[1\]\[0\]\[2\] = -2147483649 does not fit in int32"):
+        keel.to_int32("expert_rows", torch.tensor([[[0, 0, 0]], [[0, 0, -2 ** 31 - 1]]]))
+    narrowed = keel.to_int32("expert_counts", torch.tensor([0, 2 ** 31 - 1, -2 ** 31]))
+    assert narrowed.dtype == torch.int32
+    assert narrowed.tolist() == [0, 2 ** 31 - 1, -2 ** 31]
