@@ -205,6 +205,13 @@ def wait_until(done: Callable[[], bool], timeout: Optional[float],
             time.sleep(50e-6)
 
 
+def wait_for_stream(device: Any, timeout: Optional[float], message: Callable[[], str]) -> None:
+    """Waits (:func:`wait_until`) for the work queued so far on ``device``'s current stream."""
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    wait_until(done.query, timeout, message)
+
+
 class _CudaBytes:
     """``size`` bytes of CUDA memory at ``address``, as the CUDA array interface describes them,
     so that ``torch.as_tensor`` wraps them without a copy."""

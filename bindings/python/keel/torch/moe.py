@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from keel._errors import FailedPreconditionError, InternalError, InvalidArgumentError
 from keel.engine import Engine, check_tensor
-from keel.torch.communicator import ProcessGroupCommunicator, wait_until
+from keel.torch.communicator import ProcessGroupCommunicator, wait_for_stream
 from keel.torch.experts import ExpertSpec
 from keel.torch.routing import count_experts, dispatch_order, slot_major_order
 
@@ -591,12 +591,10 @@ class KeelMoE:
         holds up."""
         if self.device.type != "cuda":
             return
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))
-        wait_until(done.query, self.collective_timeout,
-                   lambda: f"{what} did not finish within {self.collective_timeout:g} s on rank "
-                           f"{self.engine.rank}: a layer's all-to-all is waiting for a peer "
-                           f"that stalled or died")
+        wait_for_stream(self.device, self.collective_timeout,
+                        lambda: f"{what} did not finish within {self.collective_timeout:g} s on "
+                                f"rank {self.engine.rank}: a layer's all-to-all is waiting for a "
+                                f"peer that stalled or died")
 
     # --- pieces for the model -------------------------------------------------------------------
     def layer(self, index: int) -> MoEDispatcher:

@@ -19,7 +19,7 @@ import numpy
 import torch
 
 from keel._errors import InternalError, InvalidArgumentError
-from keel.torch.communicator import wait_until
+from keel.torch.communicator import wait_for_stream
 
 
 class ExpertCount(NamedTuple):
@@ -146,11 +146,10 @@ def _fetch(small: torch.Tensor, timeout: Optional[float]) -> torch.Tensor:
         return small
     host = torch.empty(small.shape, dtype=small.dtype, pin_memory=True)
     host.copy_(small, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record(torch.cuda.current_stream(small.device))
-    wait_until(copied.query, timeout,
-               lambda: f"the expert counts did not reach the host within {timeout:g} s: the GPU "
-                       f"is still waiting for an earlier all-to-all (a peer stalled or died)")
+    wait_for_stream(small.device, timeout,
+                    lambda: f"the expert counts did not reach the host within {timeout:g} s: "
+                            f"the GPU is still waiting for an earlier all-to-all (a peer "
+                            f"stalled or died)")
     return host
 
 
