@@ -105,7 +105,8 @@ Result<EngineState> EngineStateFromJson(std::string_view text) {
 
 // RestoreState and LoadExperts change what the slots hold: only before training starts.
 Status Engine::Impl::BeforeFirstRoute(const char* what) const {
-  if (stats_.steps > 0 || std::find(routed_.begin(), routed_.end(), true) != routed_.end()) {
+  if (stats_.steps > 0 || std::any_of(step_.begin(), step_.end(),
+                                      [](const LayerStep& layer) { return layer.routes > 0; })) {
     return FailedPrecondition(std::string(what) + " must come before the first Route");
   }
   return Status::Ok();
@@ -129,6 +130,30 @@ EngineState Engine::Impl::SaveState() const {
 }
 
 Status Engine::Impl::RestoreState(const EngineState& state) {
+  std::vector<Placement> restored;
+  std::vector<ShardMap> units;
+  KEEL_RETURN_IF_ERROR(
+      AgreeOnCall(CollectiveCall::kRestoreState, -1, CheckState(state, restored, units)));
+  // Every rank must restore the same state, or their placements would diverge.
+  KEEL_ASSIGN_OR_RETURN(std::vector<std::string> states,
+                        communicator_.AllGather(EngineStateToJson(state)));
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (states[r] != states[0]) {
+      return InvalidArgument("rank " + std::to_string(r) +
+                             " restores another engine state than rank 0");
+    }
+  }
+  for (int l = 0; l < options_.num_layers; ++l) {
+    KEEL_RETURN_IF_ERROR(SetUnits(l, std::move(units[l])));
+  }
+  placements_ = std::move(restored);
+  stats_.epoch = state.epoch;
+  if (metrics_ != nullptr) metrics_->SetEpoch(stats_.epoch);
+  return Status::Ok();
+}
+
+Status Engine::Impl::CheckState(const EngineState& state, std::vector<Placement>& restored,
+                                std::vector<ShardMap>& units) const {
   KEEL_RETURN_IF_ERROR(BeforeFirstRoute("RestoreState"));
   const int layers = options_.num_layers;
   if (static_cast<int>(state.phy2log.size()) != layers ||
@@ -141,8 +166,6 @@ Status Engine::Impl::RestoreState(const EngineState& state) {
     return InvalidArgument("engine state has " + std::to_string(state.shards.size()) +
                            " layers of shards; this engine has " + std::to_string(layers));
   }
-  std::vector<Placement> restored;
-  std::vector<ShardMap> units;
   const int per_node = context_->topology.gpus_per_node();
   for (int l = 0; l < layers; ++l) {
     const std::string where = "engine state layer " + std::to_string(l) + ": ";
@@ -182,19 +205,6 @@ Status Engine::Impl::RestoreState(const EngineState& state) {
     if (!p.ok()) return InvalidArgument(where + p.status().message());
     restored.push_back(std::move(*p));
   }
-  // Every rank must restore the same state, or their placements would diverge.
-  KEEL_ASSIGN_OR_RETURN(std::vector<std::string> states,
-                        communicator_.AllGather(EngineStateToJson(state)));
-  for (int r = 0; r < num_ranks_; ++r) {
-    if (states[r] != states[0]) {
-      return InvalidArgument("rank " + std::to_string(r) +
-                             " restores another engine state than rank 0");
-    }
-  }
-  for (int l = 0; l < layers; ++l) KEEL_RETURN_IF_ERROR(SetUnits(l, std::move(units[l])));
-  placements_ = std::move(restored);
-  stats_.epoch = state.epoch;
-  if (metrics_ != nullptr) metrics_->SetEpoch(stats_.epoch);
   return Status::Ok();
 }
 
@@ -276,9 +286,24 @@ Status Engine::Impl::LoadExperts(const std::string& dir) {
   return Status::Ok();
 }
 
-EngineState Engine::SaveState() const { return impl_->SaveState(); }
-Status Engine::RestoreState(const EngineState& state) { return impl_->RestoreState(state); }
-Status Engine::SaveExperts(const std::string& dir) const { return impl_->SaveExperts(dir); }
-Status Engine::LoadExperts(const std::string& dir) { return impl_->LoadExperts(dir); }
+EngineState Engine::SaveState() const {
+  std::lock_guard<std::mutex> lock(impl_->call_mutex_);
+  return impl_->SaveState();
+}
+Status Engine::RestoreState(const EngineState& state) {
+  Impl::ExclusiveCall call(*impl_, "RestoreState");
+  KEEL_RETURN_IF_ERROR(call.status());
+  return impl_->RestoreState(state);
+}
+Status Engine::SaveExperts(const std::string& dir) const {
+  Impl::ExclusiveCall call(*impl_, "SaveExperts");
+  KEEL_RETURN_IF_ERROR(call.status());
+  return impl_->SaveExperts(dir);
+}
+Status Engine::LoadExperts(const std::string& dir) {
+  Impl::ExclusiveCall call(*impl_, "LoadExperts");
+  KEEL_RETURN_IF_ERROR(call.status());
+  return impl_->LoadExperts(dir);
+}
 
 }  // namespace keel

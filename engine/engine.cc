@@ -169,10 +169,7 @@ Status Engine::Impl::Init() {
   const size_t slots = static_cast<size_t>(options_.num_layers) * local_slots();
   buffers_.resize(slots);
   is_registered_.assign(slots, false);
-  routed_.assign(options_.num_layers, false);
-  traffic_.assign(options_.num_layers, {});
-  routing_.resize(options_.num_layers);
-  transient_slot_.resize(options_.num_layers);
+  step_.assign(options_.num_layers, {});
   for (int l = 0; l < options_.num_layers; ++l) {
     estimators_.emplace_back(config.estimator, num_ranks_ * options_.num_experts);
     planners_.push_back(std::make_unique<StepPlanner>(context_->topology, context_->cost));
@@ -411,6 +408,7 @@ int Engine::num_ranks() const { return impl_->num_ranks_; }
 int Engine::slots_per_rank() const { return impl_->slots_per_rank_; }
 int Engine::transient_per_rank() const { return impl_->transient_per_rank_; }
 bool Engine::shards_experts() const {
+  std::lock_guard<std::mutex> lock(impl_->call_mutex_);
   if (impl_->config_.policy.name == "keel" && impl_->config_.policy.keel.shard_experts) return true;
   for (const ShardMap& map : impl_->shards_) {
     if (map.sharded()) return true;
@@ -419,27 +417,47 @@ bool Engine::shards_experts() const {
 }
 
 Status Engine::RegisterSlot(int layer, int local_slot, const SlotBuffers& buffers) {
+  Impl::ExclusiveCall call(*impl_, "RegisterSlot");
+  KEEL_RETURN_IF_ERROR(call.status());
   return impl_->RegisterSlot(layer, local_slot, buffers);
 }
 Result<LayerRoute> Engine::Route(int layer, std::span<const int32_t> topk_ids) {
+  Impl::ExclusiveCall call(*impl_, "Route");
+  KEEL_RETURN_IF_ERROR(call.status());
   return impl_->Route(layer, topk_ids);
 }
 
 Result<LayerRoute> Engine::RouteCounts(int layer, std::span<const int32_t> expert_counts) {
+  Impl::ExclusiveCall call(*impl_, "RouteCounts");
+  KEEL_RETURN_IF_ERROR(call.status());
   return impl_->RouteCounts(layer, expert_counts);
 }
 Result<SequencePlacement> Engine::PlanSequences(int first_layer,
                                                 std::span<const SequenceRouting> sequences,
                                                 const SequencePlanningOptions& options) {
+  Impl::ExclusiveCall call(*impl_, "PlanSequences");
+  KEEL_RETURN_IF_ERROR(call.status());
   return impl_->PlanSequences(first_layer, sequences, options);
 }
-Status Engine::ReduceGradients() { return impl_->ReduceGradients(); }
-Status Engine::StepEnd() { return impl_->StepEnd(); }
-std::vector<HomeSlot> Engine::HomeSlots(int layer) const { return impl_->HomeSlots(layer); }
+Status Engine::ReduceGradients() {
+  Impl::ExclusiveCall call(*impl_, "ReduceGradients");
+  KEEL_RETURN_IF_ERROR(call.status());
+  return impl_->ReduceGradients();
+}
+Status Engine::StepEnd() {
+  Impl::ExclusiveCall call(*impl_, "StepEnd");
+  KEEL_RETURN_IF_ERROR(call.status());
+  return impl_->StepEnd();
+}
+std::vector<HomeSlot> Engine::HomeSlots(int layer) const {
+  std::lock_guard<std::mutex> lock(impl_->call_mutex_);
+  return impl_->HomeSlots(layer);
+}
 Engine::SlotLocation Engine::LocateSlot(int slot) const {
   return {impl_->RankOfPhysical(slot), impl_->LocalOfPhysical(slot)};
 }
 LayerPlacement Engine::placement(int layer) const {
+  std::lock_guard<std::mutex> lock(impl_->call_mutex_);
   LayerPlacement out;
   if (layer < 0 || layer >= static_cast<int>(impl_->placements_.size())) return out;
   const Placement& p = impl_->placements_[layer];
@@ -460,8 +478,12 @@ LayerPlacement Engine::placement(int layer) const {
   }
   return out;
 }
-int64_t Engine::epoch() const { return impl_->stats_.epoch; }
+int64_t Engine::epoch() const {
+  std::lock_guard<std::mutex> lock(impl_->call_mutex_);
+  return impl_->stats_.epoch;
+}
 EngineStats Engine::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->call_mutex_);
   EngineStats stats = impl_->stats_;
   stats.migration_in_flight = impl_->migrating();
   return stats;

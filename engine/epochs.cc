@@ -58,13 +58,16 @@ Status Engine::Impl::ResolveMigration(bool& commit) {
 
 Status Engine::Impl::RecordStep() {
   const size_t row = static_cast<size_t>(num_ranks_) * options_.num_experts;
+  // A step's traffic is the sum of its micro-batches'.
   for (int l = 0; l < options_.num_layers; ++l) {
-    if (routed_[l]) estimators_[l].Observe(traffic_[l]);
+    if (step_[l].routes > 0) estimators_[l].Observe(step_[l].traffic);
   }
   if (recorder_ != nullptr) {
     std::vector<double> step(row * options_.num_layers, 0.0);
     for (int l = 0; l < options_.num_layers; ++l) {
-      if (routed_[l]) std::copy(traffic_[l].begin(), traffic_[l].end(), step.begin() + l * row);
+      const LayerStep& layer = step_[l];
+      if (layer.routes > 0)
+        std::copy(layer.traffic.begin(), layer.traffic.end(), step.begin() + l * row);
     }
     KEEL_RETURN_IF_ERROR(recorder_->RecordStep(stats_.steps, step));
   }
@@ -257,13 +260,20 @@ Status Engine::Impl::CheckPlannerWatchdog(double slowest_seconds) {
 }
 
 Status Engine::Impl::StepEnd() {
-  KEEL_RETURN_IF_ERROR(CheckAllRegistered());
+  KEEL_RETURN_IF_ERROR(AgreeOnCall(CollectiveCall::kStepEnd, -1, CheckAllRegistered()));
   const auto start = std::chrono::steady_clock::now();
   KEEL_RETURN_IF_ERROR(PushWeights());
   KEEL_RETURN_IF_ERROR(RecordStep());
   ++stats_.steps;
   Status planned = AdvancePlanner();
-  std::fill(routed_.begin(), routed_.end(), false);
+  // The next step starts with no micro-batch routed and every transient slot free.
+  for (LayerStep& layer : step_) {
+    layer.routes = 0;
+    std::fill(layer.traffic.begin(), layer.traffic.end(), 0.0);
+    layer.transients.clear();
+    layer.transient_slot.clear();
+  }
+  gradients_reduced_ = false;
   stats_.control_seconds += SecondsSince(start);
   return planned;
 }

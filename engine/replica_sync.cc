@@ -12,7 +12,12 @@
 namespace keel {
 
 Status Engine::Impl::ReduceGradients() {
-  KEEL_RETURN_IF_ERROR(CheckAllRegistered());
+  Status checked = CheckAllRegistered();
+  if (checked.ok() && gradients_reduced_) {
+    // A second fold would add the replicas' gradients into the homes again.
+    checked = FailedPrecondition("ReduceGradients was already called this step; call StepEnd");
+  }
+  KEEL_RETURN_IF_ERROR(AgreeOnCall(CollectiveCall::kReduceGradients, -1, checked));
   const auto start = std::chrono::steady_clock::now();
   bool commit = false;
   KEEL_RETURN_IF_ERROR(ResolveMigration(commit));
@@ -21,7 +26,8 @@ Status Engine::Impl::ReduceGradients() {
   const size_t bytes = options_.shape.gradient_bytes;
 
   // Sources of expert e in the fixed order: the home slot this step used, its other copies by
-  // ascending slot, then this step's transient replicas in plan order.
+  // ascending slot, then this step's transient replicas in fill order (each holds the sum of
+  // every micro-batch's gradients of its expert).
   auto for_each_source = [&](int layer, int expert, const std::function<void(int)>& visit) {
     const Placement& used = placements_[layer];
     const int home_slot = used.home_slot(expert);
@@ -29,10 +35,9 @@ Status Engine::Impl::ReduceGradients() {
     for (int slot : used.copies(expert)) {
       if (slot != home_slot) visit(slot);
     }
-    const StepRouting& routing = routing_[layer];
-    if (!routed_[layer]) return;
-    for (size_t i = 0; i < routing.transients.size(); ++i) {
-      if (routing.transients[i].expert == expert) visit(transient_slot_[layer][i]);
+    const LayerStep& step = step_[layer];
+    for (size_t i = 0; i < step.transients.size(); ++i) {
+      if (step.transients[i].expert == expert) visit(step.transient_slot[i]);
     }
   };
   auto needs_reduction = [&](int layer, int expert) {
@@ -40,9 +45,8 @@ Status Engine::Impl::ReduceGradients() {
     if (used.logcnt()[expert] > 1 || target[layer].home_slot(expert) != used.home_slot(expert)) {
       return true;
     }
-    const StepRouting& routing = routing_[layer];
-    return routed_[layer] &&
-           std::any_of(routing.transients.begin(), routing.transients.end(),
+    const std::vector<TransientReplica>& transients = step_[layer].transients;
+    return std::any_of(transients.begin(), transients.end(),
                        [&](const TransientReplica& t) { return t.expert == expert; });
   };
 
@@ -114,6 +118,7 @@ Status Engine::Impl::ReduceGradients() {
   }
   KEEL_RETURN_IF_ERROR(WaitForLast(*memory_, last));
 
+  gradients_reduced_ = true;
   if (commit) {
     KEEL_RETURN_IF_ERROR(migrator_->Commit(pending_));
     placements_ = std::move(pending_);

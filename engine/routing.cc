@@ -1,7 +1,9 @@
 // Engine::Impl's routing: Route and RouteCounts count this rank's (token, k) entries per expert,
-// all-reduce every rank's counts, split each expert's entries among its copies with the layer's
-// StepPlanner (the same quota plan on every rank, transient replicas included), fill this step's
-// transient slots with their expert's weights, and answer the physical slot of every entry.
+// all-reduce every rank's counts (AgreeOnCall), split each expert's entries among its copies with
+// the layer's StepPlanner (the same quota plan on every rank, transient replicas included), fill
+// new transient slots with their expert's weights, and answer the physical slot of every entry.
+// A layer may be routed any number of times in a step, once per micro-batch: each is planned on
+// its own counts, with the transients that earlier micro-batches filled kept as copies.
 #include "engine/engine_impl.h"
 
 #include <algorithm>
@@ -31,21 +33,27 @@ Status InvalidExpertId(std::span<const int32_t> topk_ids, int num_experts) {
 }  // namespace
 
 std::vector<int> Engine::Impl::TransientSlots(const Placement& placement,
-                                              const StepRouting& routing) const {
-  std::vector<int> slot(routing.transients.size());
-  std::vector<int> used(num_ranks_, 0);  // transients placed so far, by rank
-  for (size_t i = 0; i < routing.transients.size(); ++i) {
-    const int rank = routing.transients[i].rank;
-    int n = used[rank]++;  // the n-th of its rank's, counted down past the empty slots
-    slot[i] = -1;
+                                              const StepRouting& routing,
+                                              const LayerStep& step) const {
+  const size_t filled = step.transient_slot.size();  // the first routing.transients
+  std::vector<int> slot(step.transient_slot.begin(), step.transient_slot.end());
+  std::vector<char> taken(num_slots() + static_cast<size_t>(num_ranks_) * transient_per_rank_, 0);
+  for (int s : slot) taken[s] = 1;
+  auto first_free = [&](int rank) {
     if (spare_slots_planned_) {
-      for (int s = rank * slots_per_rank_; s < (rank + 1) * slots_per_rank_ && slot[i] < 0; ++s) {
-        if (placement.expert_at(s) != kEmptySlot) continue;
-        if (n == 0) slot[i] = s;
-        --n;
+      for (int s = rank * slots_per_rank_; s < (rank + 1) * slots_per_rank_; ++s) {
+        if (placement.expert_at(s) == kEmptySlot && !taken[s]) return s;
       }
     }
-    if (slot[i] < 0) slot[i] = num_slots() + rank * transient_per_rank_ + n;
+    for (int i = 0; i < transient_per_rank_; ++i) {
+      const int s = num_slots() + rank * transient_per_rank_ + i;
+      if (!taken[s]) return s;
+    }
+    return -1;  // the planner keeps within each rank's room
+  };
+  for (size_t i = filled; i < routing.transients.size(); ++i) {
+    slot.push_back(first_free(routing.transients[i].rank));
+    if (slot.back() >= 0) taken[slot.back()] = 1;
   }
   return slot;
 }
@@ -66,77 +74,15 @@ Status Engine::Impl::CheckRoutable(int layer) const {
                            std::to_string(options_.num_layers) + ")");
   }
   KEEL_RETURN_IF_ERROR(CheckAllRegistered());
-  if (routed_[layer]) {
+  if (gradients_reduced_) {
+    // The gradients are folded and an epoch may have switched: the step's routing is closed.
     return FailedPrecondition("layer " + std::to_string(layer) +
-                              " was already routed this step; call StepEnd first");
+                              " is routed after ReduceGradients; call StepEnd first");
   }
   return Status::Ok();
 }
 
-Result<LayerRoute> Engine::Impl::Route(int layer, std::span<const int32_t> topk_ids) {
-  const auto start = std::chrono::steady_clock::now();
-  const int num_experts = options_.num_experts;
-  KEEL_RETURN_IF_ERROR(CheckRoutable(layer));
-  if (topk_ids.size() % options_.top_k != 0) {
-    return InvalidArgument("topk_ids has " + std::to_string(topk_ids.size()) +
-                           " entries, not a multiple of top_k = " + std::to_string(options_.top_k));
-  }
-  // In an MP group every member holds the same tokens and routes only its share of them.
-  const auto [share_begin, share_end] =
-      Share(static_cast<int64_t>(topk_ids.size()) / options_.top_k);
-  std::vector<int32_t> share_ids;
-  if (options_.mp_group_size > 1) {
-    share_ids.assign(topk_ids.size(), -1);
-    std::copy(topk_ids.begin() + share_begin * options_.top_k,
-              topk_ids.begin() + share_end * options_.top_k,
-              share_ids.begin() + share_begin * options_.top_k);
-    topk_ids = share_ids;
-  }
-  std::vector<int32_t> mine(num_experts);
-  int32_t invalid = 0;
-  KEEL_RETURN_IF_ERROR(kernels::cpu::ExpertHistogram(
-      topk_ids.data(), static_cast<int64_t>(topk_ids.size()), num_experts, mine.data(), &invalid));
-  if (invalid > 0) return InvalidExpertId(topk_ids, num_experts);
-  // With sharded experts the rows are the entries with one row per shard, each naming a unit.
-  const ShardMap& units = shards_[layer];
-  std::span<const int32_t> ids = topk_ids;
-  std::vector<int32_t> unit_ids;
-  std::vector<int32_t> row_entry;
-  if (units.sharded()) {
-    for (size_t i = 0; i < topk_ids.size(); ++i) {
-      const int32_t e = topk_ids[i];
-      const int rows = e < 0 ? 1 : units.shards(e);
-      for (int j = 0; j < rows; ++j) {
-        unit_ids.push_back(e < 0 ? -1 : units.first_unit(e) + j);
-        row_entry.push_back(static_cast<int32_t>(i));
-      }
-    }
-    ids = unit_ids;
-    mine = units.UnitCounts(mine);
-  }
-  KEEL_ASSIGN_OR_RETURN(LayerRoute route, PlanLayer(layer, mine));
-  route.row_entry = std::move(row_entry);
-  route.share_begin = share_begin;
-  route.share_end = share_end;
-  const kernels::QuotaTable quotas = kernels::MakeQuotaTable(
-      route.copy_begin, route.copy_slot, route.copy_quota, route.slot_rank, num_ranks_);
-  route.slot.resize(ids.size());
-  std::vector<int32_t> send_counts(num_ranks_);
-  KEEL_RETURN_IF_ERROR(kernels::cpu::RemapWithQuotas(ids.data(), static_cast<int64_t>(ids.size()),
-                                                     quotas, route.slot.data(), send_counts.data(),
-                                                     &invalid));
-  if (invalid > 0) {
-    return Internal("the quota plan of layer " + std::to_string(layer) + " gave rank " +
-                    std::to_string(rank_) + " no copy for " + std::to_string(invalid) +
-                    " of its entries");
-  }
-  route.send_counts.assign(send_counts.begin(), send_counts.end());
-  stats_.route_seconds += SecondsSince(start);
-  return route;
-}
-
-Result<LayerRoute> Engine::Impl::RouteCounts(int layer, std::span<const int32_t> expert_counts) {
-  const auto start = std::chrono::steady_clock::now();
+Status Engine::Impl::CheckRouteCounts(int layer, std::span<const int32_t> expert_counts) const {
   KEEL_RETURN_IF_ERROR(CheckRoutable(layer));
   if (shards_[layer].sharded()) {
     return FailedPrecondition("layer " + std::to_string(layer) +
@@ -153,7 +99,80 @@ Result<LayerRoute> Engine::Impl::RouteCounts(int layer, std::span<const int32_t>
                              "] = " + std::to_string(expert_counts[e]) + " is negative");
     }
   }
-  KEEL_ASSIGN_OR_RETURN(LayerRoute route, PlanLayer(layer, expert_counts));
+  return Status::Ok();
+}
+
+Result<LayerRoute> Engine::Impl::Route(int layer, std::span<const int32_t> topk_ids) {
+  const auto start = std::chrono::steady_clock::now();
+  const int num_experts = options_.num_experts;
+  Status checked = CheckRoutable(layer);
+  if (checked.ok() && topk_ids.size() % options_.top_k != 0) {
+    checked =
+        InvalidArgument("topk_ids has " + std::to_string(topk_ids.size()) +
+                        " entries, not a multiple of top_k = " + std::to_string(options_.top_k));
+  }
+  // In an MP group every member holds the same tokens and routes only its share of them.
+  const auto [share_begin, share_end] =
+      Share(static_cast<int64_t>(topk_ids.size()) / options_.top_k);
+  std::vector<int32_t> share_ids;
+  if (checked.ok() && options_.mp_group_size > 1) {
+    share_ids.assign(topk_ids.size(), -1);
+    std::copy(topk_ids.begin() + share_begin * options_.top_k,
+              topk_ids.begin() + share_end * options_.top_k,
+              share_ids.begin() + share_begin * options_.top_k);
+    topk_ids = share_ids;
+  }
+  std::vector<int32_t> mine(num_experts);
+  if (checked.ok()) {
+    int32_t invalid = 0;
+    checked = kernels::cpu::ExpertHistogram(topk_ids.data(), static_cast<int64_t>(topk_ids.size()),
+                                            num_experts, mine.data(), &invalid);
+    if (checked.ok() && invalid > 0) checked = InvalidExpertId(topk_ids, num_experts);
+  }
+  KEEL_RETURN_IF_ERROR(AgreeOnCall(CollectiveCall::kRoute, layer, checked, mine));
+  // With sharded experts the rows are the entries with one row per shard, each naming a unit.
+  const ShardMap& units = shards_[layer];
+  std::span<const int32_t> ids = topk_ids;
+  std::vector<int32_t> unit_ids;
+  std::vector<int32_t> row_entry;
+  if (units.sharded()) {
+    for (size_t i = 0; i < topk_ids.size(); ++i) {
+      const int32_t e = topk_ids[i];
+      const int rows = e < 0 ? 1 : units.shards(e);
+      for (int j = 0; j < rows; ++j) {
+        unit_ids.push_back(e < 0 ? -1 : units.first_unit(e) + j);
+        row_entry.push_back(static_cast<int32_t>(i));
+      }
+    }
+    ids = unit_ids;
+  }
+  KEEL_ASSIGN_OR_RETURN(LayerRoute route, PlanLayer(layer));
+  route.row_entry = std::move(row_entry);
+  route.share_begin = share_begin;
+  route.share_end = share_end;
+  const kernels::QuotaTable quotas = kernels::MakeQuotaTable(
+      route.copy_begin, route.copy_slot, route.copy_quota, route.slot_rank, num_ranks_);
+  route.slot.resize(ids.size());
+  std::vector<int32_t> send_counts(num_ranks_);
+  int32_t invalid = 0;
+  KEEL_RETURN_IF_ERROR(kernels::cpu::RemapWithQuotas(ids.data(), static_cast<int64_t>(ids.size()),
+                                                     quotas, route.slot.data(), send_counts.data(),
+                                                     &invalid));
+  if (invalid > 0) {
+    return Internal("the quota plan of layer " + std::to_string(layer) + " gave rank " +
+                    std::to_string(rank_) + " no copy for " + std::to_string(invalid) +
+                    " of its entries");
+  }
+  route.send_counts.assign(send_counts.begin(), send_counts.end());
+  stats_.route_seconds += SecondsSince(start);
+  return route;
+}
+
+Result<LayerRoute> Engine::Impl::RouteCounts(int layer, std::span<const int32_t> expert_counts) {
+  const auto start = std::chrono::steady_clock::now();
+  KEEL_RETURN_IF_ERROR(AgreeOnCall(CollectiveCall::kRoute, layer,
+                                   CheckRouteCounts(layer, expert_counts), expert_counts));
+  KEEL_ASSIGN_OR_RETURN(LayerRoute route, PlanLayer(layer));
   // What the remap will send: the entries of e fill its copies' quotas in order, the last copy
   // takes the rest.
   route.send_counts.assign(num_ranks_, 0);
@@ -170,21 +189,27 @@ Result<LayerRoute> Engine::Impl::RouteCounts(int layer, std::span<const int32_t>
   return route;
 }
 
-Result<LayerRoute> Engine::Impl::PlanLayer(int layer, std::span<const int32_t> mine) {
+Result<LayerRoute> Engine::Impl::PlanLayer(int layer) {
   const ShardMap& units = shards_[layer];
   const int num_experts = units.num_units();  // the placement's experts
-  // Every rank's column of the traffic by expert arrives with one all-reduce: each entry is one
-  // rank's count, so it stays a 32-bit count.
+  LayerStep& step = step_[layer];
+  // AgreeOnCall left every rank's counts by expert; each unit of an expert sees all of its rows.
   const size_t num_ranks = static_cast<size_t>(num_ranks_);
-  reduced_.assign(num_ranks * num_experts, 0);
-  for (int e = 0; e < num_experts; ++e) reduced_[e * num_ranks + rank_] = mine[e];
-  KEEL_RETURN_IF_ERROR(communicator_.AllReduce(reduced_, ReduceOp::kSum));
-  by_expert_.assign(reduced_.begin(), reduced_.end());
-  // The estimators and the trace keep the traffic by source.
-  std::vector<double> traffic(reduced_.size());
-  for (int e = 0; e < num_experts; ++e) {
-    for (size_t r = 0; r < num_ranks; ++r)
-      traffic[r * num_experts + e] = by_expert_[e * num_ranks + r];
+  std::span<const int32_t> by_unit = by_expert_;
+  if (units.sharded()) {
+    by_unit_.resize(num_ranks * num_experts);
+    for (int u = 0; u < num_experts; ++u) {
+      const auto column = by_expert_.begin() + units.expert_of(u) * num_ranks;
+      std::copy(column, column + num_ranks, by_unit_.begin() + u * num_ranks);
+    }
+    by_unit = by_unit_;
+  }
+  // The estimators and the trace keep the step's traffic by source and expert.
+  step.traffic.resize(num_ranks * options_.num_experts, 0.0);
+  for (int e = 0; e < options_.num_experts; ++e) {
+    for (size_t r = 0; r < num_ranks; ++r) {
+      step.traffic[r * options_.num_experts + e] += by_expert_[e * num_ranks + r];
+    }
   }
 
   const Placement& placement = placements_[layer];
@@ -194,10 +219,15 @@ Result<LayerRoute> Engine::Impl::PlanLayer(int layer, std::span<const int32_t> m
   quota_options.record_shares = true;
   quota_options.shares_of_rank = rank_;  // the loop below reads nothing else
   quota_options.sent_tokens = false;     // nor does anything read the all-to-all matrix
+  quota_options.fixed_transients = step.transients;
   StepRouting& routing = plan_scratch_;
   KEEL_RETURN_IF_ERROR(
-      planners_[layer]->Plan(placement, num_ranks_, by_expert_, quota_options, routing));
-  std::vector<int> transient_slot = TransientSlots(placement, routing);
+      planners_[layer]->Plan(placement, num_ranks_, by_unit, quota_options, routing));
+  std::vector<int> transient_slot = TransientSlots(placement, routing, step);
+  if (std::find(transient_slot.begin(), transient_slot.end(), -1) != transient_slot.end()) {
+    return Internal("the quota plan of layer " + std::to_string(layer) +
+                    " put more transient replicas on a rank than it has free slots");
+  }
 
   // This rank's quotas by expert, in the planner's order: its entries fill them front to back.
   struct Quota {
@@ -260,21 +290,20 @@ Result<LayerRoute> Engine::Impl::PlanLayer(int layer, std::span<const int32_t> m
     route.local_shards[i] = units.shards(units.expert_of(unit));
   }
 
-  KEEL_RETURN_IF_ERROR(FillTransients(layer, placement, routing, transient_slot));
-  // The estimators and the trace keep the traffic by expert, whatever its shards.
-  traffic_[layer] = units.sharded() ? units.ExpertTraffic(traffic) : std::move(traffic);
-  routed_[layer] = true;
+  const size_t filled = step.transients.size();
+  KEEL_RETURN_IF_ERROR(FillTransients(layer, placement, routing, transient_slot, filled));
+  step.transients.assign(routing.transients.begin(), routing.transients.end());
+  step.transient_slot = std::move(transient_slot);
+  ++step.routes;
   if (metrics_ != nullptr) {
     std::vector<double> expert_tokens(options_.num_experts, 0.0);
-    for (size_t i = 0; i < traffic_[layer].size(); ++i) {
-      expert_tokens[i % options_.num_experts] += traffic_[layer][i];
+    for (int e = 0; e < options_.num_experts; ++e) {
+      for (size_t r = 0; r < num_ranks; ++r) expert_tokens[e] += by_expert_[e * num_ranks + r];
     }
     metrics_->ObserveLayerRouting(
         layer, placement, routing, expert_tokens, {},
         std::min(num_ranks_, placement.max_copies() + (transients_planned_ > 0 ? 1 : 0)));
   }
-  std::swap(routing_[layer], routing);  // the old routing's buffers serve the next plan
-  transient_slot_[layer] = std::move(transient_slot);
   return route;
 }
 
@@ -282,8 +311,8 @@ Result<LayerRoute> Engine::Impl::PlanLayer(int layer, std::span<const int32_t> m
 // home is there, else that rank's lowest copy.
 Status Engine::Impl::FillTransients(int layer, const Placement& placement,
                                     const StepRouting& routing,
-                                    const std::vector<int>& transient_slot) {
-  if (routing.transients.empty()) return Status::Ok();
+                                    const std::vector<int>& transient_slot, size_t first) {
+  if (routing.transients.size() == first) return Status::Ok();
   const size_t bytes = options_.shape.weight_bytes;
   auto source_slot = [&](const TransientReplica& t) {
     if (placement.home(t.expert) == t.source_rank) return placement.home_slot(t.expert);
@@ -292,8 +321,10 @@ Status Engine::Impl::FillTransients(int layer, const Placement& placement,
     }
     return -1;
   };
+  const std::span<const TransientReplica> fills =
+      std::span<const TransientReplica>(routing.transients).subspan(first);
   exchange_.Begin(num_ranks_);
-  for (const TransientReplica& t : routing.transients) {
+  for (const TransientReplica& t : fills) {
     if (t.source_rank != rank_) continue;
     const int slot = source_slot(t);
     if (slot < 0) {
@@ -304,12 +335,12 @@ Status Engine::Impl::FillTransients(int layer, const Placement& placement,
     exchange_.Add(t.rank, Buffers(layer, slot % slots_per_rank_).weights, bytes);
   }
   // The fills this rank receives, in the order the loop below reads them.
-  for (const TransientReplica& t : routing.transients) {
+  for (const TransientReplica& t : fills) {
     if (t.rank == rank_) exchange_.Expect(t.source_rank, bytes);
   }
   KEEL_RETURN_IF_ERROR(exchange_.Run(communicator_, *memory_, on_device()));
   std::optional<uint64_t> last;
-  for (size_t i = 0; i < routing.transients.size(); ++i) {
+  for (size_t i = first; i < routing.transients.size(); ++i) {
     const TransientReplica& t = routing.transients[i];
     if (t.rank != rank_) continue;
     KEEL_ASSIGN_OR_RETURN(const std::byte* weights, exchange_.Received(t.source_rank, bytes));

@@ -69,6 +69,7 @@ Result<SequencePlacement> Engine::Impl::PlanSequences(int first_layer,
       }
     }
   }
+  KEEL_RETURN_IF_ERROR(AgreeOnCall(CollectiveCall::kPlanSequences, first_layer, local));
   // [valid: 1 byte][row size: 8 bytes][sequences]: a rank that failed its checks says so.
   std::string mine;
   mine.push_back(local.ok() ? 1 : 0);

@@ -96,6 +96,12 @@ struct QuotaPlanOptions {
   // Fill StepRouting::sent_tokens, the all-to-all matrix (CostModel::Estimate reads it; the
   // engine's routing does not). Without it sent_tokens is left empty.
   bool sent_tokens = true;
+  // Transients that are already filled for this step (by an earlier micro-batch of it): they are
+  // copies whatever this plan decides, StepRouting::transients starts with them in this order,
+  // and each counts against its rank's room (transient_per_rank, and the empty slots with
+  // spare_slots). Each is on a rank below num_ranks that holds no persistent copy of its expert
+  // and no other of these transients of that expert.
+  std::span<const TransientReplica> fixed_transients = {};
 };
 Result<StepRouting> PlanStepQuotas(const Placement& placement, const StepLoad& load,
                                    const Topology& topology, const CostModel& cost,

@@ -329,6 +329,30 @@ Status ValidateTopologyAndOptions(const Placement& placement, const Topology& to
                            std::to_string(placement.num_ranks()) + ", got " +
                            std::to_string(options.shares_of_rank));
   }
+  const std::span<const TransientReplica> fixed = options.fixed_transients;
+  for (size_t i = 0; i < fixed.size(); ++i) {
+    const TransientReplica& t = fixed[i];
+    const std::string name = "fixed_transients[" + std::to_string(i) + "]";
+    if (t.expert < 0 || t.expert >= placement.num_experts()) {
+      return InvalidArgument(name + ".expert = " + std::to_string(t.expert) + " is not in [0, " +
+                             std::to_string(placement.num_experts()) + ")");
+    }
+    for (const int rank : {t.rank, t.source_rank}) {
+      if (rank < 0 || rank >= placement.num_ranks()) {
+        return InvalidArgument(name + " names rank " + std::to_string(rank) + ", not in [0, " +
+                               std::to_string(placement.num_ranks()) + ")");
+      }
+    }
+    const std::span<const int> holders = placement.copy_ranks(t.expert);
+    const bool held = std::find(holders.begin(), holders.end(), t.rank) != holders.end() ||
+                      std::any_of(fixed.begin(), fixed.begin() + i, [&](const TransientReplica& o) {
+                        return o.expert == t.expert && o.rank == t.rank;
+                      });
+    if (held) {
+      return InvalidArgument(name + ": rank " + std::to_string(t.rank) +
+                             " already holds a copy of expert " + std::to_string(t.expert));
+    }
+  }
   return Status::Ok();
 }
 
@@ -793,23 +817,31 @@ Status StepPlanner::Impl::Route(const Placement& placement, const QuotaPlanOptio
   keep_rows_ = !fast_ || options.sent_tokens;
   KEEL_RETURN_IF_ERROR(ValidateTopologyAndOptions(placement, topology_, cost_, options));
   const std::span<const long long> tokens = rounded_;
-  transients_.clear();
+  const size_t fixed = options.fixed_transients.size();
+  transients_.assign(options.fixed_transients.begin(), options.fixed_transients.end());
   solver_.Solve(placement, tokens, transients_, split_);
   excluded_expert_ = -1;
-  Assign(0, split_, best_);
+  Assign(fixed, split_, best_);
 
   // Greedy transients: each must lower the max rank load and the cost model's predicted layer
   // time, alone or as the first of a run of copies that together do (TakeRun); the first
   // candidate that does neither ends the search. The baseline is priced once a candidate gets
   // that far, else at the end. Each candidate re-solves from the previous flow.
-  size_t accepted = 0;
+  size_t accepted = fixed;
   double best_seconds = -1;
   transient_room_.assign(num_ranks_, options.transient_per_rank);
   if (options.spare_slots) {
     for (int r = 0; r < num_ranks_; ++r) transient_room_[r] += empty_on_rank_[r];
   }
+  transients_on_rank_.assign(num_ranks_, 0);
+  for (const TransientReplica& t : options.fixed_transients) {
+    if (++transients_on_rank_[t.rank] > transient_room_[t.rank]) {
+      return InvalidArgument("fixed_transients put " + std::to_string(transients_on_rank_[t.rank]) +
+                             " on rank " + std::to_string(t.rank) + ", which has room for " +
+                             std::to_string(transient_room_[t.rank]) + " transients");
+    }
+  }
   if (std::any_of(transient_room_.begin(), transient_room_.end(), [](int n) { return n > 0; })) {
-    transients_on_rank_.assign(num_ranks_, 0);
     TransientReplica next;
     while (NextTransient(placement, topology_, solver_, tokens, transients_on_rank_,
                          transient_room_, holds_, next)) {

@@ -1,4 +1,5 @@
-// Keel's C++ embedding API: the runtime a trainer calls once per MoE layer and once per step.
+// Keel's C++ embedding API: the runtime a trainer calls per MoE layer and micro-batch, and once
+// per optimizer step.
 // Route() turns router output into physical expert copies, ReduceGradients() folds replica
 // gradients into each home in a fixed order, StepEnd() pushes updated weights to replicas and
 // plans and migrates the next epoch in the background. include/keel/keel.h is the C API over it.
@@ -257,6 +258,8 @@ struct EngineState {
 std::string EngineStateToJson(const EngineState& state);
 Result<EngineState> EngineStateFromJson(std::string_view text);
 
+// An engine takes one call at a time: a call from a second thread while another runs is refused
+// with FailedPrecondition naming both (the accessors that return no Status wait for it instead).
 class Engine {
  public:
   // Collective: every rank creates its engine with the same config and shapes. Fails with a
@@ -283,18 +286,27 @@ class Engine {
   // optimizer state; from then on StepEnd keeps every replica equal to its home.
   Status RegisterSlot(int layer, int local_slot, const SlotBuffers& buffers);
 
-  // Collective per layer, in layer order. topk_ids: [num_tokens, top_k] int32 logical expert ids
-  // (-1 = dropped). Counts them, all-gathers every rank's counts, splits each expert's tokens
-  // among its copies (quotas, transient replicas; the same plan on every rank), fills this
-  // step's transient replicas with their expert's weights and returns the physical routing.
+  // Collective: every rank routes the same layer at the same time. topk_ids: [num_tokens, top_k]
+  // int32 logical expert ids (-1 = dropped). Counts them, all-gathers every rank's counts,
+  // splits each expert's tokens among its copies (quotas, transient replicas; the same plan on
+  // every rank), fills new transient replicas with their expert's weights and returns the
+  // physical routing.
+  // A layer may be routed any number of times between two StepEnds, once per micro-batch
+  // (gradient accumulation, pipeline schedules, evaluation passes), in any order of layers that
+  // every rank follows: each micro-batch is planned on its own counts, and a transient replica
+  // keeps its slot and expert until StepEnd, so each slot's gradient buffer sums every
+  // micro-batch's gradients of one expert and ReduceGradients folds them once. Not after
+  // ReduceGradients (FailedPrecondition until StepEnd). Ranks that make different calls here
+  // (another layer, another collective) and a rank whose arguments are bad fail on every rank
+  // with an error that names them, nothing routed.
   Result<LayerRoute> Route(int layer, std::span<const int32_t> topk_ids);
 
   // Route for a trainer that counts and assigns its entries on the GPU (kernels/): it passes
   // this rank's count per expert (kernels::gpu::ExpertHistogram; in an MP group, of its share's
   // entries only), gets everything Route returns except `slot` (empty), and assigns slots with
   // kernels::gpu::RemapWithQuotas from the returned quota table, which gives the same slots Route
-  // would. expert_counts: [num_experts] int32, each >= 0. Collective like Route; a layer takes
-  // one of the two per step.
+  // would. expert_counts: [num_experts] int32, each >= 0. Collective like Route, and a
+  // micro-batch like Route's: ranks may take either for the same micro-batch.
   Result<LayerRoute> RouteCounts(int layer, std::span<const int32_t> expert_counts);
 
   // Collective, after the backward of every layer and before the optimizer. If an epoch's
@@ -302,6 +314,8 @@ class Engine {
   // them, switches to the new placement now; otherwise discards them and keeps the old one. Then
   // adds every copy's gradient (persistent replicas and this step's transient replicas) into the
   // expert's home slot in a fixed order. Afterwards HomeSlots() lists where the optimizer runs.
+  // Once per step: a second call before StepEnd is refused (the replicas' gradients would be
+  // added again).
   Status ReduceGradients();
 
   // Collective, after the optimizer updated the homes: copies every home's weights to its

@@ -215,7 +215,9 @@ keel_status_t keel_engine_destroy(keel_engine_t* engine);
 keel_status_t keel_engine_register_slot(keel_engine_t* engine, int layer, int local_slot,
                                         void* weights, void* gradients, void* optimizer);
 
-/* Routes one layer's tokens. Collective per layer, in layer order.
+/* Routes one layer's tokens (one micro-batch of them). Collective: every rank routes the same
+ * layer at the same time; a layer may be routed several times between two step ends, once per
+ * micro-batch, never after keel_engine_reduce_gradients (Engine::Route says more).
  *   topk_ids:     [num_tokens, top_k] int32, logical expert ids in [0, num_experts), -1 for a
  *                 dropped (token, k); may be NULL when num_tokens == 0
  *   num_tokens:   >= 0 tokens on this rank (0 is allowed: the rank still takes part)
@@ -235,8 +237,11 @@ keel_status_t keel_engine_register_slot(keel_engine_t* engine, int layer, int lo
  *   recv_totals:  [num_ranks] int64, written: rows received from each rank (the row sums of
  *                 recv_counts; the combine split); may be NULL
  * Errors: KEEL_INVALID_ARGUMENT for a NULL engine or required pointer, a layer out of range, a
- * negative num_tokens or an id out of range (named by its index); KEEL_FAILED_PRECONDITION for
- * a slot not registered; a collective's failure (KEEL_DEADLINE_EXCEEDED, KEEL_ABORTED). */
+ * negative num_tokens or an id out of range (named by its index), or on every other rank when
+ * one rank's arguments are bad; KEEL_FAILED_PRECONDITION for a slot not registered, a route after
+ * keel_engine_reduce_gradients, ranks that make different calls (another layer, another
+ * collective; on every rank) or a call while another thread's call runs; a collective's failure
+ * (KEEL_DEADLINE_EXCEEDED, KEEL_ABORTED). */
 keel_status_t keel_engine_route(keel_engine_t* engine, int layer, const int32_t* topk_ids,
                                 int64_t num_tokens, int32_t* slot_out, int64_t* send_counts,
                                 int64_t* recv_counts, int64_t* recv_totals);
@@ -244,7 +249,7 @@ keel_status_t keel_engine_route(keel_engine_t* engine, int layer, const int32_t*
 /* keel_engine_route for a trainer that counts and assigns its (token, k) entries on the GPU
  * (kernels/remap.h): it passes this rank's count per expert and gets the same splits plus this
  * rank's quota table, which the remap kernel turns into the slots keel_engine_route would give.
- * Collective like keel_engine_route; a layer takes one of the two per step.
+ * Collective like keel_engine_route, one micro-batch like it.
  *   expert_counts:   [num_experts] int32, each >= 0: this rank's entries per expert (the
  *                    histogram of topk_ids without the -1 entries)
  *   send_counts, recv_counts, recv_totals: as keel_engine_route
@@ -301,8 +306,9 @@ keel_status_t keel_engine_plan_sequences(keel_engine_t* engine, int first_layer,
 /* Collective, after the backward of every layer and before the optimizer: switches to a new
  * placement whose transfers every rank verified (or waits for them, or discards them), then adds
  * every copy's gradients into its expert's home slot in a fixed order. Afterwards
- * keel_engine_home_slots lists where the optimizer runs.
- * Errors: KEEL_INVALID_ARGUMENT for a NULL engine; the engine's and collectives' failures. */
+ * keel_engine_home_slots lists where the optimizer runs. Once per step.
+ * Errors: KEEL_INVALID_ARGUMENT for a NULL engine; KEEL_FAILED_PRECONDITION for a second call
+ * before keel_engine_step_end; the engine's and collectives' failures. */
 keel_status_t keel_engine_reduce_gradients(keel_engine_t* engine);
 
 /* Collective, after the optimizer updated the homes: copies every home's weights to its

@@ -548,6 +548,30 @@ std::vector<float> FloatHomeGradient(Memory memory, const WrapCommunicator& wrap
 }
 
 // kFloat32 sums depend on their order; the engine's fixed order gives the same bits every run.
+// Each step's tokens in 4 micro-batches, every layer routed once per micro-batch and the
+// gradients added up before one ReduceGradients: the homes end exactly where one batch per step
+// takes them (the same reference), while the keel policy migrates and the step planner adds
+// transient replicas per micro-batch, each kept in its slot for the rest of the step.
+TEST_P(EngineMemoryTest, MicroBatchesTrainExactlyAsOneBatchPerStep) {
+  constexpr int kSteps = 24;
+  RunHooks hooks;
+  hooks.micro_batches = 4;
+  TrainingRun run = RunAll(TestConfig("keel"), kSteps, GetParam(), nullptr, nullptr, hooks);
+  int64_t rows_in_earlier_transients = 0;
+  for (const RankRecord& record : run.records) {
+    ASSERT_TRUE(record.status.ok()) << record.status.ToString();
+    rows_in_earlier_transients += record.rows_in_earlier_transients;
+  }
+  for (int r = 1; r < kRanks; ++r) {
+    EXPECT_EQ(run.records[r].epoch_after_step, run.records[0].epoch_after_step) << "rank " << r;
+  }
+  EXPECT_GE(run.records[0].stats.epochs_committed, 1) << "the skewed load should move experts";
+  EXPECT_GT(rows_in_earlier_transients, 0)
+      << "no micro-batch used a transient replica an earlier one filled: the test proves little";
+  ExpectRoutingAgrees(run, kSteps);
+  ExpectMatchesReference(run, ComputeReference(kSteps));
+}
+
 TEST_P(EngineMemoryTest, FloatGradientReductionIsDeterministic) {
   const std::vector<float> first = FloatHomeGradient(GetParam());
   ASSERT_EQ(first.size(), static_cast<size_t>(kWeightWords));
@@ -907,9 +931,11 @@ TEST(EngineTest, RouteCountsPlusTheRemapKernelEqualsRoute) {
         if (slot != full.slot || invalid != 0) {
           return Internal("rank " + std::to_string(r) + ": remapped slots differ from Route's");
         }
-        if (engine->RouteCounts(1, counts).status().message().find("already routed") ==
+        // A layer may be routed again (a micro-batch), but not once its gradients are folded.
+        KEEL_RETURN_IF_ERROR(engine->ReduceGradients());
+        if (engine->RouteCounts(1, counts).status().message().find("after ReduceGradients") ==
             std::string::npos) {
-          return Internal("a second RouteCounts of one layer was not refused");
+          return Internal("a RouteCounts after ReduceGradients was not refused");
         }
         return Status::Ok();
       }();
@@ -1245,7 +1271,8 @@ TEST(EngineTest, PlanSequencesFailsOnEveryRankWhenOneRankPassesBadSequences) {
   EXPECT_NE(statuses[1].message().find("sequence 0 expert_rows[3] = -2 is negative"),
             std::string::npos)
       << statuses[1].ToString();
-  EXPECT_NE(statuses[0].message().find("rank 1 passed invalid sequences"), std::string::npos)
+  EXPECT_NE(statuses[0].message().find("rank 1 refused its PlanSequences(layer 0)"),
+            std::string::npos)
       << statuses[0].ToString();
   OnTwoRanks(2, [&](int rank, Engine& engine) {
     // Layers out of range on rank 0; ranks that disagree on the planned layers.
@@ -1263,6 +1290,119 @@ TEST(EngineTest, PlanSequencesFailsOnEveryRankWhenOneRankPassesBadSequences) {
               std::string::npos)
         << status.ToString();
   }
+}
+
+// Every slot of every layer of `engine` registered over one shared 8-byte buffer (SmallOptions'
+// regions): enough for the calls that need registered slots and never read the bytes.
+void RegisterScratch(Engine& engine, int layers, std::vector<std::byte>& buffer) {
+  buffer.assign(8, std::byte{0});
+  for (int l = 0; l < layers; ++l) {
+    for (int i = 0; i < engine.local_slots(); ++i) {
+      ASSERT_TRUE(engine.RegisterSlot(l, i, {buffer.data(), buffer.data(), buffer.data()}).ok());
+    }
+  }
+}
+
+// Two ranks whose calls differ, or one whose arguments are bad: every rank gets an error from
+// the same all-reduce (no hang, no collective of another size), nothing changes, and the next
+// calls that agree go on.
+TEST(EngineTest, RanksThatMakeDifferentCallsFailTogetherAndGoOn) {
+  const std::vector<int32_t> ids(16, 1);
+  std::vector<Status> statuses(2);
+  OnTwoRanks(2, [&](int rank, Engine& engine) {
+    std::vector<std::byte> buffer;
+    RegisterScratch(engine, 2, buffer);
+    statuses[rank] = engine.Route(rank, ids).status();  // rank 0 layer 0, rank 1 layer 1
+    EXPECT_EQ(statuses[rank].code(), StatusCode::kFailedPrecondition) << statuses[rank].ToString();
+    EXPECT_NE(statuses[rank].message().find(
+                  "rank 0 makes Route(layer 0, micro-batch 0) at step 0, rank 1 makes "
+                  "Route(layer 1, micro-batch 0) at step 0"),
+              std::string::npos)
+        << statuses[rank].ToString();
+    // A peer that restores a state while this one routes.
+    statuses[rank] =
+        rank == 0 ? engine.RestoreState(engine.SaveState()) : engine.Route(0, ids).status();
+    EXPECT_NE(statuses[rank].message().find(
+                  "rank 0 makes RestoreState at step 0, rank 1 makes Route(layer 0, "
+                  "micro-batch 0) at step 0"),
+              std::string::npos)
+        << statuses[rank].ToString();
+    // Bad expert ids on rank 1: its own error there, the refusal named on rank 0.
+    std::vector<int32_t> mine = ids;
+    if (rank == 1) mine[5] = kExperts;
+    statuses[rank] = engine.Route(0, mine).status();
+    EXPECT_EQ(statuses[rank].code(), StatusCode::kInvalidArgument) << statuses[rank].ToString();
+    EXPECT_NE(statuses[rank].message().find(rank == 1 ? "topk_ids[5] = 8 is not an expert id"
+                                                      : "rank 1 refused its Route(layer 0, "
+                                                        "micro-batch 0)"),
+              std::string::npos)
+        << statuses[rank].ToString();
+    // Nothing was routed: the next micro-batch is still the step's first, and it goes through.
+    Result<LayerRoute> route = engine.Route(0, ids);
+    ASSERT_TRUE(route.ok()) << route.status().ToString();
+    EXPECT_EQ(route->send_counts[0] + route->send_counts[1], 16);
+    statuses[rank] = engine.StepEnd();
+    EXPECT_TRUE(statuses[rank].ok()) << statuses[rank].ToString();
+  });
+}
+
+// A layer routed several times in a step (micro-batches) until ReduceGradients; a second
+// ReduceGradients, or a Route after it, is refused until StepEnd.
+TEST(EngineTest, MicroBatchesRouteUntilReduceGradients) {
+  OnTwoRanks(1, [&](int rank, Engine& engine) {
+    std::vector<std::byte> buffer;
+    RegisterScratch(engine, 1, buffer);
+    for (int micro_batch = 0; micro_batch < 3; ++micro_batch) {
+      const std::vector<int32_t> ids(8 * (micro_batch + 1), static_cast<int32_t>(micro_batch));
+      Result<LayerRoute> route = engine.Route(0, ids);
+      ASSERT_TRUE(route.ok()) << route.status().ToString();
+      EXPECT_EQ(route->send_counts[0] + route->send_counts[1], static_cast<int64_t>(ids.size()));
+    }
+    ASSERT_TRUE(engine.ReduceGradients().ok());
+    const Status twice = engine.ReduceGradients();
+    EXPECT_EQ(twice.code(), StatusCode::kFailedPrecondition) << twice.ToString();
+    EXPECT_NE(twice.message().find("ReduceGradients was already called this step"),
+              std::string::npos)
+        << twice.ToString();
+    const Status late = engine.Route(0, std::vector<int32_t>(8, 0)).status();
+    EXPECT_NE(late.message().find("layer 0 is routed after ReduceGradients; call StepEnd first"),
+              std::string::npos)
+        << late.ToString();
+    ASSERT_TRUE(engine.StepEnd().ok());
+    EXPECT_TRUE(engine.Route(0, std::vector<int32_t>(8, rank)).ok());
+  });
+}
+
+// One engine driven from two threads: the second call is refused while the first runs (here it
+// waits in its all-reduce for the other rank), and the accessors wait for it.
+TEST(EngineTest, AnEngineRefusesASecondThreadsCallWhileOneRuns) {
+  std::atomic<bool> rank0_routing{false};
+  OnTwoRanks(1, [&](int rank, Engine& engine) {
+    std::vector<std::byte> buffer;
+    RegisterScratch(engine, 1, buffer);
+    const std::vector<int32_t> ids(8, 2);
+    if (rank == 1) {
+      // Rank 0's Route waits in its all-reduce until this rank joins.
+      while (!rank0_routing.load()) std::this_thread::yield();
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      EXPECT_TRUE(engine.Route(0, ids).ok());
+      return;
+    }
+    std::thread second;
+    Status refused;
+    second = std::thread([&] {
+      rank0_routing.store(true);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      refused = engine.StepEnd();
+    });
+    EXPECT_TRUE(engine.Route(0, ids).ok());
+    second.join();
+    EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << refused.ToString();
+    EXPECT_NE(refused.message().find("Engine::StepEnd was called while Engine::Route runs on "
+                                     "another thread"),
+              std::string::npos)
+        << refused.ToString();
+  });
 }
 
 TEST(EngineTest, StepsRefuseSlotsThatAreNotRegistered) {

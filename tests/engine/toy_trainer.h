@@ -179,11 +179,16 @@ class SlotMemory {
 
 struct RankRecord {
   std::vector<int64_t> epoch_after_step;  // [step]
-  // [step][layer] (rows this rank sent to each physical slot) and its recv_counts.
+  // [step][micro-batch * layers + layer] (rows this rank sent to each physical slot) and its
+  // recv_counts.
   std::vector<std::vector<std::map<int, int64_t>>> sent;
   std::vector<std::vector<std::vector<int64_t>>> recv;
-  // [step][layer] the route's local_experts: the expert each local slot held in that step.
+  // [step][micro-batch * layers + layer] the route's local_experts: the expert each local slot
+  // held then.
   std::vector<std::vector<std::vector<int32_t>>> local_experts;
+  // Rows this rank computed in a transient replica that an earlier micro-batch of the step had
+  // filled.
+  int64_t rows_in_earlier_transients = 0;
   std::vector<Placement> final_placements;      // over units
   std::vector<LayerPlacement> final_layouts;    // the same, as the engine answers it
   std::vector<LayerPlacement> initial_layouts;  // as the run started
@@ -228,6 +233,9 @@ struct RunHooks {
   std::function<Status(Engine&)> before_fill;
   std::function<Status(Engine&)> after_register;
   std::function<Result<bool>(Engine&, int step)> after_step;
+  // Each step's tokens routed in this many micro-batches, layer by layer, every micro-batch's
+  // gradients added up before one ReduceGradients; divides kTokens.
+  int micro_batches = 1;
 };
 
 // Trains steps [hooks.first_step, steps) of the toy model on this rank; `fabric` is null unless
@@ -284,91 +292,108 @@ inline Status RunRank(const KeelConfig& config, int steps, Communicator& communi
   record.sent.resize(steps);
   record.recv.resize(steps);
   record.local_experts.resize(steps);
+  const int tokens = kTokens / hooks.micro_batches;  // per member and micro-batch
   for (int step = hooks.first_step; step < steps; ++step) {
     for (auto& g : mine.gradients) std::fill(g.begin(), g.end(), 0);
-    for (int l = 0; l < kLayers; ++l) {
-      // This rank's tokens, or its MP group's, each member's in turn.
-      std::vector<int32_t> ids;
-      const int first = rank - rank % hooks.mp_group_size;
-      for (int member = first; member < first + hooks.mp_group_size; ++member) {
-        const std::vector<int32_t> own = RouterIds(step, member, l);
-        ids.insert(ids.end(), own.begin(), own.end());
-      }
-      KEEL_ASSIGN_OR_RETURN(LayerRoute route, engine->Route(l, ids));
-      if (route.share_begin != static_cast<int64_t>(rank - first) * kTokens ||
-          route.share_end != route.share_begin + kTokens) {
-        return Internal("the share is not this member's tokens");
-      }
-      // The entries this rank routes: a chosen expert, in its share.
-      const auto routes = [&](size_t entry) {
-        const int64_t token = static_cast<int64_t>(entry / kTopK);
-        return ids[entry] >= 0 && token >= route.share_begin && token < route.share_end;
-      };
-      const LayerPlacement layout = engine->placement(l);
-      const auto entry_of = [&](size_t row) {
-        return route.row_entry.empty() ? row : static_cast<size_t>(route.row_entry[row]);
-      };
-      if (!route.row_entry.empty() && route.row_entry.size() != route.slot.size()) {
-        return Internal("row_entry and slot have different lengths");
-      }
-      std::map<int, int64_t> sent;
-      int64_t valid = 0;
-      for (size_t row = 0; row < route.slot.size(); ++row) {
-        if (!routes(entry_of(row))) {
-          if (route.slot[row] != -1) return Internal("a dropped or unshared choice got a slot");
-          continue;
+    // [layer][local slot] the expert it held in this step's earlier micro-batches, -1 for none.
+    std::vector<std::vector<int32_t>> held(kLayers, std::vector<int32_t>(local_slots, -1));
+    for (int micro_batch = 0; micro_batch < hooks.micro_batches; ++micro_batch) {
+      for (int l = 0; l < kLayers; ++l) {
+        // This rank's tokens of the micro-batch, or its MP group's, each member's in turn.
+        std::vector<int32_t> ids;
+        const int first = rank - rank % hooks.mp_group_size;
+        for (int member = first; member < first + hooks.mp_group_size; ++member) {
+          const std::vector<int32_t> own = RouterIds(step, member, l);
+          ids.insert(ids.end(), own.begin() + micro_batch * tokens * kTopK,
+                     own.begin() + (micro_batch + 1) * tokens * kTopK);
         }
-        ++valid;
-        ++sent[route.slot[row]];
-      }
-      int64_t sent_total = 0;
-      for (int64_t c : route.send_counts) sent_total += c;
-      if (sent_total != valid) return Internal("send_counts do not add up to the valid rows");
-      // Every row lands on a copy of the expert its entry asked for, an entry of a sharded expert
-      // on each of its shards once, in shard order; transients (in transient slots, or in the
-      // persistent slots the placement leaves empty) are checked by their owners.
-      KEEL_ASSIGN_OR_RETURN(const Placement placement, ToPlacement(layout));
-      std::vector<int> rows_of_entry(ids.size(), 0);
-      for (size_t row = 0; row < route.slot.size(); ++row) {
-        const int slot = route.slot[row];
-        const size_t entry = entry_of(row);
-        const int shard = rows_of_entry[entry]++;
-        if (slot < 0) continue;
-        if (slot < placement.num_slots() && placement.expert_at(slot) != kEmptySlot) {
-          const int unit = placement.expert_at(slot);
-          if (layout.unit_expert[unit] != ids[entry] || layout.unit_shard[unit] != shard) {
-            return Internal("slot holds another expert or shard");
-          }
-        } else if (slot >= placement.num_slots() + kRanks * engine->transient_per_rank()) {
-          return Internal("slot out of range");
+        KEEL_ASSIGN_OR_RETURN(LayerRoute route, engine->Route(l, ids));
+        if (route.share_begin != static_cast<int64_t>(rank - first) * tokens ||
+            route.share_end != route.share_begin + tokens) {
+          return Internal("the share is not this member's tokens");
         }
-      }
-      std::vector<int> shards_of(kExperts, 1);
-      for (size_t u = 0; u < layout.unit_expert.size(); ++u) {
-        shards_of[layout.unit_expert[u]] = layout.unit_shards[u];
-      }
-      for (size_t entry = 0; entry < ids.size(); ++entry) {
-        if (rows_of_entry[entry] != (routes(entry) ? shards_of[ids[entry]] : 1)) {
-          return Internal("entry " + std::to_string(entry) + " has " +
-                          std::to_string(rows_of_entry[entry]) + " rows, not one per shard");
-        }
-      }
-      // The slot owner computes its rows: gradient = rows x the unit's row gradients.
-      for (int src = 0; src < kRanks; ++src) {
+        // A slot keeps its expert for the whole step: its gradient buffer sums the micro-batches.
         for (int i = 0; i < local_slots; ++i) {
-          const int64_t rows = route.recv_counts[static_cast<size_t>(src) * local_slots + i];
-          if (rows == 0) continue;
-          const int expert = route.local_experts[i];
-          if (expert < 0) return Internal("rows sent to an empty slot");
-          const int count = kWeightWords / route.local_shards[i];
-          const int first = route.local_shard[i] * count;
-          int64_t* g = mine.gradients[static_cast<size_t>(l) * local_slots + i].data();
-          for (int j = 0; j < count; ++j) g[j] += rows * RowGradient(l, expert, first + j);
+          const int32_t before = held[l][i];
+          if (before >= 0 && route.local_experts[i] != before) {
+            return Internal("local slot " + std::to_string(i) + " of layer " + std::to_string(l) +
+                            " held expert " + std::to_string(before) + " and then " +
+                            std::to_string(route.local_experts[i]) + " in one step");
+          }
         }
+        // The entries this rank routes: a chosen expert, in its share.
+        const auto routes = [&](size_t entry) {
+          const int64_t token = static_cast<int64_t>(entry / kTopK);
+          return ids[entry] >= 0 && token >= route.share_begin && token < route.share_end;
+        };
+        const LayerPlacement layout = engine->placement(l);
+        const auto entry_of = [&](size_t row) {
+          return route.row_entry.empty() ? row : static_cast<size_t>(route.row_entry[row]);
+        };
+        if (!route.row_entry.empty() && route.row_entry.size() != route.slot.size()) {
+          return Internal("row_entry and slot have different lengths");
+        }
+        std::map<int, int64_t> sent;
+        int64_t valid = 0;
+        for (size_t row = 0; row < route.slot.size(); ++row) {
+          if (!routes(entry_of(row))) {
+            if (route.slot[row] != -1) return Internal("a dropped or unshared choice got a slot");
+            continue;
+          }
+          ++valid;
+          ++sent[route.slot[row]];
+        }
+        int64_t sent_total = 0;
+        for (int64_t c : route.send_counts) sent_total += c;
+        if (sent_total != valid) return Internal("send_counts do not add up to the valid rows");
+        // Every row lands on a copy of the expert its entry asked for, an entry of a sharded expert
+        // on each of its shards once, in shard order; transients (in transient slots, or in the
+        // persistent slots the placement leaves empty) are checked by their owners.
+        KEEL_ASSIGN_OR_RETURN(const Placement placement, ToPlacement(layout));
+        std::vector<int> rows_of_entry(ids.size(), 0);
+        for (size_t row = 0; row < route.slot.size(); ++row) {
+          const int slot = route.slot[row];
+          const size_t entry = entry_of(row);
+          const int shard = rows_of_entry[entry]++;
+          if (slot < 0) continue;
+          if (slot < placement.num_slots() && placement.expert_at(slot) != kEmptySlot) {
+            const int unit = placement.expert_at(slot);
+            if (layout.unit_expert[unit] != ids[entry] || layout.unit_shard[unit] != shard) {
+              return Internal("slot holds another expert or shard");
+            }
+          } else if (slot >= placement.num_slots() + kRanks * engine->transient_per_rank()) {
+            return Internal("slot out of range");
+          }
+        }
+        std::vector<int> shards_of(kExperts, 1);
+        for (size_t u = 0; u < layout.unit_expert.size(); ++u) {
+          shards_of[layout.unit_expert[u]] = layout.unit_shards[u];
+        }
+        for (size_t entry = 0; entry < ids.size(); ++entry) {
+          if (rows_of_entry[entry] != (routes(entry) ? shards_of[ids[entry]] : 1)) {
+            return Internal("entry " + std::to_string(entry) + " has " +
+                            std::to_string(rows_of_entry[entry]) + " rows, not one per shard");
+          }
+        }
+        // The slot owner computes its rows: gradient = rows x the unit's row gradients.
+        for (int src = 0; src < kRanks; ++src) {
+          for (int i = 0; i < local_slots; ++i) {
+            const int64_t rows = route.recv_counts[static_cast<size_t>(src) * local_slots + i];
+            if (rows == 0) continue;
+            const int expert = route.local_experts[i];
+            if (expert < 0) return Internal("rows sent to an empty slot");
+            const int count = kWeightWords / route.local_shards[i];
+            const int first = route.local_shard[i] * count;
+            int64_t* g = mine.gradients[static_cast<size_t>(l) * local_slots + i].data();
+            for (int j = 0; j < count; ++j) g[j] += rows * RowGradient(l, expert, first + j);
+            if (i >= slots_per_rank && held[l][i] >= 0) record.rows_in_earlier_transients += rows;
+          }
+        }
+        for (int i = 0; i < local_slots; ++i) held[l][i] = route.local_experts[i];
+        record.sent[step].push_back(std::move(sent));
+        record.recv[step].push_back(route.recv_counts);
+        record.local_experts[step].push_back(route.local_experts);
       }
-      record.sent[step].push_back(std::move(sent));
-      record.recv[step].push_back(route.recv_counts);
-      record.local_experts[step].push_back(route.local_experts);
     }
     for (size_t index = 0; index < regions; ++index) {
       KEEL_RETURN_IF_ERROR(slots.Upload(index, false, true, false));

@@ -274,6 +274,68 @@ TEST(StepPlannerTest, ShortcutsGiveTheOrderedRouting) {
   EXPECT_GT(with_transients, 20);
 }
 
+// A later micro-batch of a step plans with the transients that earlier ones filled: they come
+// first, in their order, count against their rank's room, take tokens like any copy, and the
+// fast path gives the ordered path's routing with them too.
+TEST(StepPlannerTest, FixedTransientsComeFirstAndFitTheRoom) {
+  std::mt19937 rng(47);
+  int kept_and_added = 0;
+  for (const auto& [nodes, per_node] : std::vector<std::pair<int, int>>{{1, 4}, {2, 4}, {1, 8}}) {
+    const Topology topology = MakeTopology(nodes, per_node);
+    const int num_ranks = nodes * per_node;
+    const CostModel cost(topology, SmallExperts());
+    StepPlanner quick(topology, cost);
+    StepPlanner ordered(topology, cost);
+    for (int trial = 0; trial < 40; ++trial) {
+      const Case first =
+          RandomCase(rng, num_ranks, 3, num_ranks + static_cast<int>(rng() % num_ranks), num_ranks,
+                     /*fractional=*/false);
+      QuotaPlanOptions options = RandomOptions(rng, 2, 1);
+      options.transient_per_rank = 2;
+      StepRouting earlier;
+      ASSERT_TRUE(quick.Plan(first.placement, num_ranks, first.by_expert, options, earlier).ok());
+      // The next micro-batch: other tokens, the same placement.
+      Case next = RandomCase(rng, num_ranks, 3, first.placement.num_experts(), num_ranks,
+                             /*fractional=*/false);
+      next = {first.placement, next.load, next.by_expert};
+      const Case padded = WithSilentSources(next, num_ranks);
+      options.fixed_transients = earlier.transients;
+      StepRouting fast, slow;
+      ASSERT_TRUE(quick.Plan(next.placement, num_ranks, next.by_expert, options, fast).ok());
+      ASSERT_TRUE(
+          ordered.Plan(padded.placement, 2 * num_ranks, padded.by_expert, options, slow).ok());
+      SCOPED_TRACE(std::to_string(num_ranks) + " ranks, trial " + std::to_string(trial));
+      ExpectSameRouting(fast, slow);
+      ASSERT_GE(fast.transients.size(), earlier.transients.size());
+      std::vector<int> on_rank(num_ranks, 0);
+      for (size_t i = 0; i < fast.transients.size(); ++i) {
+        const TransientReplica& t = fast.transients[i];
+        if (i < earlier.transients.size()) {
+          EXPECT_EQ(t.expert, earlier.transients[i].expert);
+          EXPECT_EQ(t.rank, earlier.transients[i].rank);
+        }
+        const std::span<const int> holders = next.placement.copy_ranks(t.expert);
+        EXPECT_EQ(std::count(holders.begin(), holders.end(), t.rank), 0);
+        for (size_t j = 0; j < i; ++j) {
+          EXPECT_FALSE(fast.transients[j].expert == t.expert && fast.transients[j].rank == t.rank);
+        }
+        EXPECT_LE(++on_rank[t.rank], options.transient_per_rank);
+      }
+      // Every token has a copy: the quotas add up to the load.
+      double quotas = 0;
+      for (double tokens : fast.slot_tokens) quotas += tokens;
+      for (double tokens : fast.transient_tokens) quotas += tokens;
+      double load = 0;
+      for (double tokens : next.load.traffic) load += tokens;
+      EXPECT_EQ(quotas, load);
+      if (!earlier.transients.empty() && fast.transients.size() > earlier.transients.size()) {
+        ++kept_and_added;
+      }
+    }
+  }
+  EXPECT_GT(kept_and_added, 5) << "no plan both kept and added transients: the test proves little";
+}
+
 // On the fast path a candidate transient whose price floor already misses is dropped unpriced.
 // Near the break-even of a transient (found by bisection on the experts' FLOP/s, the ordered
 // path deciding), the candidate's price and the kept one's differ in their last bits: a floor
@@ -460,6 +522,33 @@ TEST(StepPlannerTest, BadInputIsNamed) {
   options.shares_of_rank = -1;
   EXPECT_TRUE(planner.Plan(placement, 2, by_expert, options, routing).ok());
   EXPECT_DOUBLE_EQ(routing.rank_tokens[0] + routing.rank_tokens[1], 21.0);
+  // Rank 0 holds experts 0 and 1, rank 1 experts 2 and 0.
+  const std::vector<TransientReplica> on_holder = {{1, 1, 0}, {0, 1, 0}};
+  options.transient_per_rank = 2;
+  options.fixed_transients = on_holder;
+  ExpectError(planner.Plan(placement, 2, by_expert, options, routing),
+              "fixed_transients[1]: rank 1 already holds a copy of expert 0");
+  const std::vector<TransientReplica> twice = {{1, 1, 0}, {1, 1, 0}};
+  options.fixed_transients = twice;
+  ExpectError(planner.Plan(placement, 2, by_expert, options, routing),
+              "fixed_transients[1]: rank 1 already holds a copy of expert 1");
+  const std::vector<TransientReplica> elsewhere = {{7, 1, 0}, {1, 1, 2}};
+  options.fixed_transients = elsewhere;
+  ExpectError(planner.Plan(placement, 2, by_expert, options, routing),
+              "fixed_transients[0].expert = 7 is not in [0, 3)");
+  options.fixed_transients = std::span(elsewhere).subspan(1);
+  ExpectError(planner.Plan(placement, 2, by_expert, options, routing),
+              "fixed_transients[0] names rank 2, not in [0, 2)");
+  const std::vector<TransientReplica> one = {{1, 1, 0}};
+  options.fixed_transients = one;
+  options.transient_per_rank = 0;
+  ExpectError(planner.Plan(placement, 2, by_expert, options, routing),
+              "fixed_transients put 1 on rank 1, which has room for 0 transients");
+  options.transient_per_rank = 1;
+  ASSERT_TRUE(planner.Plan(placement, 2, by_expert, options, routing).ok());
+  ASSERT_EQ(routing.transients.size(), 1u);
+  EXPECT_EQ(routing.transients[0].expert, 1);
+  options = {};
 
   std::vector<std::int32_t> counts = {1, 2, 3, 4, 5, 6};
   ExpectError(planner.Plan(placement, 3, counts, {}, routing),

@@ -186,6 +186,16 @@ class _CondensedExperts(torch.autograd.Function):
         return exchange(input_grad, ctx.recv, ctx.send), None, None, None, None, None
 
 
+class _SavedRouting:
+    """One forward's routing of a layer in the step under way, kept for the forward that
+    activation checkpointing recomputes in backward: the same slots and splits as the saved
+    all-to-alls expect, and no second route."""
+
+    def __init__(self, topk_ids: torch.Tensor, route: Any, dispatch: Any) -> None:
+        self.topk_ids, self.route, self.dispatch = topk_ids, route, dispatch
+        self.recomputed = False
+
+
 class MoEDispatcher(torch.nn.Module):
     """One MoE layer's dispatcher and its slots' expert parameters (a ``torch.nn.Module``; put it
     in your model so that ``model.parameters()`` includes the slots).
@@ -204,6 +214,13 @@ class MoEDispatcher(torch.nn.Module):
       weighted sum over k takes float32 products and sums, rounded once to that dtype.
 
     Collective: every rank calls every layer in the same order, forward and backward.
+
+    A layer may run any number of forwards between two optimizer steps: micro-batches of
+    gradient accumulation or of a pipeline schedule, in flight at once in any order, and
+    evaluation passes (no extra call). Each is routed on its own; its backward uses what its
+    forward routed, and the slot gradients add up until the optimizer step. A forward that
+    ``torch.utils.checkpoint`` recomputes during backward (reentrant or not) reuses the routing
+    of the forward with the same ``topk_ids`` instead of routing again.
     """
 
     _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -216,6 +233,7 @@ class MoEDispatcher(torch.nn.Module):
         engine = moe.engine
         self.slots = torch.nn.ModuleList()
         self.last_route: Optional[Any] = None
+        self._routings: List[_SavedRouting] = []  # this step's training forwards, for recompute
         self._weights: List[torch.Tensor] = []
         self._gradients: List[torch.Tensor] = []
         self._optimizer: List[Optional[torch.Tensor]] = []
@@ -328,7 +346,7 @@ class MoEDispatcher(torch.nn.Module):
                      device=moe.device)
         clock = _LayerClock(moe.times, self.layer)
         with clock.route():
-            route, dispatch = self._route(topk_ids)
+            route, dispatch = self._routing(topk_ids)
         self.last_route = route
         send = route.send_counts.tolist()
         recv = route.recv_totals.tolist()
@@ -346,6 +364,35 @@ class MoEDispatcher(torch.nn.Module):
         out = self._combine(returned, dispatch, topk_weights, tokens)
         clock.end_dispatch()
         return out
+
+    def _routing(self, topk_ids: torch.Tensor) -> Any:
+        """This forward's routing: the engine's, or in a forward recomputed during backward (the
+        autograd engine is running a node on this thread), the routing its first forward got."""
+        if torch._C._current_autograd_node() is not None:
+            return self._recomputed_routing(topk_ids)
+        route, dispatch = self._route(topk_ids)
+        if self.training:
+            self._routings.append(_SavedRouting(topk_ids.detach(), route, dispatch))
+        return route, dispatch
+
+    def _recomputed_routing(self, topk_ids: torch.Tensor) -> Any:
+        """The step's first routing whose router output equals ``topk_ids``, those not
+        recomputed yet first (two micro-batches with the same output route alike anyway)."""
+        for saved in sorted(self._routings, key=lambda saved: saved.recomputed):
+            if (saved.topk_ids.shape == topk_ids.shape and saved.topk_ids.dtype == topk_ids.dtype
+                    and torch.equal(saved.topk_ids, topk_ids)):
+                saved.recomputed = True
+                return saved.route, saved.dispatch
+        raise FailedPreconditionError(
+            f"layer {self.layer}: a forward recomputed during backward has router output that "
+            f"no forward of this step had (of {len(self._routings)} routed in training mode): "
+            f"the recomputed router must give the same top-k (torch.utils.checkpoint restores "
+            f"the RNG state by default; keep preserve_rng_state=True), and the first forward "
+            f"must run in training mode")
+
+    def end_step(self) -> None:
+        """Forgets the step's routings: the next forwards belong to the next step."""
+        self._routings.clear()
 
     def _route(self, topk_ids: torch.Tensor) -> Any:
         """The engine's routing of this layer and every entry's place in the dispatch."""
@@ -650,6 +697,12 @@ class KeelMoE:
         ``AdamW`` (amsgrad off); each slot's Adam state then lives in the buffer the engine moves
         with a home, so a home that moves keeps its state.
         """
+        if self._optimizers:
+            raise FailedPreconditionError(
+                f"KeelMoE is already attached to {type(self._optimizers[0]).__name__} "
+                f"({'the same optimizer' if optimizer is self._optimizers[0] else 'another one'}"
+                f" now): its hooks would fold and push twice per step; attach one optimizer, "
+                f"once")
         in_optimizer = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         settings = None
         for layer in self.layers:
@@ -727,20 +780,24 @@ class KeelMoE:
         self.engine.step_end()
         for layer in self.layers:
             layer.attach_gradients()
+            layer.end_step()
         self._reduced = False
         if self.times is not None:
             self.times.control += time.process_time() - started
 
     def end_forward_pass(self) -> None:
-        """Collective, after a forward-only pass (evaluation, no backward, no optimizer): ends the
-        engine's step so that the next pass routes again. Nothing is reduced or updated; the
-        pass's routing still feeds the load estimator, as real traffic should."""
+        """Collective, optional: ends the engine's step after forward-only passes (evaluation,
+        no backward, no optimizer) so that their traffic counts as a step of its own; without it
+        it counts toward the next training step. Nothing is reduced or updated; the passes'
+        routing feeds the load estimator, as real traffic should."""
         if self._reduced:
             raise FailedPreconditionError(
                 "end_forward_pass after reduce_gradients: finish the training step with "
                 "optimizer.step() (or step_end())")
         self.synchronize("the forward pass")
         self.engine.step_end()
+        for layer in self.layers:
+            layer.end_step()
 
     # --- results --------------------------------------------------------------------------------
     def gather_experts(self, layer: int) -> List[Dict[str, torch.Tensor]]:
