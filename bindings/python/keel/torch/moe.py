@@ -196,6 +196,43 @@ class _SavedRouting:
         self.recomputed = False
 
 
+class _DispatcherState:
+    """A dispatcher's state dict by logical expert: ``experts.{e}.{name}`` for every expert
+    that has a persistent copy on this rank (its home's values, or its first copy's: replicas
+    equal their home after ``step_end``), never the placement-dependent slot parameters. Loading
+    fills every persistent copy of each expert this rank holds, under whatever placement is in
+    force; a checkpoint with a missing, misshapen or unknown entry changes nothing of the layer
+    (with ``strict``)."""
+
+    @staticmethod
+    def save(dispatcher: "MoEDispatcher", state: Dict[str, Any], prefix: str,
+             local_metadata: Any) -> None:
+        for key in [k for k in state if k.startswith(prefix + "slots.")]:
+            del state[key]
+        for expert, slots in sorted(dispatcher.held_experts().items()):
+            for name, param in dispatcher._params[slots[0]].items():
+                state[f"{prefix}experts.{expert}.{name}"] = param.detach()
+
+    @staticmethod
+    def load(dispatcher: "MoEDispatcher", state: Dict[str, Any], prefix: str,
+             local_metadata: Any, strict: bool, missing_keys: List[str],
+             unexpected_keys: List[str], error_msgs: List[str]) -> None:
+        found, missing, unexpected, errors = dispatcher.expert_entries(state, prefix)
+        missing_keys.extend(missing)
+        unexpected_keys.extend(unexpected)
+        error_msgs.extend(errors)
+        for key in [k for k in state if k.startswith(prefix + "experts.")]:
+            del state[key]
+        load = not errors and not (strict and (missing or unexpected))
+        # Every slot parameter gets an entry: the checkpoint's value, or its own (unchanged).
+        held = {local: expert for expert, slots in dispatcher.held_experts().items()
+                for local in slots}
+        for local, params in enumerate(dispatcher._params):
+            for name, param in params.items():
+                value = found.get((held.get(local, -1), name)) if load else None
+                state[f"{prefix}slots.{local}.{name}"] = param.detach() if value is None else value
+
+
 class MoEDispatcher(torch.nn.Module):
     """One MoE layer's dispatcher and its slots' expert parameters (a ``torch.nn.Module``; put it
     in your model so that ``model.parameters()`` includes the slots).
@@ -264,6 +301,63 @@ class MoEDispatcher(torch.nn.Module):
             self._params.append(dict(slot.items()))
             self._grad_views.append(spec.views(gradients))
         self.attach_gradients()
+        # The state dict is by logical expert, whatever the placement (checkpoints below).
+        post_hook = getattr(self, "register_state_dict_post_hook", None)
+        (post_hook or self._register_state_dict_hook)(_DispatcherState.save)
+        self.register_load_state_dict_pre_hook(_DispatcherState.load)
+        self.register_load_state_dict_post_hook(
+            lambda module, _: module._moe.synchronize("loading the experts"))
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def held_experts(self) -> Dict[int, List[int]]:
+        """expert -> this rank's persistent slots that hold it under the placement in force, its
+        home slot first."""
+        engine = self._moe.engine
+        held: Dict[int, List[int]] = {}
+        phy2log = engine.placement(self.layer)["phy2log"]
+        first = engine.rank * engine.slots_per_rank
+        for local in range(engine.slots_per_rank):
+            expert = int(phy2log[first + local])
+            if expert >= 0:
+                held.setdefault(expert, []).append(local)
+        for expert, local in engine.home_slots(self.layer):
+            held[expert].remove(local)
+            held[expert].insert(0, local)
+        return held
+
+    def expert_entries(self, state: Dict[str, Any], prefix: str) -> Any:
+        """Reads this layer's ``{prefix}experts.{e}.{name}`` entries of ``state`` without
+        changing anything: (expert, name) -> tensor for the experts this rank holds, the keys of
+        those missing, the keys that name no expert or parameter, and what else is wrong
+        (shape, dtype), each naming its key."""
+        spec, num_experts = self._moe.spec, self._moe.num_experts
+        held = self.held_experts()
+        found: Dict[Any, torch.Tensor] = {}
+        unexpected, errors = [], []
+        start = prefix + "experts."
+        for key, value in state.items():
+            if not key.startswith(start):
+                continue
+            expert_text, _, name = key[len(start):].partition(".")
+            if not expert_text.isdigit() or int(expert_text) >= num_experts \
+                    or name not in spec.shapes:
+                unexpected.append(key)
+                continue
+            expert = int(expert_text)
+            if expert not in held:
+                continue  # another rank's expert: a whole checkpoint has every expert
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                errors.append(f"{key}: expected a floating-point tensor, got "
+                              f"{getattr(value, 'dtype', type(value).__name__)}")
+            elif tuple(value.shape) != spec.shapes[name]:
+                errors.append(f"{key}: shape {list(value.shape)} in the checkpoint, "
+                              f"{list(spec.shapes[name])} in the model")
+            else:
+                found[(expert, name)] = value
+        missing = [f"{start}{expert}.{name}" for expert in sorted(held) for name in spec.names
+                   if (expert, name) not in found and not any(
+                       e.startswith(f"{start}{expert}.{name}:") for e in errors)]
+        return found, missing, unexpected, errors
 
     # --- gradients ------------------------------------------------------------------------------
     def attach_gradients(self) -> None:
@@ -739,14 +833,130 @@ class KeelMoE:
                 warnings.warn("Adam over Keel's CUDA slots runs fastest with fused=True (or "
                               "capturable=True): the step counts live on the GPU",
                               stacklevel=2)
-            for layer in self.layers:
-                for local in range(self.engine.slots_per_rank):
-                    views = layer.optimizer_state_views(local)
-                    for name, param in layer.slots[local].items():
-                        optimizer.state[param] = dict(views[name])
+            self._install_adam_views(optimizer)
+            # The optimizer's own state dict leaves Keel's slots out: their Adam state is by
+            # physical slot, which another placement does not share; it travels by logical
+            # expert in optimizer_state_dict(). Loading one puts the views back.
+            optimizer.register_state_dict_post_hook(self._drop_slot_state)
+            optimizer.register_load_state_dict_pre_hook(self._drop_slot_state)
+            optimizer.register_load_state_dict_post_hook(self._install_adam_views)
         optimizer.register_step_pre_hook(lambda *_: self.reduce_gradients())
         optimizer.register_step_post_hook(lambda *_: self.step_end())
         self._optimizers.append(optimizer)
+
+    def _slot_parameters(self) -> List[torch.nn.Parameter]:
+        """Every persistent slot's parameters, the ones the optimizer holds."""
+        return [param for layer in self.layers
+                for local in range(self.engine.slots_per_rank)
+                for param in layer.slots[local].values()]
+
+    def _install_adam_views(self, optimizer: torch.optim.Optimizer) -> None:
+        for layer in self.layers:
+            for local in range(self.engine.slots_per_rank):
+                views = layer.optimizer_state_views(local)
+                for name, param in layer.slots[local].items():
+                    optimizer.state[param] = dict(views[name])
+
+    def _drop_slot_state(self, optimizer: torch.optim.Optimizer,
+                         state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """``state_dict`` (the optimizer's, packed by parameter index) without the state of
+        Keel's slot parameters."""
+        slots = {id(p) for p in self._slot_parameters()}
+        ours = set()
+        for group, packed in zip(optimizer.param_groups, state_dict["param_groups"]):
+            ours.update(index for param, index in zip(group["params"], packed["params"])
+                        if id(param) in slots)
+        state_dict["state"] = {index: value for index, value in state_dict["state"].items()
+                               if index not in ours}
+        return state_dict
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """The experts' weights by logical expert: ``layers.{l}.experts.{e}.{name}`` for every
+        expert with a persistent copy on this rank (views of its home or of its first copy;
+        replicas equal their home after ``step_end``). The same entries a model's
+        ``state_dict()`` has under each dispatcher's prefix. Together, the ranks' dicts hold
+        every expert; ``torch.distributed.checkpoint`` saves each key once."""
+        out: Dict[str, torch.Tensor] = {}
+        for layer in self.layers:
+            out.update(layer.state_dict(prefix=f"layers.{layer.layer}."))
+        return out
+
+    def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+        """Fills every persistent copy of each expert this rank holds, under the placement in
+        force, from ``state`` (:meth:`state_dict`'s keys; it may come from another placement,
+        another number of ranks, or a plain model's experts renamed to these keys). Every layer
+        is checked first: a missing entry (with ``strict``), an unknown expert or parameter, or
+        a wrong shape or dtype raises :class:`keel.InvalidArgumentError` naming the keys, and
+        nothing is changed. Collective only in that every rank should load."""
+        problems = []
+        for layer in self.layers:
+            _, missing, unexpected, errors = layer.expert_entries(state, f"layers.{layer.layer}.")
+            problems += errors + [f"{key}: not a layer's expert parameter" for key in unexpected]
+            if strict:
+                problems += [f"{key}: missing" for key in missing]
+        known = tuple(f"layers.{layer.layer}.experts." for layer in self.layers)
+        problems += [f"{key}: not a key of KeelMoE.state_dict()" for key in state
+                     if not key.startswith(known)]
+        if problems:
+            raise InvalidArgumentError("the experts' checkpoint does not fit; nothing was "
+                                       "loaded: " + "; ".join(problems[:8])
+                                       + (f"; and {len(problems) - 8} more" if len(problems) > 8
+                                          else ""))
+        for layer in self.layers:
+            prefix = f"layers.{layer.layer}."
+            layer.load_state_dict({k[len(prefix):]: v for k, v in state.items()
+                                   if k.startswith(prefix)}, strict=strict)
+
+    def _adam_views(self) -> Dict[str, torch.Tensor]:
+        """``layers.{l}.experts.{e}.{name}.{step|exp_avg|exp_avg_sq}`` -> the view of that
+        value in this rank's home slots."""
+        if self.optimizer_kind != "adam":
+            raise FailedPreconditionError(
+                f"KeelMoE was created with optimizer={self.optimizer_kind!r}: its homes carry no "
+                f"Adam state to save or load")
+        out = {}
+        for layer in self.layers:
+            for expert, local in sorted(layer._moe.engine.home_slots(layer.layer)):
+                for name, fields in layer.optimizer_state_views(local).items():
+                    for field, view in fields.items():
+                        out[f"layers.{layer.layer}.experts.{expert}.{name}.{field}"] = view
+        return out
+
+    def optimizer_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The Adam state of the experts whose home is on this rank, by logical expert
+        (``layers.{l}.experts.{e}.{name}.step``, ``.exp_avg``, ``.exp_avg_sq``; views of the
+        buffers the engine moves with a home). The optimizer's own ``state_dict()`` leaves
+        Keel's slots out; save both."""
+        return dict(self._adam_views())
+
+    def load_optimizer_state_dict(self, state: Dict[str, Any]) -> None:
+        """Fills the Adam state of every home on this rank, under the placement in force, from
+        ``state`` (:meth:`optimizer_state_dict`'s keys, from any placement or rank count; the
+        entries of experts homed elsewhere are skipped). Every entry is checked first: a home's
+        entry missing, or a shape or dtype that differs, raises
+        :class:`keel.InvalidArgumentError` naming the keys, and nothing is changed."""
+        views = self._adam_views()
+        problems = [f"{key}: missing" for key in views if key not in state]
+        for key, view in views.items():
+            value = state.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                problems.append(f"{key}: expected a floating-point tensor, got "
+                                f"{getattr(value, 'dtype', type(value).__name__)}")
+            elif tuple(value.shape) != tuple(view.shape):
+                problems.append(f"{key}: shape {list(value.shape)} in the checkpoint, "
+                                f"{list(view.shape)} in the model")
+        if problems:
+            raise InvalidArgumentError("the experts' optimizer state does not fit; nothing was "
+                                       "loaded: " + "; ".join(problems[:8])
+                                       + (f"; and {len(problems) - 8} more" if len(problems) > 8
+                                          else ""))
+        with torch.no_grad():
+            for key, view in views.items():
+                view.copy_(state[key])
+        self.synchronize("loading the experts' optimizer state")
 
     def reduce_gradients(self) -> None:
         """Collective, after backward and before the optimizer (the hook calls it; call it
