@@ -1,9 +1,10 @@
-// Whole-file reads and crash-safe writes.
+// Whole-file reads, crash-safe writes, and the checks that keep outputs apart from inputs.
 #include "common/file.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <filesystem>
@@ -81,6 +82,119 @@ Status WriteFileAtomically(const std::string& given_path, std::string_view conte
     const std::string reason = std::generic_category().message(errno);
     std::remove(temporary.c_str());
     return IoError(path + ": cannot rename " + temporary + " into place: " + reason);
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// The absolute path `given` names, with `.`, `..` and links resolved as far as it exists. A link
+// that dangles is followed too: opening it for writing creates its target.
+fs::path ResolvePath(const std::string& given) {
+  std::error_code error;
+  fs::path path = fs::absolute(given, error);
+  if (error) path = given;
+  constexpr int kMaxLinks = 40;  // Linux's own limit on links followed in one lookup
+  for (int hop = 0; hop < kMaxLinks; ++hop) {
+    if (!fs::is_symlink(fs::symlink_status(path, error))) break;
+    const fs::path target = fs::read_symlink(path, error);
+    if (error) break;
+    path = target.is_absolute() ? target : path.parent_path() / target;
+  }
+  fs::path resolved = fs::weakly_canonical(path, error);
+  return error ? path.lexically_normal() : resolved;
+}
+
+// What a path names, for telling whether two paths are one file.
+struct FileIdentity {
+  bool exists = false;  // links followed
+  bool folder = false;
+  bool written_through = false;  // exists and is neither a regular file nor a folder
+  dev_t device = 0;
+  ino_t inode = 0;
+  fs::path resolved;
+};
+
+FileIdentity Identify(const std::string& path) {
+  FileIdentity identity;
+  struct stat info {};
+  if (::stat(path.c_str(), &info) == 0) {
+    identity.exists = true;
+    identity.folder = S_ISDIR(info.st_mode);
+    identity.written_through = !S_ISREG(info.st_mode) && !S_ISDIR(info.st_mode);
+    identity.device = info.st_dev;
+    identity.inode = info.st_ino;
+  }
+  identity.resolved = ResolvePath(path);
+  return identity;
+}
+
+bool SameFile(const FileIdentity& a, const FileIdentity& b) {
+  if (a.exists && b.exists) return a.device == b.device && a.inode == b.inode;
+  return a.resolved == b.resolved;
+}
+
+// Whether `file` lies somewhere below `folder`.
+bool Inside(const FileIdentity& folder, const FileIdentity& file) {
+  const auto [in_folder, in_file] = std::mismatch(folder.resolved.begin(), folder.resolved.end(),
+                                                  file.resolved.begin(), file.resolved.end());
+  return in_folder == folder.resolved.end() && in_file != file.resolved.end();
+}
+
+std::string Describe(const NamedPath& named) { return named.name + " '" + named.path + "'"; }
+
+}  // namespace
+
+Status CheckOutputsApart(const std::vector<NamedPath>& inputs,
+                         const std::vector<NamedPath>& outputs) {
+  std::vector<std::pair<const NamedPath*, FileIdentity>> read;
+  for (const NamedPath& input : inputs) {
+    if (input.path.empty() || input.path == "-") continue;
+    read.emplace_back(&input, Identify(input.path));
+  }
+  std::vector<std::pair<const NamedPath*, FileIdentity>> written;
+  for (const NamedPath& output : outputs) {
+    if (output.path.empty()) continue;
+    FileIdentity identity = Identify(output.path);
+    if (identity.written_through) continue;
+    for (const auto& [input, input_identity] : read) {
+      if (SameFile(identity, input_identity)) {
+        return InvalidArgument(Describe(output) + " and " + Describe(*input) +
+                               " name the same file: writing " + output.name +
+                               " would replace the input (give " + output.name + " another path)");
+      }
+      if (input_identity.folder && identity.exists && Inside(input_identity, identity)) {
+        return InvalidArgument(Describe(output) + " is a file inside the input folder " +
+                               Describe(*input) + ": writing " + output.name +
+                               " would replace part of the input (write it outside that folder)");
+      }
+    }
+    if (identity.folder) {
+      return InvalidArgument(Describe(output) + " is a folder; name a file to write");
+    }
+    for (const auto& [other, other_identity] : written) {
+      if (SameFile(identity, other_identity)) {
+        return InvalidArgument(Describe(output) + " and " + Describe(*other) +
+                               " name the same file: one output would replace the other (give "
+                               "each its own path)");
+      }
+    }
+    written.emplace_back(&output, std::move(identity));
+  }
+  return Status::Ok();
+}
+
+Status CheckOutputFolder(std::string_view argument, const std::string& dir) {
+  if (dir.empty()) {
+    return InvalidArgument(std::string(argument) +
+                           " is empty: name the folder to write into (an empty path would put "
+                           "its files at the filesystem root)");
+  }
+  if (ResolvePath(dir) == fs::path("/")) {
+    return InvalidArgument(std::string(argument) + " '" + dir +
+                           "' is the filesystem root: name a folder of its own");
   }
   return Status::Ok();
 }

@@ -2,26 +2,19 @@
 // expert's weights and optimizer state by logical id, one file each, so that a checkpoint loads
 // into any placement and any number of ranks.
 #include <algorithm>
-#include <cstring>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "common/file.h"
+#include "common/log.h"
 #include "engine/engine_impl.h"
+#include "engine/expert_file.h"
 
 namespace keel {
 namespace {
-
-// An expert file: this header, then weight_bytes of weights and optimizer_bytes of optimizer
-// state.
-struct ExpertFileHeader {
-  char magic[8] = {'K', 'E', 'E', 'L', 'E', 'X', 'P', '1'};
-  uint64_t weight_bytes = 0;
-  uint64_t optimizer_bytes = 0;
-};
-static_assert(sizeof(ExpertFileHeader) == 24);
 
 // Where an expert's file is; a shard of a sharded expert has a file of its own.
 std::string ExpertPath(const std::string& dir, int layer, int expert, int shard, int shards) {
@@ -29,6 +22,16 @@ std::string ExpertPath(const std::string& dir, int layer, int expert, int shard,
       dir + "/layer-" + std::to_string(layer) + "/expert-" + std::to_string(expert);
   if (shards == 1) return name + ".bin";
   return name + ".shard-" + std::to_string(shard) + "-of-" + std::to_string(shards) + ".bin";
+}
+
+// The element size of the weights as the shard layout gives it; 0 when it gives none or several.
+uint32_t WeightElementBytes(const ShardLayout& layout) {
+  if (layout.weights.empty()) return 0;
+  const size_t first = layout.weights.front().element_bytes;
+  for (const ShardedTensor& tensor : layout.weights) {
+    if (tensor.element_bytes != first) return 0;
+  }
+  return static_cast<uint32_t>(first);
 }
 
 Result<std::vector<int32_t>> IntArray(const nlohmann::json& value, const std::string& where) {
@@ -209,14 +212,15 @@ Status Engine::Impl::CheckState(const EngineState& state, std::vector<Placement>
 }
 
 Status Engine::Impl::SaveExperts(const std::string& dir) const {
+  KEEL_RETURN_IF_ERROR(CheckOutputFolder("dir", dir).WithContext("SaveExperts"));
   const size_t weight_bytes = options_.shape.weight_bytes;
   const size_t optimizer_bytes = options_.shape.optimizer_bytes;
-  std::string contents(sizeof(ExpertFileHeader) + weight_bytes + optimizer_bytes, '\0');
-  ExpertFileHeader header;
-  header.weight_bytes = weight_bytes;
-  header.optimizer_bytes = optimizer_bytes;
-  std::memcpy(contents.data(), &header, sizeof(header));
-  auto* data = reinterpret_cast<std::byte*>(contents.data() + sizeof(header));
+  std::vector<std::byte> contents(kExpertFileHeaderBytes + weight_bytes + optimizer_bytes);
+  std::byte* data = contents.data() + kExpertFileHeaderBytes;
+  ExpertFileFields fields;
+  fields.weight_element_bytes = WeightElementBytes(options_.shard_layout);
+  fields.weight_bytes = weight_bytes;
+  fields.optimizer_bytes = optimizer_bytes;
   for (int l = 0; l < options_.num_layers; ++l) {
     std::error_code error;
     const std::string folder = dir + "/layer-" + std::to_string(l);
@@ -234,17 +238,46 @@ Status Engine::Impl::SaveExperts(const std::string& dir) const {
         KEEL_RETURN_IF_ERROR(memory_->Copy(
             data + weight_bytes, static_cast<const std::byte*>(b.optimizer), optimizer_bytes));
       }
-      KEEL_RETURN_IF_ERROR(
-          WriteFileAtomically(ExpertPath(dir, l, home.expert, home.shard, home.shards), contents));
+      fields.layer = l;
+      fields.expert = home.expert;
+      fields.shard = home.shard;
+      fields.shards = home.shards;
+      WriteExpertFileHeader(fields, contents);
+      KEEL_RETURN_IF_ERROR(WriteFileAtomically(
+          ExpertPath(dir, l, home.expert, home.shard, home.shards),
+          std::string_view(reinterpret_cast<const char*>(contents.data()), contents.size())));
     }
   }
   return Status::Ok();
 }
 
+// Every file is read and checked before the first slot changes, so a bad file (corrupt,
+// truncated, another expert's, or missing) leaves every slot as it was. This rank's files are
+// held in host memory meanwhile, each once however many of its slots hold that expert.
 Status Engine::Impl::LoadExperts(const std::string& dir) {
   KEEL_RETURN_IF_ERROR(BeforeFirstRoute("LoadExperts"));
+  if (dir.empty()) {
+    return InvalidArgument("LoadExperts: dir is empty: name the folder SaveExperts wrote");
+  }
   const size_t weight_bytes = options_.shape.weight_bytes;
   const size_t optimizer_bytes = options_.shape.optimizer_bytes;
+  struct SlotFill {
+    int layer = 0;
+    int local_slot = 0;
+    bool home = false;
+    const std::byte* payload = nullptr;
+  };
+  struct CheckedFile {
+    std::string contents;
+    ExpertFilePayload payload;
+  };
+  std::map<std::string, CheckedFile> files;  // by path
+  std::vector<SlotFill> fills;
+  std::vector<std::string> unverified;  // version-1 files
+  ExpertFileFields expected;
+  expected.weight_element_bytes = WeightElementBytes(options_.shard_layout);
+  expected.weight_bytes = weight_bytes;
+  expected.optimizer_bytes = optimizer_bytes;
   for (int l = 0; l < options_.num_layers; ++l) {
     const Placement& p = placements_[l];
     const ShardMap& units = shards_[l];
@@ -256,31 +289,37 @@ Status Engine::Impl::LoadExperts(const std::string& dir) {
         return FailedPrecondition("LoadExperts: layer " + std::to_string(l) + " slot " +
                                   std::to_string(i) + " is not registered");
       }
-      const int expert = units.expert_of(unit);
-      const std::string path =
-          ExpertPath(dir, l, expert, units.shard_of(unit), units.shards(expert));
-      KEEL_ASSIGN_OR_RETURN(std::string contents, ReadFile(path));
-      ExpertFileHeader header;
-      if (contents.size() >= sizeof(header)) std::memcpy(&header, contents.data(), sizeof(header));
-      if (contents.size() < sizeof(header) ||
-          std::memcmp(header.magic, ExpertFileHeader{}.magic, sizeof(header.magic)) != 0) {
-        return InvalidArgument(path + ": not a Keel expert file");
+      expected.layer = l;
+      expected.expert = units.expert_of(unit);
+      expected.shard = units.shard_of(unit);
+      expected.shards = units.shards(expected.expert);
+      const std::string path = ExpertPath(dir, l, expected.expert, expected.shard, expected.shards);
+      // A replica and its home on this rank share the file: read and checked once.
+      auto [file, added] = files.try_emplace(path);
+      CheckedFile& checked = file->second;
+      if (added) {
+        KEEL_ASSIGN_OR_RETURN(checked.contents, ReadFile(path));
+        KEEL_ASSIGN_OR_RETURN(checked.payload, CheckExpertFile(path, checked.contents, expected));
+        if (checked.payload.version == 1) unverified.push_back(path);
       }
-      if (header.weight_bytes != weight_bytes || header.optimizer_bytes != optimizer_bytes ||
-          contents.size() != sizeof(header) + weight_bytes + optimizer_bytes) {
-        return InvalidArgument(path + ": holds " + std::to_string(header.weight_bytes) +
-                               " bytes of weights and " + std::to_string(header.optimizer_bytes) +
-                               " of optimizer state in " + std::to_string(contents.size()) +
-                               " bytes; this engine's shape has " + std::to_string(weight_bytes) +
-                               " and " + std::to_string(optimizer_bytes));
-      }
-      const auto* data = reinterpret_cast<const std::byte*>(contents.data() + sizeof(header));
-      const SlotBuffers& b = Buffers(l, i);
-      KEEL_RETURN_IF_ERROR(memory_->Copy(static_cast<std::byte*>(b.weights), data, weight_bytes));
-      if (optimizer_bytes > 0 && p.home_slot(unit) == slot) {
-        KEEL_RETURN_IF_ERROR(memory_->Copy(static_cast<std::byte*>(b.optimizer),
-                                           data + weight_bytes, optimizer_bytes));
-      }
+      fills.push_back(
+          {l, i, p.home_slot(unit) == slot,
+           reinterpret_cast<const std::byte*>(checked.contents.data() + checked.payload.offset)});
+    }
+  }
+  if (!unverified.empty()) {
+    KEEL_LOG_WARN(
+        "LoadExperts: %zu expert files of version 1 (KEELEXP1, first %s) carry no checksum and "
+        "no expert id; they were loaded unverified (SaveExperts writes version 2)",
+        unverified.size(), unverified.front().c_str());
+  }
+  for (const SlotFill& fill : fills) {
+    const SlotBuffers& b = Buffers(fill.layer, fill.local_slot);
+    KEEL_RETURN_IF_ERROR(
+        memory_->Copy(static_cast<std::byte*>(b.weights), fill.payload, weight_bytes));
+    if (optimizer_bytes > 0 && fill.home) {
+      KEEL_RETURN_IF_ERROR(memory_->Copy(static_cast<std::byte*>(b.optimizer),
+                                         fill.payload + weight_bytes, optimizer_bytes));
     }
   }
   return Status::Ok();

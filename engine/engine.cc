@@ -5,6 +5,7 @@
 #include <string>
 #include <utility>
 
+#include "common/file.h"
 #include "engine/engine_internal.h"
 #include "keel/limits.hpp"
 #include "migration/transport_factory.h"
@@ -279,6 +280,9 @@ Status Engine::Impl::OpenMonitorOutputs() {
     metrics_ = owned_metrics_.get();
   }
   if (!config.monitor.trace_path.empty()) {
+    // A config file that names itself as the trace to record would be replaced by it.
+    KEEL_RETURN_IF_ERROR(CheckOutputsApart({{"config_path", options_.config_path}},
+                                           {{"monitor.trace_path", config.monitor.trace_path}}));
     TraceRecorderOptions trace;
     trace.path = config.monitor.trace_path;
     trace.description = "recorded by the keel engine";

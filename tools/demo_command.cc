@@ -505,6 +505,7 @@ int RunDemo(int argc, char** argv) {
   // Condensation needs repeated tokens to find; a quarter unless --token-repeat says otherwise.
   if (flags.condense > 0 && !parser.IsSet("token-repeat")) flags.repeat = 0.25;
   Status checked = CheckFlags(flags);
+  if (checked.ok()) checked = CheckDemoPaths(flags);
   if (!checked.ok()) return Fail(checked);
   if (flags.comm == "mpi") return RunDemoOverMpi(argc, argv, flags, parser);
   return RunAllModes(flags, parser, nullptr);

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <string>
 
+#include "common/file.h"
 #include "keel/limits.hpp"
 #include "keel/version.hpp"
 #include "kernels/device.h"
@@ -175,6 +176,16 @@ Status CheckFlags(const DemoFlags& f) {
                            " must be in (0, 1)");
   }
   return Status::Ok();
+}
+
+Status CheckDemoPaths(const DemoFlags& f) {
+  std::string recorded_trace;
+  if (!f.config_path.empty()) {
+    KEEL_ASSIGN_OR_RETURN(const KeelConfig config, LoadConfigFile(f.config_path));
+    recorded_trace = config.monitor.trace_path;
+  }
+  return CheckOutputsApart({{"--trace", f.trace_path}, {"--config", f.config_path}},
+                           {{"--report", f.report_path}, {"monitor.trace_path", recorded_trace}});
 }
 
 Result<KeelConfig> MakeConfig(const DemoFlags& f, const FlagParser& parser, int ranks) {

@@ -93,6 +93,11 @@ bool ShardExperts(const DemoFlags& flags, const KeelConfig& config);
 // Each flag in its range and the flags' combinations; errors name the flag and its value.
 Status CheckFlags(const DemoFlags& f);
 
+// The files a demo reads (--trace, --config) against those it writes (--report, and the trace
+// the engine records at the config's monitor.trace_path): none may replace another
+// (CheckOutputsApart). Reads the config to learn its monitor.trace_path.
+Status CheckDemoPaths(const DemoFlags& f);
+
 // The config of a run: --config as written (its topology must have `ranks` ranks), or 1 node x
 // `ranks` GPUs with room for the static placement plus one spare persistent slot and one
 // transient slot per rank, the cost model sized to the demo's experts on a CPU.

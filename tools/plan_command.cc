@@ -95,6 +95,11 @@ int RunPlan(int argc, char** argv) {
   if (Status status = CheckPolicyName(policy_name); !status.ok()) {
     return Fail(status.WithContext("--policy"));
   }
+  if (Status status = CheckOutputsApart({{"--input", input_path}, {"--config", config_path}},
+                                        {{"--output", output_path}});
+      !status.ok()) {
+    return Fail(status);
+  }
 
   Config config;
   if (!config_path.empty()) {

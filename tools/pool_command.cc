@@ -141,6 +141,11 @@ int RunPool(int argc, char** argv) {
   }
   const Result<TraceFormat> format = ParseTraceFormat(format_name);
   if (!format.ok()) return Fail(kCommand, format.status().WithContext("--format"));
+  if (Status status = CheckOutputsApart({{"--trace", trace_path}, {"--config", config_path}},
+                                        {{"--out", out_path}, {"--report", report_path}});
+      !status.ok()) {
+    return Fail(kCommand, status);
+  }
   KeelConfig config;
   if (!config_path.empty()) {
     Result<KeelConfig> loaded = LoadConfigFile(config_path);

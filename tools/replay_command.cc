@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/config.h"
+#include "common/file.h"
 #include "monitor/metrics.h"
 #include "monitor/trace.h"
 #include "placement/policy.h"
@@ -430,6 +431,15 @@ int RunReplay(int argc, char** argv) {
         sequence_options.max_token_imbalance <= 1e6)) {
     return Fail(InvalidArgument("--max-token-imbalance must be in [1, 1e6], got " +
                                 std::to_string(sequence_options.max_token_imbalance)));
+  }
+
+  // Before the trace is read or anything served: no output may replace an input or another.
+  if (Status status = CheckOutputsApart({{"--trace", synthetic ? "" : trace_path},
+                                         {"--config", config_path},
+                                         {"--pool", pool_path}},
+                                        {{"--report", report_path}, {"--plot", plot_path}});
+      !status.ok()) {
+    return Fail(status);
   }
 
   ReplayOptions options;

@@ -9,6 +9,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/file.h"
 #include "keel/status.hpp"
 #include "monitor/trace.h"
 #include "monitor/trace_import.h"
@@ -185,6 +186,9 @@ int RunConvert(int argc, char** argv) {
                         " must be 0 (infer) or in [1, " + std::to_string(kMaxExperts) + "]"));
   }
   import.megatron.per_source = !sum_ranks;
+  if (Status apart = CheckOutputsApart({{"--input", input}}, {{"--output", output}}); !apart.ok()) {
+    return Usage("convert", apart);
+  }
 
   auto start = std::chrono::steady_clock::now();
   Result<Trace> trace = ImportTrace(input, *format, import);

@@ -360,15 +360,20 @@ class Engine {
   // ranks, slots per rank, layers and experts. Every rank passes the same state.
   Status RestoreState(const EngineState& state);
   // Writes every expert whose home is on this rank, by logical id and independent of the
-  // placement: `dir`/layer-<l>/expert-<e>.bin holds its weights, then its optimizer state (each
-  // file written whole, then renamed into place). Every rank calls it at the same point, after
-  // StepEnd (the registered slots are read through the engine's device memory, so GPU buffers
-  // work too); a migration in flight does not change what it writes.
+  // placement: `dir`/layer-<l>/expert-<e>.bin holds a header (layer, expert, shard, sizes and a
+  // checksum over the file; docs/integration.md, "Expert files"), its weights, then its
+  // optimizer state (each file written whole, then renamed into place). Every rank calls it at
+  // the same point, after StepEnd (the registered slots are read through the engine's device
+  // memory, so GPU buffers work too); a migration in flight does not change what it writes.
+  // InvalidArgument for an empty `dir` or the filesystem root.
   Status SaveExperts(const std::string& dir) const;
   // Fills this rank's registered persistent slots from a SaveExperts folder under the placement
   // in force: every copy gets its expert's weights, every home slot also its optimizer state. The
   // folder may come from a job with another placement or another number of ranks. Call it after
-  // RegisterSlot (and RestoreState), before the first Route.
+  // RegisterSlot (and RestoreState), before the first Route. Every file this rank needs is read
+  // and checked first (identity, sizes, exact length, checksum), and held in host memory until
+  // the slots are filled: a bad or missing file is an error naming the file and the field
+  // (InvalidArgument; NotFound for a missing one), and no slot changes.
   Status LoadExperts(const std::string& dir);
 
  private:

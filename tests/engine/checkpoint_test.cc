@@ -2,7 +2,9 @@
 // right after a StepEnd that left a migration in flight, are loaded by new engines in a new
 // process, which train on to the end with weights and optimizer state bitwise equal to an
 // uninterrupted run (the toy trainer's engine-free reference). The same checkpoint loads into a
-// job with another number of ranks and another placement.
+// job with another number of ranks and another placement. A bad expert file (corrupt, truncated,
+// lengthened, another expert's, layer's or shard's) is refused by file and field before any slot
+// changes; version-1 files still load; no checkpoint goes to an empty path or the root.
 #include <gtest/gtest.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -14,11 +16,13 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "comm/communicator.h"
 #include "common/file.h"
 #include "keel/engine.hpp"
+#include "keel/local_group.hpp"
 #include "tests/common/test_util.h"
 #include "tests/engine/toy_trainer.h"
 
@@ -316,6 +320,297 @@ TEST(CheckpointTest, StateRoundTripsAndBadJsonIsRefusedByField) {
     EXPECT_NE(parsed.status().message().find(message), std::string::npos)
         << text << " -> " << parsed.status().ToString();
   }
+}
+
+// Two ranks' engines with host slot buffers, created together (Engine::Create is collective),
+// then driven from the test's thread: SaveExperts and LoadExperts are not collective. Layer 1's
+// expert 2 is sharded in two, so its files are expert-2.shard-{0,1}-of-2.bin.
+struct TwoRankJob {
+  static constexpr int kRanks = 2;
+  std::unique_ptr<LocalGroup> group;
+  std::vector<std::unique_ptr<Communicator>> communicators{kRanks};
+  std::vector<RankBuffers> buffers{kRanks};
+  std::vector<std::unique_ptr<Engine>> engines{kRanks};  // destroyed first
+
+  int slots() const { return engines[0]->slots_per_rank(); }
+  size_t index(int layer, int local_slot) const {
+    return static_cast<size_t>(layer) * slots() + local_slot;
+  }
+  // The unit rank `r`'s local slot `i` holds in `layer` (-1: none).
+  int unit_at(int r, int layer, int i) const {
+    return engines[r]->placement(layer).phy2log[r * slots() + i];
+  }
+};
+
+// What a checkpointed copy of `unit` holds in word `j`.
+float SavedWeight(int layer, int unit, int j) { return 1000.0f * layer + 10.0f * unit + j; }
+double SavedState(int layer, int unit, int j) { return -(1000.0 * layer + 10.0 * unit + j); }
+
+Result<std::unique_ptr<TwoRankJob>> CreateTwoRankJob() {
+  auto job = std::make_unique<TwoRankJob>();
+  KEEL_ASSIGN_OR_RETURN(job->group, LocalGroup::Create(TwoRankJob::kRanks));
+  KeelConfig config = TestConfig("static");
+  config.topology.gpus_per_node = TwoRankJob::kRanks;
+  config.slots.persistent_per_rank = 5;
+  config.slots.transient_per_rank = 0;
+  std::vector<Status> status(TwoRankJob::kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < TwoRankJob::kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      status[r] = [&]() -> Status {
+        KEEL_ASSIGN_OR_RETURN(job->communicators[r], job->group->Join(r));
+        EngineOptions options = ToyOptions(config, *job->communicators[r]);
+        options.local_group = job->group.get();
+        options.sharded_experts = {{1, 2, 2}};
+        KEEL_ASSIGN_OR_RETURN(job->engines[r], Engine::Create(options));
+        const int slots = job->engines[r]->slots_per_rank();
+        RankBuffers& b = job->buffers[r];
+        b.weights.assign(kLayers * slots, std::vector<float>(kWeightWords));
+        b.gradients.assign(kLayers * slots, std::vector<int64_t>(kWeightWords));
+        b.optimizer.assign(kLayers * slots, std::vector<double>(kWeightWords));
+        for (int l = 0; l < kLayers; ++l) {
+          for (int i = 0; i < slots; ++i) {
+            const size_t index = static_cast<size_t>(l) * slots + i;
+            KEEL_RETURN_IF_ERROR(job->engines[r]->RegisterSlot(
+                l, i,
+                {b.weights[index].data(), b.gradients[index].data(), b.optimizer[index].data()}));
+          }
+        }
+        return Status::Ok();
+      }();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const Status& s : status) KEEL_RETURN_IF_ERROR(s);
+  return job;
+}
+
+// Every copy holds its unit's saved words.
+void FillSaved(TwoRankJob& job) {
+  for (int r = 0; r < TwoRankJob::kRanks; ++r) {
+    for (int l = 0; l < kLayers; ++l) {
+      for (int i = 0; i < job.slots(); ++i) {
+        const int unit = job.unit_at(r, l, i);
+        for (int j = 0; j < kWeightWords; ++j) {
+          job.buffers[r].weights[job.index(l, i)][j] = SavedWeight(l, unit, j);
+          job.buffers[r].optimizer[job.index(l, i)][j] = SavedState(l, unit, j);
+        }
+      }
+    }
+  }
+}
+
+// Every slot holds what no checkpoint does.
+void FillOther(TwoRankJob& job) {
+  for (RankBuffers& b : job.buffers) {
+    for (auto& words : b.weights) std::fill(words.begin(), words.end(), -7.5f);
+    for (auto& words : b.optimizer) std::fill(words.begin(), words.end(), 3.25);
+  }
+}
+
+// Whether every copy of rank `r` holds its unit's saved weights, and every home its saved state.
+bool HoldsSaved(const TwoRankJob& job, int r) {
+  for (int l = 0; l < kLayers; ++l) {
+    for (int i = 0; i < job.slots(); ++i) {
+      const int unit = job.unit_at(r, l, i);
+      if (unit < 0) continue;
+      for (int j = 0; j < kWeightWords; ++j) {
+        if (job.buffers[r].weights[job.index(l, i)][j] != SavedWeight(l, unit, j)) return false;
+      }
+    }
+    for (const HomeSlot& home : job.engines[r]->HomeSlots(l)) {
+      const int unit = job.unit_at(r, l, home.local_slot);
+      for (int j = 0; j < kWeightWords; ++j) {
+        if (job.buffers[r].optimizer[job.index(l, home.local_slot)][j] != SavedState(l, unit, j)) {
+          return false;
+        }
+      }
+    }
+  }
+  return true;
+}
+
+std::string ReadBytes(const std::string& path) { return testing::ValueOrDie(ReadFile(path)); }
+void WriteBytes(const std::string& path, const std::string& bytes) {
+  ASSERT_TRUE(WriteFileAtomically(path, bytes).ok()) << path;
+}
+
+// Each bad file is refused by the rank that needs it, naming the file and the field (expected and
+// found), and that rank's slots keep every byte they held; no rank loads a bad file. The bad files
+// are of layer 1 (or stand for a file of layer 1), which a rank reads after its layer-0 files: a
+// load that copied each file as it read it would already have changed layer 0's slots.
+TEST(CheckpointTest, BadExpertFilesAreRefusedBeforeAnySlotChanges) {
+  auto created = CreateTwoRankJob();
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  TwoRankJob& job = **created;
+  const std::string dir = FreshFolder("bad_files");
+  FillSaved(job);
+  for (const auto& engine : job.engines) ASSERT_TRUE(engine->SaveExperts(dir).ok());
+  ASSERT_TRUE(std::filesystem::exists(dir + "/layer-1/expert-2.shard-1-of-2.bin"));
+
+  using Mutation = std::function<void(const std::string& case_dir)>;
+  const auto flip = [](const char* file, size_t offset, unsigned char mask) -> Mutation {
+    return [=](const std::string& d) {
+      std::string bytes = ReadBytes(d + file);
+      bytes[offset] = static_cast<char>(bytes[offset] ^ mask);
+      WriteBytes(d + file, bytes);
+    };
+  };
+  const auto copy = [](const char* from, const char* to) -> Mutation {
+    return [=](const std::string& d) { WriteBytes(d + to, ReadBytes(d + from)); };
+  };
+  constexpr size_t kHeader = 56;  // the version-2 header
+  struct Case {
+    const char* name;
+    Mutation mutate;
+    const char* file;  // the file the error names
+    const char* text;  // what follows "<file>: "
+  };
+  const Case cases[] = {
+      {"flipped payload bit", flip("/layer-1/expert-4.bin", kHeader + 9, 0x10),
+       "/layer-1/expert-4.bin", "checksum: expected 0x"},
+      {"flipped optimizer-state bit", flip("/layer-1/expert-6.bin", kHeader + 256 + 100, 0x01),
+       "/layer-1/expert-6.bin", "checksum: expected 0x"},
+      {"flipped magic byte", flip("/layer-1/expert-4.bin", 3, 0x20), "/layer-1/expert-4.bin",
+       "magic: expected \"KEELEXP2\" (a Keel expert file), found \"KEElEXP2\""},
+      {"flipped version byte", flip("/layer-1/expert-4.bin", 8, 0x01), "/layer-1/expert-4.bin",
+       "version: expected 2, found 3"},
+      {"flipped layer byte", flip("/layer-1/expert-4.bin", 13, 0x01), "/layer-1/expert-4.bin",
+       "layer: expected 1, found 257"},
+      {"flipped weight_bytes byte", flip("/layer-1/expert-4.bin", 33, 0x80),
+       "/layer-1/expert-4.bin", "weight_bytes: expected 256, found 33024"},
+      {"flipped checksum byte", flip("/layer-1/expert-4.bin", 50, 0x04), "/layer-1/expert-4.bin",
+       "checksum: expected 0x"},
+      {"truncated",
+       [](const std::string& d) {
+         std::string bytes = ReadBytes(d + "/layer-1/expert-4.bin");
+         bytes.pop_back();
+         WriteBytes(d + "/layer-1/expert-4.bin", bytes);
+       },
+       "/layer-1/expert-4.bin",
+       "file length: expected 824 bytes (56 of header, 256 of weights, 512 of optimizer state), "
+       "found 823 (truncated)"},
+      {"truncated inside the header",
+       [](const std::string& d) {
+         WriteBytes(d + "/layer-1/expert-4.bin",
+                    ReadBytes(d + "/layer-1/expert-4.bin").substr(0, 20));
+       },
+       "/layer-1/expert-4.bin", "file length: expected 824 bytes"},
+      {"trailing bytes",
+       [](const std::string& d) {
+         WriteBytes(d + "/layer-1/expert-4.bin", ReadBytes(d + "/layer-1/expert-4.bin") + "x");
+       },
+       "/layer-1/expert-4.bin", "file length: expected 824 bytes"},
+      {"expert 3's file over expert 5's", copy("/layer-1/expert-3.bin", "/layer-1/expert-5.bin"),
+       "/layer-1/expert-5.bin", "expert: expected 5, found 3"},
+      {"layer 1's file over layer 0's", copy("/layer-1/expert-7.bin", "/layer-0/expert-7.bin"),
+       "/layer-0/expert-7.bin", "layer: expected 0, found 1"},
+      {"shard 1's file over shard 0's",
+       copy("/layer-1/expert-2.shard-1-of-2.bin", "/layer-1/expert-2.shard-0-of-2.bin"),
+       "/layer-1/expert-2.shard-0-of-2.bin", "shard: expected 0, found 1"},
+      {"missing file",
+       [](const std::string& d) { std::filesystem::remove(d + "/layer-1/expert-6.bin"); },
+       "/layer-1/expert-6.bin", "cannot open"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::string case_dir = FreshFolder("bad_case");
+    std::filesystem::copy(dir, case_dir, std::filesystem::copy_options::recursive);
+    c.mutate(case_dir);
+    FillOther(job);
+    std::vector<RankBuffers> before = job.buffers;
+    int refused = 0;
+    for (int r = 0; r < TwoRankJob::kRanks; ++r) {
+      const Status loaded = job.engines[r]->LoadExperts(case_dir);
+      if (loaded.ok()) {
+        EXPECT_TRUE(HoldsSaved(job, r)) << "rank " << r << " loaded, but not the saved experts";
+        continue;
+      }
+      ++refused;
+      EXPECT_NE(loaded.message().find(case_dir + c.file + ": " + c.text), std::string::npos)
+          << "rank " << r << ": " << loaded.ToString();
+      EXPECT_EQ(job.buffers[r].weights, before[r].weights) << "rank " << r << " changed weights";
+      EXPECT_EQ(job.buffers[r].optimizer, before[r].optimizer)
+          << "rank " << r << " changed optimizer state";
+    }
+    EXPECT_GE(refused, 1) << "no rank refused the bad file";
+    std::filesystem::remove_all(case_dir);
+  }
+
+  // The intact checkpoint loads on every rank.
+  FillOther(job);
+  for (int r = 0; r < TwoRankJob::kRanks; ++r) {
+    const Status loaded = job.engines[r]->LoadExperts(dir);
+    ASSERT_TRUE(loaded.ok()) << "rank " << r << ": " << loaded.ToString();
+    EXPECT_TRUE(HoldsSaved(job, r)) << "rank " << r;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// Files of version 1 (magic "KEELEXP1", then weight_bytes and optimizer_bytes, then the payload)
+// load as before: without an identity or checksum to check, only their sizes and length.
+TEST(CheckpointTest, Version1FilesLoadUnverified) {
+  auto created = CreateTwoRankJob();
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  TwoRankJob& job = **created;
+  const std::string dir = FreshFolder("version1");
+  FillSaved(job);
+  for (const auto& engine : job.engines) ASSERT_TRUE(engine->SaveExperts(dir).ok());
+  // Every file rewritten as version 1.
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir)) {
+    if (!entry.is_regular_file()) continue;
+    const std::string v2 = ReadBytes(entry.path().string());
+    std::string v1 = "KEELEXP1" + v2.substr(32, 16) + v2.substr(56);
+    WriteBytes(entry.path().string(), v1);
+  }
+  FillOther(job);
+  for (int r = 0; r < TwoRankJob::kRanks; ++r) {
+    const Status loaded = job.engines[r]->LoadExperts(dir);
+    ASSERT_TRUE(loaded.ok()) << "rank " << r << ": " << loaded.ToString();
+    EXPECT_TRUE(HoldsSaved(job, r)) << "rank " << r;
+  }
+  // Their length is still checked, before any slot changes.
+  const std::string file = dir + "/layer-1/expert-4.bin";
+  WriteBytes(file, ReadBytes(file) + "xy");
+  FillOther(job);
+  const std::vector<RankBuffers> before = job.buffers;
+  int refused = 0;
+  for (int r = 0; r < TwoRankJob::kRanks; ++r) {
+    const Status loaded = job.engines[r]->LoadExperts(dir);
+    if (loaded.ok()) continue;
+    ++refused;
+    EXPECT_NE(loaded.message().find(file + ": file length: expected 792 bytes"), std::string::npos)
+        << loaded.ToString();
+    EXPECT_EQ(job.buffers[r].weights, before[r].weights);
+  }
+  EXPECT_EQ(refused, 1);
+  std::filesystem::remove_all(dir);
+}
+
+// An empty folder would put the files at the filesystem root ("/layer-0/..."), and the root is no
+// checkpoint's folder: both refused by argument, nothing written.
+TEST(CheckpointTest, CheckpointFolderIsNeitherEmptyNorTheRoot) {
+  auto created = CreateTwoRankJob();
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  Engine& engine = *(*created)->engines[0];
+  const bool root_had_layer0 = std::filesystem::exists("/layer-0");
+  const Status empty = engine.SaveExperts("");
+  ASSERT_FALSE(empty.ok());
+  EXPECT_EQ(empty.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(empty.message().find("SaveExperts: dir is empty"), std::string::npos)
+      << empty.ToString();
+  for (const char* root : {"/", "/tmp/..", "//."}) {
+    const Status status = engine.SaveExperts(root);
+    ASSERT_FALSE(status.ok()) << root;
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(status.message(), std::string("SaveExperts: dir '") + root +
+                                    "' is the filesystem root: name a folder of its own");
+  }
+  EXPECT_EQ(std::filesystem::exists("/layer-0"), root_had_layer0) << "/layer-0 was written";
+  const Status load = engine.LoadExperts("");
+  ASSERT_FALSE(load.ok());
+  EXPECT_EQ(load.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(load.message().find("LoadExperts: dir is empty"), std::string::npos);
 }
 
 }  // namespace

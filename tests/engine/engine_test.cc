@@ -8,11 +8,13 @@
 #include "keel/engine.hpp"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -22,6 +24,7 @@
 #include <thread>
 
 #include "comm/communicator.h"
+#include "common/file.h"
 #include "engine/engine_internal.h"
 #include "keel/policy.hpp"
 #include "kernels/add.h"
@@ -980,6 +983,33 @@ TEST(EngineTest, AnAggregatingRanksFailureFailsEveryRanksCreation) {
       EXPECT_EQ(status[r].code(), StatusCode::kInvalidArgument) << status[r].ToString();
     }
   }
+}
+
+// A config file that names itself as monitor.trace_path would be replaced by the recorded trace
+// as the engine starts: refused by both names, the file untouched.
+TEST(EngineTest, ATraceThatWouldReplaceItsConfigFileIsRefused) {
+  std::unique_ptr<LocalGroup> group = MakeGroup(1);
+  auto communicator = testing::ValueOrDie(group->Join(0));
+  const std::string path =
+      ::testing::TempDir() + "/keel_self_trace_" + std::to_string(::getpid()) + ".yaml";
+  KeelConfig config = TestConfig("static");
+  config.topology.gpus_per_node = 1;
+  config.slots.persistent_per_rank = kExperts;
+  config.monitor.trace_path = path;
+  const std::string yaml = ConfigToYaml(config);
+  ASSERT_TRUE(WriteFileAtomically(path, yaml).ok());
+  EngineOptions options = SmallOptions(config, 2, communicator.get(), group.get());
+  options.config.reset();
+  options.config_path = path;
+  const auto engine = Engine::Create(options);
+  ASSERT_FALSE(engine.ok());
+  EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(engine.status().message().find("monitor.trace_path '" + path + "' and config_path '" +
+                                           path + "' name the same file"),
+            std::string::npos)
+      << engine.status().ToString();
+  EXPECT_EQ(testing::ValueOrDie(ReadFile(path)), yaml);
+  std::remove(path.c_str());
 }
 
 // A policy whose replans wait until the test lets them go, so the engine's planner thread makes

@@ -2,12 +2,13 @@
 device (ranks.DEVICES): bad tensors, ids, configs and groups raise an exception naming the
 argument and its value; a rank that dies mid-step makes the others raise within the collective
 deadline instead of hanging; a checkpoint of the engine state and the experts loads into a new
-engine."""
+engine, and one with a bad expert file is refused by file and field without changing a weight."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from typing import Any, Dict, List
 
@@ -212,3 +213,68 @@ def test_a_checkpoint_loads_the_trained_experts_into_a_new_engine(tmp_path, devi
     assert answer["loaded"], "load_experts did not bring back the trained weights"
     assert answer["state_epoch"] == 0
     assert "epoch must be an integer >= 0, got -1" in answer["bad"], answer["bad"]
+
+
+def checkpoint_refusals(rank: int, world: int, folder: str, device: str) -> Dict[str, Any]:
+    """Saves the experts, refusing an empty folder and the root; then loads copies with a flipped
+    bit and with one expert's file over another's into a new KeelMoE. Returns each message and
+    whether the new model's weights stayed as they were."""
+    import torch
+    import keel
+    import keel.torch as kt
+
+    config = {"topology": {"num_nodes": 1, "gpus_per_node": world},
+              "slots": {"persistent_per_rank": 4, "transient_per_rank": 0},
+              "policy": {"name": "static"}, "migration": {"transport": "ucx"}}
+    moe = kt.KeelMoE(kt.ffn_expert(8, 16), num_layers=1, num_experts=4, top_k=2, config=config,
+                     device=device)
+    messages: Dict[str, Any] = {}
+
+    def message(name: str, call: Any) -> None:
+        try:
+            call()
+            messages[name] = "NO ERROR"
+        except keel.InvalidArgumentError as error:
+            messages[name] = str(error)
+
+    message("empty", lambda: moe.engine.save_experts(""))
+    message("root", lambda: moe.engine.save_experts("/"))
+    moe.engine.save_experts(folder)
+    moe.close()
+
+    fresh = kt.KeelMoE(kt.ffn_expert(8, 16), num_layers=1, num_experts=4, top_k=2,
+                       config=config, seed=12345, device=device)
+    before = [p.detach().clone() for p in fresh.parameters()]
+    flipped = folder + "-flipped"
+    shutil.copytree(folder, flipped)
+    path = os.path.join(flipped, "layer-0", "expert-3.bin")
+    data = bytearray(open(path, "rb").read())
+    data[100] ^= 0x08
+    open(path, "wb").write(bytes(data))
+    message("flipped", lambda: fresh.engine.load_experts(flipped))
+    swapped = folder + "-swapped"
+    shutil.copytree(folder, swapped)
+    shutil.copyfile(os.path.join(swapped, "layer-0", "expert-1.bin"),
+                    os.path.join(swapped, "layer-0", "expert-3.bin"))
+    message("swapped", lambda: fresh.engine.load_experts(swapped))
+    messages["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
+    fresh.engine.load_experts(folder)
+    messages["loaded"] = not all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
+    fresh.close()
+    messages["root_written"] = os.path.exists("/layer-0/expert-0.bin")
+    return messages
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_bad_checkpoint_is_refused_without_changing_a_weight(tmp_path, device: str) -> None:
+    folder = str(tmp_path / "experts")
+    answer = values(run_ranks(checkpoint_refusals, 1, folder, device, device=device))[0]
+    assert "SaveExperts: dir is empty" in answer["empty"], answer["empty"]
+    assert "SaveExperts: dir '/' is the filesystem root" in answer["root"], answer["root"]
+    assert not answer["root_written"]
+    expert_3 = os.path.join(folder + "-flipped", "layer-0", "expert-3.bin")
+    assert f"{expert_3}: checksum: expected 0x" in answer["flipped"], answer["flipped"]
+    expert_3 = os.path.join(folder + "-swapped", "layer-0", "expert-3.bin")
+    assert f"{expert_3}: expert: expected 3, found 1" in answer["swapped"], answer["swapped"]
+    assert answer["unchanged"], "a refused load changed the model's weights"
+    assert answer["loaded"], "the intact checkpoint did not load"

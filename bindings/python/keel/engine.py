@@ -433,14 +433,19 @@ class Engine:
 
     def save_experts(self, dir: str) -> None:
         """Writes every expert whose home is on this rank, by logical id, to
-        ``dir/layer-<l>/expert-<e>.bin`` (weights, then optimizer state). Call it on every rank
-        right after :meth:`step_end`."""
+        ``dir/layer-<l>/expert-<e>.bin`` (a header naming the layer, expert and shard, the
+        weights, the optimizer state, and a checksum over all of it). Call it on every rank
+        right after :meth:`step_end`. An empty ``dir`` or the filesystem root raises
+        :class:`keel.InvalidArgumentError`."""
         self._native.save_experts(dir)
 
     def load_experts(self, dir: str) -> None:
         """Fills this rank's registered slots from a :meth:`save_experts` folder under the
         placement in force: every copy its weights, every home its optimizer state. The folder
-        may come from another placement or number of ranks. Before the first route."""
+        may come from another placement or number of ranks. Before the first route. Every file
+        is checked before any slot changes: a corrupt, truncated or misplaced file raises
+        :class:`keel.InvalidArgumentError` naming the file and the field, and leaves the slots
+        as they were."""
         self._native.load_experts(dir)
 
     def close(self) -> None:
