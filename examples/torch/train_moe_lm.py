@@ -73,6 +73,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="split each step's batch into this many micro-batches, a forward and a "
+                        "backward each, gradients accumulated before one optimizer step; "
+                        "divides --batch")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     p.add_argument("--aux-loss", type=float, default=0.01,
                    help="coefficient of the load-balancing loss (Switch/Mixtral); 0 turns it off")
@@ -85,6 +89,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="Keel config (YAML) for the keel modes; default: one node of --ranks "
                         "GPUs sized to this model on a CPU, migration over UCX")
     p.add_argument("--report", default="", help="write the JSON report here")
+    p.add_argument("--save", default="", metavar="DIR",
+                   help="after training, save each mode's checkpoint (torch.distributed."
+                        "checkpoint: the model with its experts by logical id, the experts' and "
+                        "the dense Adam state) into DIR/<mode>; the report gives the time and "
+                        "bytes")
+    p.add_argument("--resume", default="", metavar="DIR",
+                   help="before training, load each mode's checkpoint from DIR/<mode> (saved "
+                        "with --save, by any number of ranks); the report gives the time")
     p.add_argument("--quiet", action="store_true", help="no per-step progress")
     p.add_argument("--condense", type=float, default=0.0, metavar="THRESHOLD",
                    help="Luffy's token condensation (docs/luffy.md): compare keel without it "
@@ -107,6 +119,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
     if args.aux_loss < 0:
         p.error(f"--aux-loss must be >= 0, got {args.aux_loss}")
+    if args.micro_batches < 1 or args.batch % args.micro_batches:
+        p.error(f"--micro-batches {args.micro_batches} must be >= 1 and divide --batch "
+                f"{args.batch}")
+    if args.save and args.resume and os.path.abspath(args.save) == os.path.abspath(args.resume):
+        p.error(f"--save and --resume name the same folder {args.save!r}: saving would replace "
+                f"the checkpoint being resumed; give --save another folder")
     return args
 
 
@@ -255,9 +273,15 @@ class Mode:
         started_wall = time.monotonic()
         moe.times = times = kt.StepTimes(args.layers)
         thread_started = time.thread_time()
-        logits, aux = self.model(batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        (loss + args.aux_loss * aux).backward()
+        # Gradient accumulation: each micro-batch's forward and backward, its loss scaled so
+        # that the step's gradient is the whole batch's mean.
+        loss = torch.zeros(())
+        for micro_batch in batch.chunk(args.micro_batches):
+            logits, aux = self.model(micro_batch[:, :-1])
+            part = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                   micro_batch[:, 1:].reshape(-1)) / args.micro_batches
+            (part + args.aux_loss * aux / args.micro_batches).backward()
+            loss += part.detach()
         fwd_bwd_thread = time.thread_time() - thread_started
         control_started = time.process_time()
         # Dense gradients are averaged over the ranks (DistributedDataParallel's job); the
@@ -307,6 +331,39 @@ class Mode:
             self.per_step[key].append(value)
         self.rank_rows = rows.sum(1).tolist()
 
+    # --- checkpoints (docs/pytorch.md, "Checkpoints") -------------------------------------------
+    def save(self, folder: str, rank: int) -> Dict[str, Any]:
+        """Saves the model (experts by logical id), the experts' Adam state and the dense
+        Adam state into `folder`: seconds (the slowest rank's) and bytes written."""
+        import torch.distributed.checkpoint as dcp
+        started = time.monotonic()
+        os.makedirs(folder, exist_ok=True)
+        dcp.save({"model": self.model.state_dict(), "experts_adam": self.moe.optimizer_state_dict()},
+                 checkpoint_id=folder)
+        if rank == 0:  # the dense Adam state is the same on every rank; Keel's slots are left out
+            torch.save(self.optimizer.state_dict(), os.path.join(folder, "dense_optimizer.pt"))
+        dist.barrier()
+        seconds = torch.tensor([time.monotonic() - started], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        written = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder))
+        return {"seconds": seconds.item(), "bytes": written}
+
+    def resume(self, folder: str) -> float:
+        """Loads a checkpoint of `save` (from any number of ranks) into this mode's fresh model:
+        the slowest rank's seconds."""
+        import torch.distributed.checkpoint as dcp
+        started = time.monotonic()
+        # Into copies first, so that a bad checkpoint changes nothing.
+        state = {"model": {k: v.clone() for k, v in self.model.state_dict().items()},
+                 "experts_adam": {k: v.clone() for k, v in self.moe.optimizer_state_dict().items()}}
+        dcp.load(state, checkpoint_id=folder)
+        self.model.load_state_dict(state["model"])
+        self.moe.load_optimizer_state_dict(state["experts_adam"])
+        self.optimizer.load_state_dict(torch.load(os.path.join(folder, "dense_optimizer.pt")))
+        seconds = torch.tensor([time.monotonic() - started], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        return seconds.item()
+
     def report(self, heldout: float) -> Dict[str, Any]:
         per_step, args = self.per_step, self.args
         mean = lambda key: sum(per_step[key]) / len(per_step[key])  # noqa: E731
@@ -346,6 +403,8 @@ def train(rank: int, world: int, args: argparse.Namespace,
     torch.set_num_threads(1)  # one GPU per rank: its time is this thread's time
     corpus = Corpus(text)
     modes = [Mode(policy, args, world, len(corpus.chars)) for policy in args.policies]
+    resumed = {mode.policy: mode.resume(os.path.join(args.resume, mode.policy))
+               for mode in modes} if args.resume else {}
     data = torch.Generator().manual_seed(args.seed * 7919 + rank)
     terminal = sys.stderr.isatty()
     for step in range(args.steps):
@@ -366,6 +425,11 @@ def train(rank: int, world: int, args: argparse.Namespace,
     reports = {mode.policy: mode.report(evaluate(mode.model, mode.moe, corpus, args, rank))
                for mode in modes}
     for mode in modes:
+        if args.save:
+            reports[mode.policy]["checkpoint"] = mode.save(os.path.join(args.save, mode.policy),
+                                                           rank)
+        if mode.policy in resumed:
+            reports[mode.policy]["resume_seconds"] = resumed[mode.policy]
         mode.moe.close()
     return reports if rank == 0 else None
 
@@ -515,7 +579,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if len(text) < 40 * (args.seq_len + 1):
         sys.exit(f"train_moe_lm: the text has {len(text)} characters; --seq-len {args.seq_len} "
                  f"needs at least {40 * (args.seq_len + 1)}")
-    settings = {k: v for k, v in vars(args).items() if k not in ("policy", "report", "quiet")}
+    settings = {k: v for k, v in vars(args).items()
+                if k not in ("policy", "report", "quiet", "save", "resume")}
     settings["blas"] = blas_library()
     if settings["blas"] and not re.search(r"openblas|mkl|blis", settings["blas"]):
         print(f"train_moe_lm: torch runs on the reference BLAS ({settings['blas']}), about 16 "

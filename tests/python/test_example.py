@@ -115,3 +115,25 @@ def test_flags_are_checked_and_explained() -> None:
     assert bad.returncode == 2 and "--top-k 9 exceeds --experts 8" in bad.stderr
     missing = run(["--text", "/no/such/file.txt", "--steps", "1"])
     assert missing.returncode != 0 and "/no/such/file.txt" in missing.stderr
+
+
+@needs_bible
+def test_micro_batches_save_and_resume_on_fewer_ranks(tmp_path) -> None:
+    """The same first step with 2 micro-batches as with one batch (the mean of the micro-batches'
+    means is the batch's mean); the checkpoint saved on 4 ranks resumes on 2."""
+    reports = {}
+    for name, extra in (("one", []), ("two", ["--micro-batches", "2", "--save",
+                                              str(tmp_path / "saved")]),
+                        ("resumed", ["--ranks", "2", "--resume", str(tmp_path / "saved")])):
+        path = tmp_path / f"{name}.json"
+        done = run(TINY + ["--policy", "keel", "--report", str(path)] + extra)
+        assert done.returncode == 0, name + ": " + done.stderr
+        reports[name] = json.loads(path.read_text())["modes"]["keel"]
+    one, two, resumed = reports["one"], reports["two"], reports["resumed"]
+    assert two["loss"][0] == pytest.approx(one["loss"][0], rel=1e-5)
+    assert two["checkpoint"]["bytes"] > 0 and two["checkpoint"]["seconds"] > 0
+    assert resumed["resume_seconds"] > 0
+    # Trained weights: the resumed run starts below a fresh model's first loss.
+    assert resumed["loss"][0] < one["loss"][0] - 0.05, (resumed["loss"], one["loss"])
+    bad = run(["--micro-batches", "3", "--batch", "4"])
+    assert bad.returncode == 2 and "--micro-batches 3 must be >= 1 and divide --batch 4" in bad.stderr

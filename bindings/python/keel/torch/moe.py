@@ -835,10 +835,12 @@ class KeelMoE:
                               stacklevel=2)
             self._install_adam_views(optimizer)
             # The optimizer's own state dict leaves Keel's slots out: their Adam state is by
-            # physical slot, which another placement does not share; it travels by logical
-            # expert in optimizer_state_dict(). Loading one puts the views back.
+            # physical slot, which another placement does not share, and their number depends
+            # on the ranks; it travels by logical expert in optimizer_state_dict(). Loading one
+            # (saved under any placement or rank count) gives the slots their places back and
+            # puts the views back.
             optimizer.register_state_dict_post_hook(self._drop_slot_state)
-            optimizer.register_load_state_dict_pre_hook(self._drop_slot_state)
+            optimizer.register_load_state_dict_pre_hook(self._fit_slot_state)
             optimizer.register_load_state_dict_post_hook(self._install_adam_views)
         optimizer.register_step_pre_hook(lambda *_: self.reduce_gradients())
         optimizer.register_step_post_hook(lambda *_: self.step_end())
@@ -859,16 +861,55 @@ class KeelMoE:
 
     def _drop_slot_state(self, optimizer: torch.optim.Optimizer,
                          state_dict: Dict[str, Any]) -> Dict[str, Any]:
-        """``state_dict`` (the optimizer's, packed by parameter index) without the state of
-        Keel's slot parameters."""
+        """``state_dict`` (the optimizer's, packed by parameter index) without Keel's slot
+        parameters: neither their state nor their places in the param groups."""
         slots = {id(p) for p in self._slot_parameters()}
         ours = set()
+        groups = []
         for group, packed in zip(optimizer.param_groups, state_dict["param_groups"]):
-            ours.update(index for param, index in zip(group["params"], packed["params"])
-                        if id(param) in slots)
+            pairs = list(zip(group["params"], packed["params"]))
+            ours.update(index for param, index in pairs if id(param) in slots)
+            groups.append({**packed, "params": [i for p, i in pairs if id(p) not in slots]})
+        state_dict["param_groups"] = groups
         state_dict["state"] = {index: value for index, value in state_dict["state"].items()
                                if index not in ours}
         return state_dict
+
+    def _fit_slot_state(self, optimizer: torch.optim.Optimizer,
+                        state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """A saved optimizer state dict made to fit this optimizer: each group's saved indices
+        go to its other parameters in order, Keel's slot parameters get indices of their own
+        with no state (their Adam state comes from load_optimizer_state_dict; the post-hook puts
+        the views back). A dict saved with the slots in it (as many parameters per group) keeps
+        its places, without the slots' state."""
+        slots = {id(p) for p in self._slot_parameters()}
+        taken = {i for packed in state_dict["param_groups"] for i in packed["params"]}
+        fresh = max(taken | set(state_dict["state"]), default=-1) + 1
+        ours, groups = set(), []
+        for g, (group, packed) in enumerate(zip(optimizer.param_groups,
+                                                state_dict["param_groups"])):
+            if len(packed["params"]) == len(group["params"]):
+                ours.update(i for p, i in zip(group["params"], packed["params"])
+                            if id(p) in slots)
+                groups.append(packed)
+                continue
+            others = sum(1 for p in group["params"] if id(p) not in slots)
+            if len(packed["params"]) != others:
+                raise InvalidArgumentError(
+                    f"the optimizer state dict's param group {g} has {len(packed['params'])} "
+                    f"parameters besides Keel's slots; this optimizer's has {others}")
+            saved = iter(packed["params"])
+            params = []
+            for param in group["params"]:
+                if id(param) in slots:
+                    params.append(fresh)
+                    ours.add(fresh)
+                    fresh += 1
+                else:
+                    params.append(next(saved))
+            groups.append({**packed, "params": params})
+        return {**state_dict, "param_groups": groups,
+                "state": {i: v for i, v in state_dict["state"].items() if i not in ours}}
 
     # --- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, torch.Tensor]:
