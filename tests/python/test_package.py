@@ -113,3 +113,87 @@ def test_int64_values_that_do_not_fit_int32_are_named_not_wrapped() -> None:
     narrowed = keel.to_int32("expert_counts", torch.tensor([0, 2 ** 31 - 1, -2 ** 31]))
     assert narrowed.dtype == torch.int32
     assert narrowed.tolist() == [0, 2 ** 31 - 1, -2 ** 31]
+
+
+# Each public call with one bad argument: a KeelError subclass naming the argument (the match),
+# never pybind11's TypeError, a path cut at its NUL, or None read as a file named "None".
+BAD_CALLS = [
+    (lambda: keel.Config.from_file(None), "path must be a path"),
+    (lambda: keel.Config.from_file("con\0fig.yaml"), "path = 'con\\\\x00fig.yaml' contains a NUL"),
+    (lambda: keel.Config.from_file(""), "path is empty"),
+    (lambda: keel.Config.from_yaml(b"policy: {}"), "text must be a str, got bytes"),
+    (lambda: keel.Config.from_yaml("{}", source=3), "source must be a str"),
+    (lambda: keel.Config.from_dict({"policy": {"name": float("nan")}}), "values cannot be a config"),
+    (lambda: keel.Config().replace([("policy", 1)]), "values must be a dict, got list"),
+    (lambda: keel.read_trace(None), "path must be a path"),
+    (lambda: keel.read_trace("trace.jsonl", format=None), "format must be a str"),
+    (lambda: keel.synthetic_trace(num_steps="10"), "num_steps = '10' must be an integer"),
+    (lambda: keel.synthetic_trace(num_layers=0), r"num_layers = 0 must be in \[1, "),
+    (lambda: keel.synthetic_trace(zipf_exponent=float("inf")), "zipf_exponent = inf must be a finite"),
+    (lambda: keel.synthetic_trace(top_k=True), "top_k = True must be an integer"),
+    (lambda: keel.replay("synthetic", policies="keel"), "policies must be a list of str"),
+    (lambda: keel.replay("synthetic", policies=["keel", 3]), r"policies\[1\] must be a str"),
+    (lambda: keel.replay("synthetic", oracle="no"), "oracle = 'no' must be True or False"),
+    (lambda: keel.replay("synthetic", config={"policy": {}}), "config must be a keel.Config"),
+    (lambda: keel.plan(3, [[1.0, 2.0]], 2), "policy must be a str"),
+    (lambda: keel.plan("eplb", [[1.0, 2.0]], 2 ** 40), r"num_replicas = 1099511627776 must be in"),
+    (lambda: keel.condense_rows(torch.zeros(2, 2), torch.tensor([0, 2]), "0.5"),
+     "threshold = '0.5' must be a number"),
+    (lambda: keel.condense_rows(torch.zeros(2, 2), torch.tensor([0, 2]), 1.0, window=0),
+     r"window = 0 must be in \[1, "),
+]
+
+
+@pytest.mark.parametrize("call, message", BAD_CALLS,
+                         ids=[f"case{i}" for i in range(len(BAD_CALLS))])
+def test_bad_arguments_are_named_by_the_package(call, message) -> None:
+    with pytest.raises(keel.InvalidArgumentError, match=message):
+        call()
+
+
+def engine_with_bad_arguments(rank: int, world: int) -> list:
+    """The engine's calls on one rank, each with a bad argument: what each raised."""
+    import keel.torch as kt
+    from ranks import static_config
+    communicator = kt.ProcessGroupCommunicator()
+    answers = []
+
+    def attempt(call) -> None:
+        try:
+            call()
+            answers.append("accepted")
+        except Exception as error:  # noqa: BLE001 - the type is what the test checks
+            answers.append(f"{type(error).__name__}: {error}")
+
+    attempt(lambda: keel.Engine(object(), num_layers=1, num_experts=2, top_k=1, weight_bytes=4,
+                                gradient_bytes=4))
+    attempt(lambda: keel.Engine(communicator, num_layers="1", num_experts=2, top_k=1,
+                                weight_bytes=4, gradient_bytes=4))
+    attempt(lambda: keel.Engine(communicator, num_layers=1, num_experts=2, top_k=5,
+                                weight_bytes=4, gradient_bytes=4))
+    engine = keel.Engine(communicator, num_layers=1, num_experts=2, top_k=1, weight_bytes=4,
+                         gradient_bytes=4, config=static_config(1, 2))
+    attempt(lambda: engine.route(2 ** 40, torch.zeros(3, 1, dtype=torch.int32)))
+    attempt(lambda: engine.route("0", torch.zeros(3, 1, dtype=torch.int32)))
+    attempt(lambda: engine.placement(None))
+    attempt(lambda: engine.locate_slot(1.5))
+    attempt(lambda: engine.restore_state(None))
+    attempt(lambda: engine.save_experts(None))
+    attempt(lambda: engine.load_experts("a\0b"))
+    attempt(lambda: engine.register_slot(0, "1", torch.zeros(1), torch.zeros(1)))
+    engine.close()
+    return answers
+
+
+def test_engine_calls_name_bad_arguments() -> None:
+    from ranks import run_ranks, values
+    answers = values(run_ranks(engine_with_bad_arguments, 1, timeout=120))[0]
+    expected = ["communicator must have rank, size", "num_layers = '1' must be an integer",
+                "top_k = 5 must be in [1, 2]", "layer = 1099511627776 must be in",
+                "layer = '0' must be an integer", "layer = None must be an integer",
+                "slot = 1.5 must be an integer", "state must be a str, got NoneType",
+                "dir must be a path", "dir = 'a\\x00b' contains a NUL",
+                "local_slot = '1' must be an integer"]
+    assert len(answers) == len(expected)
+    for answer, wanted in zip(answers, expected):
+        assert answer.startswith("InvalidArgumentError") and wanted in answer, (wanted, answer)

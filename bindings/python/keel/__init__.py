@@ -20,10 +20,10 @@ Every failure raises a :class:`KeelError` subclass that is also the matching bui
 from __future__ import annotations
 
 import json
-import operator
+import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from keel import _keel
+from keel import _checks, _keel
 from keel._errors import (AbortedError, DeadlineExceededError, FailedPreconditionError,
                           InternalError, InvalidArgumentError, IoError, KeelError, NotFoundError,
                           OutOfRangeError, UnimplementedError)
@@ -54,12 +54,14 @@ class Config:
     @classmethod
     def from_yaml(cls, text: str, source: str = "<config>") -> "Config":
         """Parses and validates YAML text; ``source`` names it in error messages."""
-        return cls(_keel.Config.from_yaml(text, source))
+        return cls(_keel.Config.from_yaml(_checks.text("text", text),
+                                          _checks.text("source", source)))
 
     @classmethod
     def from_file(cls, path: str) -> "Config":
-        """Reads a YAML file. :class:`NotFoundError` when it does not exist."""
-        return cls(_keel.Config.from_file(str(path)))
+        """Reads a YAML file (a str or os.PathLike). :class:`NotFoundError` when it does not
+        exist."""
+        return cls(_keel.Config.from_file(_checks.path("path", path)))
 
     @classmethod
     def from_dict(cls, values: Dict[str, Any], source: str = "<dict>") -> "Config":
@@ -68,7 +70,11 @@ class Config:
         if not isinstance(values, dict):
             raise InvalidArgumentError(f"values must be a dict, got {type(values).__name__}")
         # JSON is YAML: the library's reader checks every key and value.
-        return cls.from_yaml(json.dumps(values, indent=1), source)
+        try:
+            text = json.dumps(values, indent=1, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as error:
+            raise InvalidArgumentError(f"values cannot be a config: {error}") from None
+        return cls.from_yaml(text, source)
 
     @staticmethod
     def reference() -> str:
@@ -85,6 +91,8 @@ class Config:
 
     def replace(self, values: Dict[str, Any]) -> "Config":
         """A copy with the keys of ``values`` (nested dicts) replaced."""
+        if not isinstance(values, dict):
+            raise InvalidArgumentError(f"values must be a dict, got {type(values).__name__}")
         merged = self.to_dict()
         _merge(merged, values, "")
         return Config.from_dict(merged)
@@ -130,6 +138,12 @@ def _merge(into: Dict[str, Any], values: Dict[str, Any], prefix: str) -> None:
             _merge(into[key], value, f"{prefix}{key}.")
         else:
             into[key] = value
+
+
+def _check_config(config: Any) -> None:
+    if config is not None and not isinstance(config, Config):
+        raise InvalidArgumentError(
+            f"config must be a keel.Config or None, got {type(config).__name__}")
 
 
 def load_config(path: str) -> Config:
@@ -216,21 +230,17 @@ def plan(policy: str, weight: Any, num_replicas: int, num_groups: int = 1, num_n
     Raises:
         InvalidArgumentError: a bad argument, named with its value.
     """
+    _checks.text("policy", policy)
+    _check_config(config)
     data, shape = _float64_bytes(weight, "weight")
     if len(shape) == 1:
         shape = (1, shape[0])
     if len(shape) != 2:
         raise InvalidArgumentError(
             f"weight has shape {list(shape)}; expected [num_layers, num_experts]")
-    counts = []
-    for name, value in (("num_replicas", num_replicas), ("num_groups", num_groups),
-                        ("num_nodes", num_nodes), ("num_gpus", num_gpus)):
-        try:
-            if isinstance(value, bool):
-                raise TypeError
-            counts.append(operator.index(value))  # int, numpy and torch integers
-        except TypeError:
-            raise InvalidArgumentError(f"{name} = {value!r} must be an integer") from None
+    counts = [_checks.integer(name, value, 1, 2 ** 31 - 1)
+              for name, value in (("num_replicas", num_replicas), ("num_groups", num_groups),
+                                  ("num_nodes", num_nodes), ("num_gpus", num_gpus))]
     out = _keel.plan(policy, data, shape[0], shape[1], *counts,
                      config._native if config is not None else None)
     layers, experts = out["num_layers"], out["num_experts"]
@@ -279,7 +289,7 @@ class Trace:
 def read_trace(path: str, format: str = "auto") -> Trace:
     """Reads a trace: Keel's format or an importer's (keel, smartmoe, esft, olmoe, megatron;
     ``auto`` guesses from the path and content). :class:`NotFoundError` for a missing path."""
-    return Trace(_keel.read_trace(str(path), format))
+    return Trace(_keel.read_trace(_checks.path("path", path), _checks.text("format", format)))
 
 
 def synthetic_trace(seed: int = 1, num_steps: int = 200, num_layers: int = 4,
@@ -287,8 +297,16 @@ def synthetic_trace(seed: int = 1, num_steps: int = 200, num_layers: int = 4,
                     top_k: int = 2, zipf_exponent: float = 1.0) -> Trace:
     """The seeded synthetic trace of ``keel trace generate``: Zipf loads whose popularity drifts
     and bursts; the same arguments give the same trace on every machine."""
-    return Trace(_keel.synthetic_trace(seed, num_steps, num_layers, num_experts, num_sources,
-                                       tokens_per_source, top_k, zipf_exponent))
+    int32 = 2 ** 31 - 1
+    return Trace(_keel.synthetic_trace(
+        _checks.integer("seed", seed, 0, 2 ** 64 - 1),
+        _checks.integer("num_steps", num_steps, 1, int32),
+        _checks.integer("num_layers", num_layers, 1, int32),
+        _checks.integer("num_experts", num_experts, 1, int32),
+        _checks.integer("num_sources", num_sources, 1, int32),
+        _checks.integer("tokens_per_source", tokens_per_source, 1, int32),
+        _checks.integer("top_k", top_k, 1, int32),
+        _checks.number("zipf_exponent", zipf_exponent)))
 
 
 def replay(trace: Union[Trace, str], config: Optional[Config] = None,
@@ -308,13 +326,16 @@ def replay(trace: Union[Trace, str], config: Optional[Config] = None,
         The report ``keel replay --report`` writes (docs/replay.md), as a dict: ``"policies"``
         maps each name to its imbalance, moved state, simulated step time and planner time.
     """
-    if isinstance(trace, str):
+    if isinstance(trace, (str, os.PathLike)):
         trace = synthetic_trace() if trace == "synthetic" else read_trace(trace)
     if not isinstance(trace, Trace):
         raise InvalidArgumentError(
             f"trace must be a keel.Trace, a path or 'synthetic', got {type(trace).__name__}")
-    text = _keel.replay(trace._native, config._native if config is not None else None,
-                        list(policies or []), oracle, include_series)
+    _check_config(config)
+    names = _checks.strings("policies", policies) if policies is not None else []
+    text = _keel.replay(trace._native, config._native if config is not None else None, names,
+                        _checks.flag("oracle", oracle),
+                        _checks.flag("include_series", include_series))
     return json.loads(text)
 
 
@@ -342,9 +363,11 @@ def condense_rows(rows: Any, bucket_begin: Any, threshold: float,
     begin = to_int32("bucket_begin", bucket_begin)
     if begin.numel() < 1:
         raise InvalidArgumentError("bucket_begin is empty: it needs num_buckets + 1 entries")
+    threshold = _checks.number("threshold", threshold)
+    window = _checks.integer("window", window, 1, 2 ** 31 - 1)
     representative = torch.empty(data.shape[0], dtype=torch.int32)
     kept = torch.empty(begin.numel() - 1, dtype=torch.int32)
     _keel.condense_rows(data.data_ptr(), data.shape[0], data.shape[1], begin.data_ptr(),
-                        begin.numel() - 1, float(threshold), int(window),
+                        begin.numel() - 1, threshold, window,
                         representative.data_ptr(), kept.data_ptr())
     return representative, kept

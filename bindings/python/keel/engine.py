@@ -1,7 +1,8 @@
 """keel.Engine: one rank's Keel runtime for a Python trainer.
 
-Per step, for every MoE layer in order: :meth:`Engine.route` (collective) turns the router's
-``topk_ids`` into a physical slot per (token, k) plus the all-to-all splits. After backward,
+Per step, for every MoE layer and micro-batch: :meth:`Engine.route` (collective) turns the
+router's ``topk_ids`` into a physical slot per (token, k) plus the all-to-all splits. After the
+last backward,
 :meth:`Engine.reduce_gradients` (collective) folds every replica's gradient into its expert's
 home; the optimizer then runs on the home slots (:meth:`Engine.home_slots`); afterwards
 :meth:`Engine.step_end` (collective) pushes the new weights to the replicas and plans and migrates
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from keel import _keel
+from keel import _checks, _keel
 from keel._errors import InvalidArgumentError
 
 # gradient_type -> the torch dtype of its elements.
@@ -193,6 +194,20 @@ class Engine:
                                        f"{', '.join(_GRADIENT_TYPES)}")
         if memory not in _MEMORIES:
             raise InvalidArgumentError(f"memory = {memory!r} is not one of {', '.join(_MEMORIES)}")
+        for name in ("rank", "size"):
+            if not hasattr(communicator, name):
+                raise InvalidArgumentError(
+                    f"communicator must have rank, size and the collectives of "
+                    f"keel.torch.ProcessGroupCommunicator; {type(communicator).__name__} has no "
+                    f"{name}")
+        num_layers = _checks.integer("num_layers", num_layers, 1, 65536)
+        num_experts = _checks.integer("num_experts", num_experts, 1, 65536)
+        top_k = _checks.integer("top_k", top_k, 1, num_experts)
+        size_t = 2 ** 63 - 1
+        weight_bytes = _checks.integer("weight_bytes", weight_bytes, 0, size_t)
+        gradient_bytes = _checks.integer("gradient_bytes", gradient_bytes, 0, size_t)
+        optimizer_bytes = _checks.integer("optimizer_bytes", optimizer_bytes, 0, size_t)
+        mp_group_size = _checks.integer("mp_group_size", mp_group_size, 1, 2 ** 31 - 1)
         self.memory = memory
         torch = _torch()
         self.device = (torch.device("cuda", torch.cuda.current_device()) if memory == "cuda"
@@ -256,6 +271,8 @@ class Engine:
                 slot (any persistent slot can become a home), on the engine's device; None for
                 a transient slot.
         """
+        layer = _checks.int32("layer", layer)
+        local_slot = _checks.int32("local_slot", local_slot)
         persistent = 0 <= local_slot < self.slots_per_rank
         pointers = []
         for name, tensor, size in (("weights", weights, self.weight_bytes),
@@ -310,6 +327,10 @@ class Engine:
             InvalidArgumentError: bad shapes or values here, or on another rank (named).
         """
         torch = _torch()
+        first_layer = _checks.int32("first_layer", first_layer)
+        max_token_imbalance = _checks.number("max_token_imbalance", max_token_imbalance)
+        move_bytes_per_token = _checks.number("move_bytes_per_token", move_bytes_per_token)
+        objective = _checks.text("objective", objective)
         check_tensor("tokens", tokens, (torch.int64, torch.int32), dims=1)
         check_tensor("expert_rows", expert_rows, (torch.int32, torch.int64), dims=3)
         if expert_rows.shape[0] != tokens.shape[0] or expert_rows.shape[2] != self.num_experts:
@@ -321,8 +342,7 @@ class Engine:
         rows = to_int32("expert_rows", expert_rows)
         answer = self._native.plan_sequences(first_layer, counts.numel(), counts.data_ptr(),
                                              rows.data_ptr(), rows.shape[1] * rows.shape[2],
-                                             float(max_token_imbalance),
-                                             float(move_bytes_per_token), str(objective))
+                                             max_token_imbalance, move_bytes_per_token, objective)
         return SequencePlacement(
             origin_rank=torch.tensor(answer["origin_rank"], dtype=torch.int64),
             origin_index=torch.tensor(answer["origin_index"], dtype=torch.int64),
@@ -333,7 +353,9 @@ class Engine:
             seconds_after=float(answer["seconds_after"]))
 
     def route(self, layer: int, topk_ids: Any) -> Route:
-        """Routes one layer's tokens. Collective per layer, in layer order.
+        """Routes one layer's tokens (one micro-batch of them). Collective: every rank routes the
+        same layer at the same time; a layer may be routed once per micro-batch until
+        :meth:`reduce_gradients` (docs/integration.md).
 
         Args:
             topk_ids: ``[num_tokens, top_k]`` int32 or int64 CPU tensor of logical expert ids
@@ -345,6 +367,7 @@ class Engine:
             DeadlineExceededError / AbortedError: a peer stalled or died.
         """
         torch = _torch()
+        layer = _checks.int32("layer", layer)
         check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), shape=(None, self.top_k))
         check_expert_ids("topk_ids", topk_ids, self.num_experts)
         ids = topk_ids.to(torch.int32).contiguous()
@@ -356,12 +379,13 @@ class Engine:
         """Routes one layer from this rank's count of (token, k) entries per expert, for a
         trainer that assigns the slots itself (on the GPU, say) from the returned quota table
         (:attr:`Route.copy_begin`...): everything :meth:`route` returns but ``slot`` (None).
-        Collective like :meth:`route`; a layer takes one of the two per step. Not with MP groups.
+        Collective like :meth:`route`, and one micro-batch like it. Not with MP groups.
 
         Args:
             expert_counts: ``[num_experts]`` int32 or int64 CPU tensor, each >= 0.
         """
         torch = _torch()
+        layer = _checks.int32("layer", layer)
         check_tensor("expert_counts", expert_counts, (torch.int32, torch.int64),
                      shape=(self.num_experts,))
         counts = to_int32("expert_counts", expert_counts)
@@ -397,14 +421,14 @@ class Engine:
     # --- queries --------------------------------------------------------------------------------
     def home_slots(self, layer: int) -> List[Tuple[int, int]]:
         """``(expert, local_slot)`` of this rank's homes of ``layer``: where the optimizer runs."""
-        return [tuple(h) for h in self._native.home_slots(layer)]
+        return [tuple(h) for h in self._native.home_slots(_checks.int32("layer", layer))]
 
     def placement(self, layer: int) -> Dict[str, Any]:
         """The placement in force (same on every rank): ``phy2log`` ``[num_ranks *
         slots_per_rank]``, ``log2phy`` ``[num_experts, max_copies]``, ``logcnt`` and ``home``
         ``[num_experts]``, as int64 tensors."""
         torch = _torch()
-        p = self._native.placement(layer)
+        p = self._native.placement(_checks.int32("layer", layer))
         return {"phy2log": torch.tensor(p["phy2log"], dtype=torch.int64),
                 "log2phy": torch.tensor(p["log2phy"], dtype=torch.int64)
                 .reshape(p["num_experts"], p["max_copies"]),
@@ -413,7 +437,7 @@ class Engine:
 
     def locate_slot(self, slot: int) -> Tuple[int, int]:
         """``(rank, local_slot)`` of a physical slot of :attr:`Route.slot`."""
-        return tuple(self._native.locate_slot(slot))
+        return tuple(self._native.locate_slot(_checks.int32("slot", slot)))
 
     def stats(self) -> Dict[str, Any]:
         """What the engine did so far on this rank: steps, epochs committed and aborted, bytes
@@ -429,7 +453,7 @@ class Engine:
     def restore_state(self, state: str) -> None:
         """Collective, before the first route and before filling the slots: the placement and
         epoch of :meth:`save_state`'s text, from a job of the same shape (same on every rank)."""
-        self._native.restore_state(state)
+        self._native.restore_state(_checks.text("state", state))
 
     def save_experts(self, dir: str) -> None:
         """Writes every expert whose home is on this rank, by logical id, to
@@ -437,7 +461,7 @@ class Engine:
         weights, the optimizer state, and a checksum over all of it). Call it on every rank
         right after :meth:`step_end`. An empty ``dir`` or the filesystem root raises
         :class:`keel.InvalidArgumentError`."""
-        self._native.save_experts(dir)
+        self._native.save_experts(_checks.path("dir", dir, empty_ok=True))
 
     def load_experts(self, dir: str) -> None:
         """Fills this rank's registered slots from a :meth:`save_experts` folder under the
@@ -446,7 +470,7 @@ class Engine:
         is checked before any slot changes: a corrupt, truncated or misplaced file raises
         :class:`keel.InvalidArgumentError` naming the file and the field, and leaves the slots
         as they were."""
-        self._native.load_experts(dir)
+        self._native.load_experts(_checks.path("dir", dir, empty_ok=True))
 
     def close(self) -> None:
         """Cancels a running migration, stops the planner thread and releases the buffers."""
