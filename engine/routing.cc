@@ -204,13 +204,6 @@ Result<LayerRoute> Engine::Impl::PlanLayer(int layer) {
     }
     by_unit = by_unit_;
   }
-  // The estimators and the trace keep the step's traffic by source and expert.
-  step.traffic.resize(num_ranks * options_.num_experts, 0.0);
-  for (int e = 0; e < options_.num_experts; ++e) {
-    for (size_t r = 0; r < num_ranks; ++r) {
-      step.traffic[r * options_.num_experts + e] += by_expert_[e * num_ranks + r];
-    }
-  }
 
   const Placement& placement = placements_[layer];
   QuotaPlanOptions quota_options;
@@ -295,6 +288,13 @@ Result<LayerRoute> Engine::Impl::PlanLayer(int layer) {
   step.transients.assign(routing.transients.begin(), routing.transients.end());
   step.transient_slot = std::move(transient_slot);
   ++step.routes;
+  // The estimators and the trace keep the step's traffic by source and expert.
+  step.traffic.resize(num_ranks * options_.num_experts, 0.0);
+  for (int e = 0; e < options_.num_experts; ++e) {
+    for (size_t r = 0; r < num_ranks; ++r) {
+      step.traffic[r * options_.num_experts + e] += by_expert_[e * num_ranks + r];
+    }
+  }
   if (metrics_ != nullptr) {
     std::vector<double> expert_tokens(options_.num_experts, 0.0);
     for (int e = 0; e < options_.num_experts; ++e) {
