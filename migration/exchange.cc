@@ -263,7 +263,7 @@ class ExchangeLoop {
     // `view` must outlive the sends: wait for them, then cancel what a lost peer left open. A
     // transport may hold a send until the peer posts its receive, which a peer still waiting out
     // its votes does late: the sends stay up as long as the receivers wait.
-    WaitForSends(deadline, /*stop_if_cancelled=*/true);
+    WaitForSends(deadline);
     for (const Pending& p : pending_) transport_.Cancel(p.id);
     pending_.clear();
   }
@@ -607,8 +607,7 @@ class ExchangeLoop {
       LearnLostPeer(v);
       if (v.code != 0) {
         const Status reason = StatusOf(v);
-        Fail("rank " + std::to_string(p.peer) + " reported: " + reason.message(), reason.code(),
-             /*tell_peers=*/false);
+        Fail("rank " + std::to_string(p.peer) + " reported: " + reason.message(), reason.code());
       }
       return;
     }
@@ -674,10 +673,9 @@ class ExchangeLoop {
     }
   }
 
-  void Fail(std::string message, StatusCode code = StatusCode::kAborted, bool tell_peers = true) {
+  void Fail(std::string message, StatusCode code = StatusCode::kAborted) {
     if (failure_) return;
     failure_ = Status(code, std::move(message));
-    tell_peers_ = tell_peers;
   }
 
   // Names what the deadline caught unfinished: the first move still waiting on a peer.
@@ -708,22 +706,97 @@ class ExchangeLoop {
     return "the transport did not finish its requests" + limit;
   }
 
-  // Tells the peers (unless they told us), gives the sends under way a moment to finish, then
-  // cancels every request so no buffer is touched after we return.
+  // Ends a failed exchange without breaking a connection under a live peer. A transport may
+  // only be able to stop a send by closing the connection under it (UCX cannot cancel a send,
+  // and one sent by rendezvous waits for its receiver to take it), and the peer keeps its end:
+  // what the peer has sent over that end by then, such as the first chunks of its next epoch
+  // when it aborted sooner, is refused here, and that epoch fails. So the ranks take each
+  // other's sends instead of cancelling them. A rank's verdict is the last message it sends a
+  // peer, and one peer's messages arrive in order (UCX keeps them so), so once a peer's verdict
+  // is in, everything it sent has arrived, and receives posted for every chunk still expected
+  // from it take what it sent; this rank's own sends are taken the same way once its peers have
+  // its verdict. That may take until the deadline, or 200 ms once the deadline has passed or
+  // when the caller cancelled; then whatever is left is cancelled, so that no buffer is touched
+  // after we return.
   void Abort() {
-    if (tell_peers_ && !verdict_sent_) SendVerdicts(*failure_);
-    WaitForSends(Clock::now() + std::chrono::milliseconds(200), /*stop_if_cancelled=*/false);
+    if (!verdict_sent_) SendVerdicts(*failure_);
+    const auto grace = Clock::now() + std::chrono::milliseconds(200);
+    const auto until = std::max(deadline_, grace);
+    for (int peer = 0; peer < num_ranks_; ++peer) {
+      if (verdict_received_[peer] && !failed_peers_[peer]) PostRemainingRecvs(peer);
+    }
+    int idle = 0;
+    while (!Released() && Clock::now() < (Cancelled() ? grace : until)) {
+      transport_.Progress();
+      Pause(ReapAborted(), idle);
+    }
     for (const Pending& p : pending_) transport_.Cancel(p.id);
     pending_.clear();
   }
 
-  // Gives the sends in pending_ until `until` to finish (or until the caller cancels, with
-  // stop_if_cancelled), dropping those that did. A transport may only be able to stop a send
-  // halfway by closing the connection under it (UCX does), and over TCP the next epoch between
-  // the same two ranks could then fail once; small sends such as verdicts leave at once.
-  void WaitForSends(Clock::time_point until, bool stop_if_cancelled) {
+  // Posts a receive for every chunk of `peer` that has none yet: once its verdict is in, what
+  // it sent and no receive took waits on this rank's side, and its sender with it.
+  void PostRemainingRecvs(int peer) {
+    for (ItemState* state : recv_queue_[peer]) {
+      const ExchangeItem& item = *state->item;
+      for (; state->next_post < state->chunks.size(); ++state->next_post) {
+        const Chunk& c = state->chunks[state->next_post];
+        Result<RequestId> posted =
+            transport_.PostRecv(peer, Tag(Kind::kChunk, state->index, state->next_post),
+                                item.destination[c.region] + c.offset, c.bytes);
+        if (!posted.ok()) return;  // the peer cannot be reached: nothing of it can be taken
+        pending_.push_back(
+            Pending{.id = *posted, .item = state, .kind = Kind::kChunk, .peer = peer});
+      }
+    }
+  }
+
+  // Drops what completed while the exchange aborts (the data of an aborted epoch is not used).
+  // A peer's verdict lets this rank take the rest of its chunks; a failed request marks its
+  // peer gone, so nobody waits for it.
+  bool ReapAborted() {
+    bool busy = false;
+    for (size_t i = 0; i < pending_.size();) {
+      std::optional<Status> done = transport_.Test(pending_[i].id);
+      if (!done) {
+        ++i;
+        continue;
+      }
+      const Pending p = pending_[i];
+      pending_[i] = pending_.back();
+      pending_.pop_back();
+      busy = true;
+      if (!done->ok()) {
+        failed_peers_[p.peer] = true;
+      } else if (p.kind == Kind::kVerdict && !p.send) {
+        verdict_received_[p.peer] = true;
+        LearnLostPeer(verdicts_[p.peer]);
+        PostRemainingRecvs(p.peer);
+      }
+    }
+    return busy;
+  }
+
+  // Every live peer has taken this rank's chunks and checksums, and has sent its verdict, after
+  // which nothing more comes from it. Waiting for every verdict, not only those of the peers
+  // that owe this rank chunks, also leaves none behind for a later exchange under the same tags
+  // (the engine retries an aborted epoch under its number), where it would fail the exchange at
+  // once. This rank's own verdicts are not waited for: its peers wait for them.
+  bool Released() const {
+    for (const Pending& p : pending_) {
+      if (p.send && p.kind != Kind::kVerdict && !failed_peers_[p.peer]) return false;
+    }
+    for (int peer = 0; peer < num_ranks_; ++peer) {
+      if (Peer(peer) && !failed_peers_[peer] && !verdict_received_[peer]) return false;
+    }
+    return true;
+  }
+
+  // Gives the sends in pending_ until `until` to finish, or until the caller cancels, dropping
+  // those that did.
+  void WaitForSends(Clock::time_point until) {
     int idle = 0;
-    while (Clock::now() < until && !(stop_if_cancelled && Cancelled())) {
+    while (Clock::now() < until && !Cancelled()) {
       transport_.Progress();
       bool open = false;
       bool busy = false;
@@ -783,7 +856,6 @@ class ExchangeLoop {
   std::vector<int> lost_;  // coordinators that did not answer while the ranks agreed
   // [rank] known to be gone: a request with it failed, or a verdict or view named it
   std::vector<bool> failed_peers_ = std::vector<bool>(num_ranks_);
-  bool tell_peers_ = true;
 };
 
 }  // namespace

@@ -1,8 +1,11 @@
 // StagedTransport: every request is one of ours; a staged one walks copy-out -> host send, or
 // host receive -> copy-in, and holds a page-locked buffer from a pool until it is over. Copies
-// complete in start order (DeviceMemory), so one CompletedCopies() answers every request.
+// complete in start order (DeviceMemory), so one CompletedCopies() answers every request. Sends
+// reach the host transport in the order they were posted to their peer, a host-memory send
+// waiting behind staged ones still copying out.
 #include "migration/transport_staged.h"
 
+#include <deque>
 #include <map>
 #include <mutex>
 #include <string>
@@ -41,19 +44,26 @@ class StagedTransport final : public Transport {
     request.peer = peer;
     request.tag = tag;
     request.bytes = bytes;
-    if (!Staged(data)) {
+    std::deque<RequestId>& unsent = unsent_[peer];
+    if (!Staged(data) && unsent.empty()) {
       KEEL_ASSIGN_OR_RETURN(request.host, host_->PostSend(peer, tag, data, bytes));
       return Add(std::move(request));
     }
-    KEEL_ASSIGN_OR_RETURN(request.staging, Acquire(bytes));
-    Result<uint64_t> copy = device_->StartCopy(request.staging, data, bytes);
-    if (!copy.ok()) {
-      Release(request.staging, bytes);
-      return Staging("send", peer, tag, copy.status());
+    if (Staged(data)) {
+      KEEL_ASSIGN_OR_RETURN(request.staging, Acquire(bytes));
+      Result<uint64_t> copy = device_->StartCopy(request.staging, data, bytes);
+      if (!copy.ok()) {
+        Release(request.staging, bytes);
+        return Staging("send", peer, tag, copy.status());
+      }
+      request.copy = *copy;
+    } else {
+      request.source = data;
     }
     request.phase = Phase::kCopyOut;
-    request.copy = *copy;
-    return Add(std::move(request));
+    const RequestId id = Add(std::move(request));
+    unsent.push_back(id);
+    return id;
   }
 
   Result<RequestId> PostRecv(int peer, uint64_t tag, std::byte* data, size_t bytes) override {
@@ -81,6 +91,7 @@ class StagedTransport final : public Transport {
     std::lock_guard<std::mutex> lock(mutex_);
     host_->Progress();
     RefreshCopies();
+    for (auto& [peer, unsent] : unsent_) HandOver(peer);
     for (auto& [id, request] : requests_) Advance(request);
   }
 
@@ -106,13 +117,14 @@ class StagedTransport final : public Transport {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = requests_.find(id);
     if (it == requests_.end()) return;
+    if (it->second.phase == Phase::kCopyOut) std::erase(unsent_[it->second.peer], id);
     Drop(it->second);
     requests_.erase(it);
   }
 
  private:
   enum class Phase {
-    kCopyOut,  // send: device -> staging, then the host send
+    kCopyOut,  // send: device -> staging (or its turn, from host memory), then the host send
     kHost,     // the host transport's request is open
     kCopyIn,   // receive: staging -> device, then done
     kDone,
@@ -124,11 +136,12 @@ class StagedTransport final : public Transport {
     uint64_t tag = 0;
     size_t bytes = 0;
     Phase phase = Phase::kHost;
-    std::byte* staging = nullptr;  // [bytes] page-locked, for staged requests
-    std::byte* device = nullptr;   // a staged receive's destination
-    uint64_t copy = 0;             // the number of the copy of kCopyOut / kCopyIn
-    RequestId host = 0;            // the host transport's request, in kHost
-    Status result;                 // in kDone
+    std::byte* staging = nullptr;       // [bytes] page-locked, for staged requests
+    const std::byte* source = nullptr;  // a host-memory send waiting behind staged ones
+    std::byte* device = nullptr;        // a staged receive's destination
+    uint64_t copy = 0;                  // the number of the copy of kCopyOut / kCopyIn
+    RequestId host = 0;                 // the host transport's request, in kHost
+    Status result;                      // in kDone
   };
 
   bool Staged(const void* data) const { return options_.stage && device_->IsDeviceMemory(data); }
@@ -155,27 +168,42 @@ class StagedTransport final : public Transport {
     }
   }
 
+  // Hands the sends to `peer` that wait in copy-out to the host transport, oldest first, up to
+  // the first whose copy is still running: a message never overtakes one posted before it to the
+  // same peer. The exchange relies on that: a rank's verdict is the last message it sends a peer,
+  // and once the peer has it, the peer stops taking chunks.
+  void HandOver(int peer) {
+    std::deque<RequestId>& unsent = unsent_[peer];
+    while (!unsent.empty()) {
+      Request& request = requests_.at(unsent.front());
+      if (request.staging != nullptr && !copy_failure_.ok()) {
+        Finish(request, Staging("send", request.peer, request.tag, copy_failure_));
+      } else if (request.staging != nullptr && request.copy >= completed_copies_) {
+        return;
+      } else {
+        const std::byte* data = request.staging != nullptr ? request.staging : request.source;
+        Result<RequestId> posted = host_->PostSend(request.peer, request.tag, data, request.bytes);
+        if (posted.ok()) {
+          request.host = *posted;
+          request.phase = Phase::kHost;
+        } else {
+          Finish(request, posted.status());
+        }
+      }
+      unsent.pop_front();
+    }
+  }
+
   // Moves `request` as far as the completed copies and the host transport allow.
   void Advance(Request& request) {
-    if (request.phase == Phase::kCopyOut || request.phase == Phase::kCopyIn) {
+    if (request.phase == Phase::kCopyOut) HandOver(request.peer);
+    if (request.phase == Phase::kCopyIn) {
       if (!copy_failure_.ok()) {
-        Finish(request, Staging(request.send ? "send" : "receive", request.peer, request.tag,
-                                copy_failure_));
-        return;
-      }
-      if (request.copy >= completed_copies_) return;
-      if (request.phase == Phase::kCopyIn) {
+        Finish(request, Staging("receive", request.peer, request.tag, copy_failure_));
+      } else if (request.copy < completed_copies_) {
         Finish(request, Status::Ok());
-        return;
       }
-      Result<RequestId> posted =
-          host_->PostSend(request.peer, request.tag, request.staging, request.bytes);
-      if (!posted.ok()) {
-        Finish(request, posted.status());
-        return;
-      }
-      request.host = *posted;
-      request.phase = Phase::kHost;
+      return;
     }
     if (request.phase != Phase::kHost) return;
     std::optional<Status> done = host_->Test(request.host);
@@ -203,7 +231,8 @@ class StagedTransport final : public Transport {
   // afterwards.
   void Drop(Request& request) {
     if (request.phase == Phase::kHost) host_->Cancel(request.host);
-    if (request.phase == Phase::kCopyOut || request.phase == Phase::kCopyIn) {
+    if ((request.phase == Phase::kCopyOut || request.phase == Phase::kCopyIn) &&
+        request.staging != nullptr) {
       while (copy_failure_.ok() && request.copy >= completed_copies_) {
         std::this_thread::yield();
         RefreshCopies();
@@ -247,6 +276,7 @@ class StagedTransport final : public Transport {
   const StagedTransportOptions options_;
   std::mutex mutex_;  // guards everything below, and every call into host_
   std::unordered_map<RequestId, Request> requests_;
+  std::map<int, std::deque<RequestId>> unsent_;  // [peer] sends in kCopyOut, oldest first
   RequestId next_id_ = 1;
   uint64_t completed_copies_ = 0;
   Status copy_failure_;  // the device stopped copying: every staged request fails with it

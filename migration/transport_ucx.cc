@@ -315,7 +315,10 @@ class UcxTransport final : public Transport {
 
   // Lets go of a request: a receive is cancelled; whatever UCX cannot let go of within the
   // grace period (a send to a stalled peer, a receive the peer is feeding) is failed by
-  // force-closing the peer's endpoint; the next send reconnects. Without peer error handling a
+  // force-closing the peer's endpoint; the next send reconnects. The peer keeps its end, and a
+  // large message it sent over it before it noticed is refused here (UCX completes the receive
+  // that takes it with "Request canceled"), which is why an aborting exchange has its live peers
+  // take its sends rather than cancel them (exchange.cc, Abort). Without peer error handling a
   // forced close is unsafe: the request is then freed incomplete, which UCX allows (it releases
   // it when it completes); only a send can still be pending then, and a send only reads.
   void ReleaseLocked(Request& r, bool cancel) {

@@ -29,7 +29,9 @@ class Transport {
 
   // Posts a send of `bytes` bytes at `data` to `peer` under `tag`. The buffer must stay valid
   // and unchanged until Test reports the request complete or Cancel returns. A send matches the
-  // receive that `peer` posts with the same tag and this rank as its peer.
+  // receive that `peer` posts with the same tag and this rank as its peer. Messages to one peer
+  // should reach it in the order they were posted: a rank that aborts an exchange takes what a
+  // peer sent until that peer's verdict, its last message, and cancels the rest.
   virtual Result<RequestId> PostSend(int peer, uint64_t tag, const std::byte* data,
                                      size_t bytes) = 0;
   // Posts a receive of exactly `bytes` bytes into `data` from `peer` under `tag`.

@@ -20,6 +20,10 @@
 //            every survivor must end the epoch the same way (the launcher compares), within the
 //            deadline and the agreement's grace, naming the victim when it aborts; then the
 //            survivors migrate among themselves, byte-exact
+//   late-sender  rank 0 dies (SIGKILL) as epoch 1 starts; rank 3 joins epoch 1 half a second
+//            late, after rank 2 has aborted it, and sends rank 2 a 4 MB move. Epochs 2 and 3
+//            then move 4 MB from rank 2 to rank 3 among the survivors: both must commit,
+//            byte-exact (a send rank 2 gave up on must not break the connection between them)
 // Exit status 0 when every expectation held; the launcher also checks how each child ended.
 // --progress-thread on|off: the UCX transport with or without its own progress thread (default on).
 // --device host|fake|cuda: where the random scenario's experts live. fake: in device memory the
@@ -31,6 +35,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -42,6 +47,7 @@
 #include <vector>
 
 #include "keel/device_memory.hpp"
+#include "migration/exchange.h"
 #include "migration/migrator.h"
 #include "migration/transport_staged.h"
 #include "migration/transport_ucx.h"
@@ -425,6 +431,75 @@ int RunAgree(Transport& transport, const Args& args) {
   return failures == 0 ? 0 : 1;
 }
 
+// The late-sender scenario (see the top of the file). Runs the exchange itself, so that the
+// moves, their sizes and who takes part are exactly these.
+int RunLateSender(Transport& transport, const Args& args) {
+  const int me = transport.rank();
+  if (transport.num_ranks() != 4) {
+    std::fprintf(stderr, "late-sender needs 4 ranks\n");
+    return 2;
+  }
+  if (me == 0) {  // every connection is up (CreateUcxTransport): its peers see it die
+    std::fflush(stdout);
+    raise(SIGKILL);
+  }
+  // Chunks sent by rendezvous, which UCX cannot cancel once the receiver has given up on them.
+  constexpr size_t kBytes = 4 << 20;
+  ExchangeOptions options;
+  options.chunk_bytes = 1 << 20;
+  options.pipeline_depth = 2;
+  options.deadline = std::chrono::duration<double>(args.deadline);
+  std::vector<std::byte> source(kBytes);
+  std::vector<std::byte> destination(kBytes);
+  auto move = [&](int from, int to) {
+    ExchangeItem item;
+    item.src_rank = from;
+    item.dst_rank = to;
+    item.label = "move rank " + std::to_string(from) + " -> rank " + std::to_string(to);
+    item.num_regions = 1;
+    item.region_bytes[0] = kBytes;
+    if (me == from) item.source[0] = source.data();
+    if (me == to) item.destination[0] = destination.data();
+    return item;
+  };
+  auto fill = [&](uint64_t epoch) {
+    for (size_t i = 0; i < kBytes; ++i) source[i] = static_cast<std::byte>((i * 131 + epoch) % 251);
+  };
+
+  // Epoch 1, all four ranks: rank 2 aborts at once (rank 0 is gone) and cancels its receives;
+  // rank 3 posts its sends only afterwards.
+  fill(1);
+  const ExchangeItem first = move(3, 2);
+  if (me == 3) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const auto start = Clock::now();
+  ExchangeRun run;
+  run.epoch = 1;
+  run.what = "epoch 1";
+  Status status = RunExchange(transport, {&first, 1}, options, run, nullptr, nullptr);
+  const double seconds = Since(start);
+  std::printf("rank %d: epoch 1 ended after %.2f s: %s\n", me, seconds, status.ToString().c_str());
+  Check(!status.ok(), "epoch 1 must abort", me);
+  Check(status.message().find("rank 0") != std::string::npos, "epoch 1's error names rank 0", me);
+  Check(seconds < args.deadline + 1.5, "epoch 1 took " + std::to_string(seconds) + " s", me);
+
+  // Epochs 2 and 3 among the survivors, over the connection between ranks 2 and 3.
+  const ExchangeItem next = move(2, 3);
+  options.deadline = std::chrono::duration<double>(10.0);
+  run.participants = {false, true, true, true};
+  for (uint64_t epoch = 2; epoch <= 3; ++epoch) {
+    fill(epoch);
+    std::fill(destination.begin(), destination.end(), std::byte{0});
+    run.epoch = epoch;
+    run.what = "epoch " + std::to_string(epoch);
+    status = RunExchange(transport, {&next, 1}, options, run, nullptr, nullptr);
+    Check(status.ok(), run.what + ": " + status.ToString(), me);
+    if (!status.ok()) continue;
+    if (me == 3) Check(destination == source, run.what + ": the bytes differ", me);
+    std::printf("rank %d: %s committed\n", me, run.what.c_str());
+  }
+  return failures == 0 ? 0 : 1;
+}
+
 // Every survivor's outcome of the agree scenario, from the files they left in `dir`; empty
 // when they differ or one is missing.
 std::string AgreedOutcome(const std::string& dir, const Args& args) {
@@ -514,8 +589,9 @@ int Launch(const char* self, const Args& args) {
   std::filesystem::remove_all(dir);
   for (int r = 0; r < args.launch; ++r) {
     const int s = statuses[r];
-    const bool expect_killed =
-        (args.scenario == "killed" && r == 1) || (args.scenario == "agree" && r == args.victim);
+    const bool expect_killed = (args.scenario == "killed" && r == 1) ||
+                               (args.scenario == "agree" && r == args.victim) ||
+                               (args.scenario == "late-sender" && r == 0);
     const bool ok = expect_killed ? (WIFSIGNALED(s) && WTERMSIG(s) == SIGKILL)
                                   : (WIFEXITED(s) && WEXITSTATUS(s) == 0);
     if (!ok) {
@@ -610,6 +686,7 @@ int Main(int argc, char** argv) {
   if (args.scenario == "killed" || args.scenario == "stalled") return RunFault(**transport, args);
   if (args.scenario == "agree") return RunAgree(**transport, args);
   if (args.scenario == "linkcut") return RunLinkCut(**transport, args);
+  if (args.scenario == "late-sender") return RunLateSender(**transport, args);
   std::fprintf(stderr, "unknown scenario %s\n", args.scenario.c_str());
   return 2;
 }

@@ -222,6 +222,51 @@ TEST(StagedTransportTest, CancelInEveryPhaseLetsGo) {
             StatusCode::kInvalidArgument);
 }
 
+// A host-memory message does not overtake a device one posted before it to the same peer while
+// that one is still being copied out (an exchange's verdict follows its chunks), and one that is
+// cancelled there holds back nothing behind it.
+TEST(StagedTransportTest, MessagesToOnePeerLeaveInTheOrderTheyWerePosted) {
+  Cluster cluster(2);
+  const std::vector<std::byte> payload(3000, std::byte{4});
+  const Buffer source = MakeBuffer(cluster, 0, true, payload);
+  // Host-memory landing buffers: a receive completes as soon as its message is handed over.
+  std::vector<std::byte> chunk(3000);
+  uint64_t verdict = 17;
+  uint64_t landed = 0;
+  const RequestId chunk_recv = ValueOrDie(cluster.transport(1).PostRecv(0, 1, chunk.data(), 3000));
+  const RequestId verdict_recv = ValueOrDie(
+      cluster.transport(1).PostRecv(0, 2, reinterpret_cast<std::byte*>(&landed), sizeof(landed)));
+  const RequestId chunk_send = ValueOrDie(cluster.transport(0).PostSend(1, 1, source.data, 3000));
+  const RequestId verdict_send = ValueOrDie(cluster.transport(0).PostSend(
+      1, 2, reinterpret_cast<const std::byte*>(&verdict), sizeof(verdict)));
+  std::optional<Status> chunk_done;
+  std::optional<Status> verdict_done;
+  for (int i = 0; i < 1000 && !verdict_done; ++i) {
+    if (!chunk_done) chunk_done = cluster.transport(1).Test(chunk_recv);
+    verdict_done = cluster.transport(1).Test(verdict_recv);
+    if (verdict_done) {
+      EXPECT_TRUE(chunk_done) << "the verdict overtook the chunk";
+    }
+    cluster.transport(0).Progress();
+  }
+  ASSERT_TRUE(verdict_done && verdict_done->ok());
+  EXPECT_EQ(landed, verdict);
+  for (const Status& s : WaitAll(cluster, {{0, chunk_send}, {0, verdict_send}})) {
+    EXPECT_TRUE(s.ok()) << s.ToString();
+  }
+  EXPECT_EQ(chunk, payload);
+
+  const RequestId cancelled = ValueOrDie(cluster.transport(0).PostSend(1, 3, source.data, 3000));
+  const RequestId behind = ValueOrDie(cluster.transport(0).PostSend(
+      1, 4, reinterpret_cast<const std::byte*>(&verdict), sizeof(verdict)));
+  cluster.transport(0).Cancel(cancelled);
+  const RequestId taken = ValueOrDie(
+      cluster.transport(1).PostRecv(0, 4, reinterpret_cast<std::byte*>(&landed), sizeof(landed)));
+  for (const Status& s : WaitAll(cluster, {{0, behind}, {1, taken}})) {
+    EXPECT_TRUE(s.ok()) << s.ToString();
+  }
+}
+
 // An exchange whose sources and destinations are device memory, a local device-to-device move
 // included: the bytes arrive, and the checksums were computed on the device (the CPU cannot
 // read those pages).

@@ -81,6 +81,16 @@ foreach(_tls sm tcp)
   endforeach()
 endforeach()
 
+# A send its receiver gave up on (the late-sender scenario): rank 2 aborts an epoch before rank 3
+# sends to it, and the two must then commit two more epochs over the same connection.
+foreach(_tls sm tcp)
+  add_test(NAME migration.late_sender_${_tls}
+           COMMAND $<TARGET_FILE:keel_migration_multiprocess> --launch 4 --scenario late-sender
+                   --deadline 2)
+  set_tests_properties(migration.late_sender_${_tls} PROPERTIES
+      ENVIRONMENT "${_mig_${_tls}};${_mig_lsan}" TIMEOUT 120 PROCESSORS 2)
+endforeach()
+
 # Four hosts in network namespaces joined by veth pairs, a link cut mid-migration and restored
 # (needs root; skips otherwise).
 add_test(NAME migration.netns_link_cut
