@@ -427,6 +427,9 @@ class MoEDispatcher(torch.nn.Module):
         return out
 
     # --- forward --------------------------------------------------------------------------------
+    # torch.compile runs the dispatch as it is (a graph break on each side): its collectives,
+    # host-side routing and autograd functions are not traceable, and gain nothing from tracing.
+    @torch.compiler.disable
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         moe = self._moe
