@@ -172,8 +172,8 @@ class Engine:
             every member passes the group's ``topk_ids`` to :meth:`route`, and member ``m =
             rank % M`` routes only tokens ``[m * T / M, (m + 1) * T / M)``; after the combine
             the trainer all-gathers the combined outputs inside the group. Must divide
-            ``topology.gpus_per_node``; 1 (the default): no groups. :class:`keel.torch.KeelMoE`
-            does not use MP groups.
+            ``topology.gpus_per_node``; 1 (the default): no groups.
+            ``keel.torch.KeelMoE(mp_group_size=M)`` does all of this for a PyTorch model.
         memory: where the registered slot buffers live: ``"host"`` (CPU tensors) or ``"cuda"``
             (tensors on the CUDA device current when the engine is created; the engine then
             reaches them only through CUDA copies and adds on a stream of its own).
@@ -379,7 +379,9 @@ class Engine:
         """Routes one layer from this rank's count of (token, k) entries per expert, for a
         trainer that assigns the slots itself (on the GPU, say) from the returned quota table
         (:attr:`Route.copy_begin`...): everything :meth:`route` returns but ``slot`` (None).
-        Collective like :meth:`route`, and one micro-batch like it. Not with MP groups.
+        Collective like :meth:`route`, and one micro-batch like it. With MP groups, count only
+        this rank's share of the group's tokens (``share_begin`` and ``share_end`` stay 0), as
+        :class:`keel.torch.KeelMoE` does.
 
         Args:
             expert_counts: ``[num_experts]`` int32 or int64 CPU tensor, each >= 0.

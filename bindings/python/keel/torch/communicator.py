@@ -58,6 +58,11 @@ class ProcessGroupCommunicator:
         me = torch.tensor([dist.get_rank()], dtype=torch.int64, device=self.device)
         self._global_ranks = [int(r) for r in self._gather(me, 0, "rank exchange")]
 
+    @property
+    def global_ranks(self) -> List[int]:
+        """Each member's rank in the job (``torch.distributed.get_rank()``), in group order."""
+        return list(self._global_ranks)
+
     # --- helpers ------------------------------------------------------------------------------
     def _wait(self, work: Any, timeout: float, what: str) -> None:
         if self.moves_device_memory:

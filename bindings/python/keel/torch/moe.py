@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 
 import numpy
 import torch
@@ -23,6 +23,8 @@ from keel._errors import FailedPreconditionError, InternalError, InvalidArgument
 from keel.engine import Engine, check_tensor
 from keel.torch.communicator import ProcessGroupCommunicator, wait_for_stream
 from keel.torch.experts import ExpertSpec
+from keel.torch.mp_groups import (GatherShares, MpGroup, ShareOf, check_mp_group_size,
+                                  make_mp_group)
 from keel.torch.routing import count_experts, dispatch_order, slot_major_order
 
 
@@ -184,6 +186,15 @@ class _CondensedExperts(torch.autograd.Function):
         if moe.times is not None:
             moe.times.expert[dispatcher.layer] += time.thread_time() - started
         return exchange(input_grad, ctx.recv, ctx.send), None, None, None, None, None
+
+
+class _Share(NamedTuple):
+    """This member's share of its MP group's tokens in one layer call."""
+
+    begin: int
+    end: int
+    tokens: int  # the group's
+    agreement: Callable[[], torch.Tensor]  # gathers every rank's MpGroup.signature
 
 
 class _SavedRouting:
@@ -442,8 +453,52 @@ class MoEDispatcher(torch.nn.Module):
         check_tensor("topk_weights", topk_weights, self._FLOATS, shape=(tokens, moe.top_k),
                      device=moe.device)
         clock = _LayerClock(moe.times, self.layer)
+        if moe.mp is None:
+            out = self._dispatch(hidden, topk_ids, topk_weights, clock)
+        else:
+            out = self._dispatch_share(hidden, topk_ids, topk_weights, clock)
+        clock.end_dispatch()
+        return out
+
+    def _dispatch_share(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor, clock: "_LayerClock") -> torch.Tensor:
+        """With MP groups: this member's share of the group's tokens through the dispatch, then
+        every member's outputs all-gathered; the gradients of keel/torch/mp_groups.py. The
+        members first agree that they pass the same tokens (their count, dtypes and router
+        output), in the route's one copy to the host."""
+        moe = self._moe
+        mp = moe.mp
+        assert mp is not None
+        tokens = hidden.shape[0]
+        begin, end = mp.share(tokens)
+        gather = moe.gather_shares(self.layer, tokens)
+        share = _Share(begin, end, tokens,
+                       lambda: self._member_signatures(hidden, topk_ids, topk_weights))
+        out = self._dispatch(ShareOf.apply(hidden, begin, end, gather), topk_ids[begin:end],
+                             ShareOf.apply(topk_weights, begin, end, gather), clock, share)
+        return GatherShares.apply(out, begin, end, gather)
+
+    def _member_signatures(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                           topk_weights: torch.Tensor) -> torch.Tensor:
+        """``[ranks, 4]`` int64 on the device: every rank's ``MpGroup.signature``, gathered over
+        the whole group so that a disagreement in one MP group fails every rank."""
+        moe = self._moe
+        assert moe.mp is not None
+        mine = moe.mp.signature(hidden, topk_ids, topk_weights)
+        parts = [torch.empty_like(mine) for _ in range(moe.engine.num_ranks)]
+        moe._wait(dist.all_gather(parts, mine, group=moe.group, async_op=True),
+                  f"layer {self.layer} MP groups' agreement")
+        return torch.stack(parts)
+
+    def _dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, clock: "_LayerClock",
+                  share: Optional["_Share"] = None) -> torch.Tensor:
+        """Route, dispatch, experts and combine of ``hidden``'s tokens: this rank's, or its
+        ``share`` of its MP group's."""
+        moe = self._moe
+        tokens = hidden.shape[0]
         with clock.route():
-            route, dispatch = self._routing(topk_ids)
+            route, dispatch = self._routing(topk_ids, share)
         self.last_route = route
         send = route.send_counts.tolist()
         recv = route.recv_totals.tolist()
@@ -458,16 +513,15 @@ class MoEDispatcher(torch.nn.Module):
             moe.condensation_rows[1] += dispatch.order.numel()
             returned = self._exchange_and_compute(hidden.index_select(0, token), route, send,
                                                   recv, clock)
-        out = self._combine(returned, dispatch, topk_weights, tokens)
-        clock.end_dispatch()
-        return out
+        return self._combine(returned, dispatch, topk_weights, tokens)
 
-    def _routing(self, topk_ids: torch.Tensor) -> Any:
+    def _routing(self, topk_ids: torch.Tensor, share: Optional["_Share"] = None) -> Any:
         """This forward's routing: the engine's, or in a forward recomputed during backward (the
-        autograd engine is running a node on this thread), the routing its first forward got."""
+        autograd engine is running a node on this thread), the routing its first forward got
+        (whose MP group members agreed already)."""
         if torch._C._current_autograd_node() is not None:
             return self._recomputed_routing(topk_ids)
-        route, dispatch = self._route(topk_ids)
+        route, dispatch = self._route(topk_ids, share)
         if self.training:
             self._routings.append(_SavedRouting(topk_ids.detach(), route, dispatch))
         return route, dispatch
@@ -491,14 +545,28 @@ class MoEDispatcher(torch.nn.Module):
         """Forgets the step's routings: the next forwards belong to the next step."""
         self._routings.clear()
 
-    def _route(self, topk_ids: torch.Tensor) -> Any:
-        """The engine's routing of this layer and every entry's place in the dispatch."""
+    def _route(self, topk_ids: torch.Tensor, share: Optional["_Share"] = None) -> Any:
+        """The engine's routing of this layer and every entry's place in the dispatch. With MP
+        groups (``share``, ``topk_ids`` being the share's) the members' signatures come to the
+        host with the counts and are checked before the engine routes, and the route answers
+        the group's tokens as ``Engine.route`` does: slot -1 outside the share."""
         moe = self._moe
-        count = count_experts(topk_ids, moe.num_experts, moe.collective_timeout)
+        signatures = share.agreement() if share is not None else None
+        count = count_experts(topk_ids, moe.num_experts, moe.collective_timeout, signatures)
+        if share is not None:
+            assert moe.mp is not None and signatures is not None
+            moe.mp.check_signatures(self.layer, count.extra.view(signatures.shape))
         route = moe.engine.route_counts(self.layer, count.counts_E)
         dispatch = dispatch_order(count, route.copy_begin, route.copy_slot, route.copy_quota,
                                   moe.slot_keys, topk_ids.numel())
-        return route._replace(slot=dispatch.slot.view(topk_ids.shape)), dispatch
+        slot = dispatch.slot.view(topk_ids.shape)
+        if share is None:
+            return route._replace(slot=slot), dispatch
+        group_slot = torch.full((share.tokens, moe.top_k), -1, dtype=torch.int32,
+                                device=slot.device)
+        group_slot[share.begin:share.end] = slot
+        return route._replace(slot=group_slot, share_begin=share.begin,
+                              share_end=share.end), dispatch
 
     def _exchange_and_compute(self, rows: torch.Tensor, route: Any, send: List[int],
                               recv: List[int], clock: "_LayerClock") -> torch.Tensor:
@@ -621,8 +689,9 @@ class KeelMoE:
             connects through the group; set it unless the config already names it.
         optimizer: the optimizer state a home carries: ``"adam"`` (torch.optim.Adam or AdamW:
             step, exp_avg, exp_avg_sq per parameter) or ``"none"`` (SGD without momentum).
-        average_gradients: divide each home's summed gradient by the group's size, as
-            DistributedDataParallel averages dense gradients.
+        average_gradients: divide each home's summed gradient by the number of data-parallel
+            replicas, the group's size over ``mp_group_size``, as DistributedDataParallel
+            averages dense gradients.
         init_expert: ``init_expert(layer, expert) -> params`` gives an expert's initial
             parameters (the same on every rank); default: ``expert.init`` seeded by ``seed``,
             layer and expert.
@@ -639,6 +708,16 @@ class KeelMoE:
             bfloat16 or float16. Hidden states may have another of these dtypes: the experts
             compute in the hidden states' dtype, so float32 parameters with bfloat16 hidden
             states train with float32 master weights, as ``torch.autocast`` does.
+        mp_group_size: tensor-parallel (MP) groups of this many consecutive ranks of ``group``
+            (``[g * M, (g + 1) * M)``, the engine's rule) whose members pass the same tokens,
+            router output and gate weights to every layer: each member dispatches only its share
+            of the tokens and the members all-gather the outputs (keel/torch/mp_groups.py has
+            the gradients). Must divide the group's size and ``topology.gpus_per_node``.
+            1: no groups.
+        mp_group: the members' ``torch.distributed`` group (the trainer's tensor-parallel
+            group), exactly this rank's MP group in rank order; None: KeelMoE makes the groups,
+            which needs ``group`` to be the whole job (``new_group`` is collective over every
+            process).
     """
 
     _OPTIMIZERS = ("adam", "none")
@@ -650,7 +729,8 @@ class KeelMoE:
                  init_expert: Optional[Callable[[int, int], Dict[str, torch.Tensor]]] = None,
                  seed: int = 0, condense_threshold: float = 0.0,
                  condense_window: int = 32, device: Any = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, mp_group_size: int = 1,
+                 mp_group: Any = None) -> None:
         if not isinstance(expert, ExpertSpec):
             raise InvalidArgumentError(
                 f"expert must be a keel.torch.ExpertSpec, got {type(expert).__name__}")
@@ -682,6 +762,8 @@ class KeelMoE:
         self._init_expert = init_expert
         self.communicator = ProcessGroupCommunicator(group)
         self.group = self.communicator.group
+        check_mp_group_size(self.communicator, mp_group_size, mp_group)
+        self.mp_group_size = mp_group_size
         self.device = self._choose_device(device)
         if self.condense_threshold > 0 and (self.device.type != "cpu" or dtype != torch.float32):
             raise InvalidArgumentError(
@@ -696,8 +778,16 @@ class KeelMoE:
                                  num_experts=num_experts, top_k=top_k, weight_bytes=slot_bytes,
                                  gradient_bytes=slot_bytes, optimizer_bytes=self.optimizer_bytes,
                                  gradient_type=self._DTYPES[dtype],
+                                 mp_group_size=mp_group_size,
                                  memory="cuda" if self.device.type == "cuda" else "host")
         self.collective_timeout = _collective_timeout(config)
+        try:
+            self.mp: Optional[MpGroup] = make_mp_group(self.communicator, mp_group_size,
+                                                       mp_group, self.device,
+                                                       self.collective_timeout)
+        except BaseException:
+            self.engine.close()
+            raise
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         # Physical slot -> dispatch bucket: rank * local_slots + local slot.
         engine = self.engine
@@ -766,22 +856,41 @@ class KeelMoE:
         def run(rows: torch.Tensor, send: List[int], recv: List[int]) -> torch.Tensor:
             started, started_thread = time.process_time(), time.thread_time()
             out = rows.new_empty((sum(recv),) + tuple(rows.shape[1:]))
-            work = dist.all_to_all_single(out, rows.contiguous(), recv, send, group=self.group,
-                                          async_op=True)
-            if self.communicator.moves_device_memory:
-                # NCCL: only torch's stream waits, so the GPU runs on while Python queues the
-                # next work; a stalled peer shows at the next wait with a deadline (the next
-                # count's fetch, the optimizer hooks).
-                work.wait()
-            else:
-                self.communicator._wait(work, self.collective_timeout,
-                                        f"layer {layer} all-to-all")
+            self._wait(dist.all_to_all_single(out, rows.contiguous(), recv, send,
+                                              group=self.group, async_op=True),
+                       f"layer {layer} all-to-all")
             if self.times is not None:
                 self.times.communication[layer] += time.process_time() - started
                 self.times.exchange_thread += time.thread_time() - started_thread
             return out
 
         return run
+
+    def gather_shares(self, layer: int, tokens: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The all-gather of ``layer``'s shares of ``tokens`` rows inside this rank's MP group,
+        with the collective deadline."""
+        mp = self.mp
+        assert mp is not None
+
+        def run(rows: torch.Tensor) -> torch.Tensor:
+            started, started_thread = time.process_time(), time.thread_time()
+            out = mp.gather(rows, tokens,
+                            lambda work, what: self._wait(work, f"layer {layer} {what}"))
+            if self.times is not None:
+                self.times.communication[layer] += time.process_time() - started
+                self.times.exchange_thread += time.thread_time() - started_thread
+            return out
+
+        return run
+
+    def _wait(self, work: Any, what: str) -> None:
+        """Waits for a layer's collective ``work``. NCCL: only torch's stream waits, so the GPU
+        runs on while Python queues the next work; a stalled peer shows at the next wait with a
+        deadline (the next count's fetch, the optimizer hooks). Else within the deadline."""
+        if self.communicator.moves_device_memory:
+            work.wait()
+        else:
+            self.communicator._wait(work, self.collective_timeout, what)
 
     # --- the optimizer --------------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
@@ -1015,7 +1124,9 @@ class KeelMoE:
             layer.collect_gradients()
         self.synchronize("backward")
         self.engine.reduce_gradients()
-        scale = 1.0 / self.engine.num_ranks if self.average_gradients else 1.0
+        # Over the data-parallel replicas: an MP group's members hold one replica's tokens.
+        replicas = self.engine.num_ranks // self.mp_group_size
+        scale = 1.0 / replicas if self.average_gradients else 1.0
         for layer in self.layers:
             layer.keep_home_gradients(scale)
         self._reduced = True
@@ -1076,8 +1187,11 @@ class KeelMoE:
         return self.engine.stats()
 
     def close(self) -> None:
-        """Stops the engine's threads (a running migration is cancelled)."""
+        """Stops the engine's threads (a running migration is cancelled) and destroys the MP
+        groups KeelMoE made."""
         self.engine.close()
+        if self.mp is not None:
+            self.mp.destroy()
 
 
 def _collective_timeout(config: Any) -> float:

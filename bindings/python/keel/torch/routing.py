@@ -25,19 +25,22 @@ from keel.torch.communicator import wait_for_stream
 class ExpertCount(NamedTuple):
     """What :func:`count_experts` started on the device."""
 
-    counts_E: Any       #: [E] int64 on the host (after :meth:`ExpertCount.fetch`)
+    counts_E: Any       #: [E] int64 on the host
     sorted_N: Any       #: [N] int64: entry indices sorted by expert id, stable; -1 first
     dropped: int        #: entries with id -1 (they sort first)
+    extra: Any = None   #: ``count_experts``'s ``extra`` on the host (flattened), or None
 
 
 def count_experts(topk_ids_TK: torch.Tensor, num_experts: int,
-                  timeout: Optional[float] = None) -> ExpertCount:
+                  timeout: Optional[float] = None,
+                  extra: Optional[torch.Tensor] = None) -> ExpertCount:
     """Counts the entries per expert on the ids' device and sorts the entries by expert, then
     brings the counts (and the number of bad ids) to the host in one copy: the layer's one
     device-to-host synchronisation, which raises TimeoutError after ``timeout`` seconds (the
     GPU's queue may hold an earlier all-to-all that waits for a stalled peer). Raises
     InvalidArgumentError naming the first entry that is neither an expert id nor -1, checked
-    before any narrowing."""
+    before any narrowing. ``extra``, a small int64 tensor on the ids' device, comes to the host
+    in the same copy (MP groups' agreement on their inputs)."""
     ids_N = topk_ids_TK.reshape(-1)
     # Bin 0 takes the dropped entries (-1) and the bad ids; bins 1..E the experts.
     valid_N = (ids_N >= 0) & (ids_N < num_experts)
@@ -46,6 +49,8 @@ def count_experts(topk_ids_TK: torch.Tensor, num_experts: int,
     summary.scatter_add_(0, bins_N, torch.ones_like(bins_N))
     summary[num_experts + 1] = (~valid_N & (ids_N != -1)).sum()
     sorted_N = torch.sort(torch.where(valid_N, ids_N.long(), -1), stable=True)[1]
+    if extra is not None:
+        summary = torch.cat([summary, extra.reshape(-1)])
     summary = _fetch(summary, timeout)  # the counts are the planner's input
     if int(summary[num_experts + 1]) > 0:
         bad_N = (ids_N < -1) | (ids_N >= num_experts)
@@ -54,7 +59,8 @@ def count_experts(topk_ids_TK: torch.Tensor, num_experts: int,
             f"topk_ids[{index}] = {int(ids_N[index])} is not an expert id in [0, {num_experts}) "
             f"or -1")
     return ExpertCount(counts_E=summary[1:num_experts + 1], sorted_N=sorted_N,
-                       dropped=int(summary[0]))
+                       dropped=int(summary[0]),
+                       extra=summary[num_experts + 2:] if extra is not None else None)
 
 
 class Dispatch(NamedTuple):
