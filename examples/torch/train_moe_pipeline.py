@@ -260,7 +260,7 @@ class PipelineMode:
     the steps measured."""
 
     KEYS = ("parallel", "expert", "communication", "dense", "transfer", "control", "exposed",
-            "dispatch", "bubble", "slowest_stage", "imbalance", "loss", "epoch")
+            "dispatch", "bubble", "slowest_stage", "balanced", "imbalance", "loss", "epoch")
 
     def __init__(self, name: str, args: argparse.Namespace, layout: Layout, vocab: int) -> None:
         torch.manual_seed(args.seed)  # the whole model's dense weights, as train_moe_lm's
@@ -403,6 +403,9 @@ class PipelineMode:
         phases = table[:, :2 * M * width].reshape(-1, 2 * M, width)
         tail = table[:, 2 * M * width:]
         duration: Dict[Tuple[int, str, int], float] = {}
+        # The same with every operation's experts at its stage's mean over ranks: perfect
+        # balance at no cost.
+        balanced: Dict[Tuple[int, str, int], float] = {}
         parts: Dict[Tuple[int, str, int], List[float]] = {}
         finish, busy = [], []
         imbalances: List[float] = []
@@ -411,6 +414,7 @@ class PipelineMode:
             n = layout.split[s + 1] - layout.split[s]
             # Per layer the stage's slower rank, as in train_moe_lm's parallel step.
             slowest = phases[mine].max(dim=0).values  # [2M, width]
+            even = phases[mine].mean(dim=0)
             for index, (kind, i) in enumerate([("F", i) for i in range(M)]
                                               + [("B", i) for i in range(M)]):
                 expert = slowest[index, :n].sum().item()
@@ -418,6 +422,8 @@ class PipelineMode:
                 dense, transfer, dispatch = slowest[index, 2 * W:].tolist()
                 parts[(s, kind, i)] = [expert, communication, dense, transfer, dispatch]
                 duration[(s, kind, i)] = expert + communication + dense + transfer
+                balanced[(s, kind, i)] = (duration[(s, kind, i)] - expert
+                                          + even[index, :n].sum().item())
             control, exposed = tail[mine, 0].max().item(), tail[mine, 1].max().item()
             finish.append(control + exposed)
             busy.append(sum(duration[(s, k, i)] for k, i in layout.schedules[s]) + control
@@ -428,6 +434,7 @@ class PipelineMode:
                 imbalances.append(value)
                 self.layer_imbalance[layout.split[s] + l] += value / args.steps
         step, path, ending = replay(layout.schedules, duration, finish)
+        balanced_step, _, _ = replay(layout.schedules, balanced, finish)
         on_path = [sum(parts[op][k] for op in path) for k in range(5)]
         last_stage = slice((layout.stages - 1) * ep, layout.stages * ep)
         ending_ranks = slice(ending * ep, (ending + 1) * ep)
@@ -437,6 +444,7 @@ class PipelineMode:
                            ("control", tail[ending_ranks, 0].max().item()),
                            ("exposed", tail[ending_ranks, 1].max().item()),
                            ("bubble", step - max(busy)), ("slowest_stage", max(busy)),
+                           ("balanced", balanced_step),
                            ("imbalance", sum(imbalances) / len(imbalances)),
                            ("loss", tail[last_stage, 3].mean().item()),
                            ("epoch", [int(tail[s * ep, 2].item())
@@ -485,6 +493,9 @@ class PipelineMode:
                 "bubble_seconds": mean("bubble"),
                 "bubble_fraction": mean("bubble") / mean("parallel"),
                 "slowest_stage_seconds": mean("slowest_stage"),
+                # The step replayed with every operation's expert time at its stage's mean over
+                # ranks: what perfect balance at no cost would give this mode's step.
+                "balanced_step_seconds": mean("balanced"),
                 "stage_busy_seconds": [sum(b[s] for b in self.busy) / steps
                                        for s in range(layout.stages)],
                 "stage_epochs": [s["epochs_committed"] for s in stage_stats],
@@ -571,9 +582,20 @@ def evaluate(mode: PipelineMode, corpus: lm.Corpus, args: argparse.Namespace,
 
 # --- launching ----------------------------------------------------------------------------------
 def summarize(modes: Dict[str, Dict[str, Any]], args: argparse.Namespace) -> Dict[str, Any]:
-    """train_moe_lm's table and comparison (its times are the critical path's parts), then each
-    mode's pipeline figures."""
+    """train_moe_lm's table and comparison (its times are the critical path's parts), the
+    no-cost bound replayed, then each mode's pipeline figures."""
     comparison = lm.summarize(modes, args)
+    if "static" in modes and "keel" in modes:
+        static = modes["static"]
+        # train_moe_lm's bound divides the critical path's expert time by the step's mean
+        # imbalance; the replay balances each operation, whose imbalance is a micro-batch's.
+        bound = (static["pipeline"]["balanced_step_seconds"]
+                 / static["parallel_step_seconds"]["mean"])
+        gap = comparison["parallel_step_ratio"]["value"] - bound
+        comparison["replayed_no_cost_bound"] = {"value": bound, "gap": gap}
+        print(f"no-cost bound, replayed:     {bound:.3f} (static's schedule replayed with each "
+              f"operation's experts at its stage's mean over ranks; keel's gap to it: "
+              f"{gap:.3f})")
     print()
     for name, m in modes.items():
         pipeline = m["pipeline"]

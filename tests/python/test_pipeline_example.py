@@ -114,7 +114,9 @@ def test_the_report_has_the_pipeline_fields(reports) -> None:
     assert "keel / static parallel step:" in reports["pipelined_stdout"]
     assert "bubble" in reports["pipelined_stdout"]
     assert set(report["comparison"]) >= {"parallel_step_ratio", "keel_mean_imbalance",
-                                         "heldout_loss_gap", "no_cost_bound"}
+                                         "heldout_loss_gap", "no_cost_bound",
+                                         "replayed_no_cost_bound"}
+    assert "no-cost bound, replayed:" in reports["pipelined_stdout"]
     for name, mode in report["modes"].items():
         for key in ("parallel_step_seconds", "expert_seconds", "communication_seconds",
                     "dense_seconds", "control_seconds", "exposed_migration_seconds",
@@ -139,6 +141,9 @@ def test_the_report_has_the_pipeline_fields(reports) -> None:
         assert pipeline["slowest_stage_seconds"] + pipeline["bubble_seconds"] == pytest.approx(
             mode["parallel_step_seconds"]["mean"], rel=1e-9)
         assert max(pipeline["stage_busy_seconds"]) <= pipeline["slowest_stage_seconds"] * 1.0001
+        # Experts at their stage's mean over ranks: no operation longer, so no step longer.
+        assert 0 < pipeline["balanced_step_seconds"] <= (
+            mode["parallel_step_seconds"]["mean"] * (1 + 1e-9))
         assert len(mode["epoch_per_step"]) == 6 and len(mode["epoch_per_step"][0]) == 2
 
 
