@@ -37,7 +37,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 # One BLAS thread per rank, as one GPU per rank: a rank's expert time is its thread's time.
 # (torch.set_num_threads governs torch's own pool and MKL, not a system OpenBLAS's threads.)
@@ -55,10 +55,20 @@ LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description="Train a character-level MoE transformer on the KJV Bible through Keel, "
-                    "once per placement policy, and compare the modes.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = make_parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def make_parser(**settings: Any) -> argparse.ArgumentParser:
+    """The example's flags; ``settings`` go to ArgumentParser (train_moe_pipeline.py adds its
+    own flags to these)."""
+    settings.setdefault("description",
+                        "Train a character-level MoE transformer on the KJV Bible through Keel, "
+                        "once per placement policy, and compare the modes.")
+    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                **settings)
     p.add_argument("--ranks", type=int, default=4,
                    help="processes to start when not launched by torchrun")
     p.add_argument("--policy", action="append", choices=keel.policy_names(),
@@ -102,7 +112,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="Luffy's token condensation (docs/luffy.md): compare keel without it "
                         "(mode keel) and with it (mode keel+condense), rows of one expert with "
                         "cosine >= THRESHOLD in (0, 1] sent and computed once; 0 = off")
-    args = p.parse_args(argv)
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses bad values by flag name (p.error) and sets args.policies, the modes to train."""
     if not 0.0 <= args.condense <= 1.0:
         p.error(f"--condense must be in (0, 1] (0 = off), got {args.condense}")
     if args.condense > 0 and args.policy:
@@ -125,7 +139,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.save and args.resume and os.path.abspath(args.save) == os.path.abspath(args.resume):
         p.error(f"--save and --resume name the same folder {args.save!r}: saving would replace "
                 f"the checkpoint being resumed; give --save another folder")
-    return args
 
 
 # --- data ---------------------------------------------------------------------------------------
@@ -468,27 +481,30 @@ def blas_library() -> str:
 
 
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, text: str,
-             results: Any) -> None:
+             results: Any, trainer: Callable[..., Any] = train) -> None:
     for key, value in LOOPBACK.items():
         os.environ.setdefault(key, value)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    reports = train(rank, world, args, text)
+    reports = trainer(rank, world, args, text)
     if rank == 0:
         results.put(json.dumps(reports))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def run_ranks(args: argparse.Namespace, text: str) -> Dict[str, Dict[str, Any]]:
-    """Starts --ranks processes and returns rank 0's reports."""
+def run_ranks(args: argparse.Namespace, text: str,
+              trainer: Callable[..., Any] = train) -> Dict[str, Dict[str, Any]]:
+    """Starts --ranks processes, each running ``trainer(rank, world, args, text)`` (default:
+    train), and returns rank 0's reports."""
     import torch.multiprocessing as mp
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    processes = [context.Process(target=_spawned, args=(r, args.ranks, port, args, text, results))
+    processes = [context.Process(target=_spawned,
+                                 args=(r, args.ranks, port, args, text, results, trainer))
                  for r in range(args.ranks)]
     for p in processes:
         p.start()
