@@ -119,9 +119,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.micro_batches < stages:
         p.error(f"--micro-batches {args.micro_batches} is fewer than --pipeline-stages "
                 f"{stages}: a 1F1B schedule needs a micro-batch in flight per stage")
-    if args.batch % args.micro_batches:
-        p.error(f"--batch {args.batch} is not divisible by --micro-batches "
-                f"{args.micro_batches}")
     if args.layers < stages:
         p.error(f"--layers {args.layers} is fewer than --pipeline-stages {stages}: every "
                 f"stage needs a block")

@@ -161,7 +161,8 @@ def test_bad_flags_are_refused_by_name(monkeypatch, capsys) -> None:
         ["--pipeline-stages", "3"])
     assert "--micro-batches 1 is fewer than --pipeline-stages 2" in refused(
         ["--micro-batches", "1"])
-    assert "--batch 10 is not divisible by --micro-batches 4" in refused(["--batch", "10"])
+    assert "--micro-batches 4 must be >= 1 and divide --batch 10" in refused(["--batch", "10"])
+    assert "--save: checkpoints are train_moe_lm.py's" in refused(["--save", "somewhere"])
     assert "--layers 1 is fewer than --pipeline-stages 2" in refused(["--layers", "1"])
     assert "--pipeline-stages must be >= 1, got 0" in refused(["--pipeline-stages", "0"])
     assert "--condense" in refused(["--condense", "0.9"])
