@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-import pytest
-
 from ranks import run_ranks, values
 
 RANKS = 4
@@ -117,18 +115,24 @@ def accumulate(rank: int, world: int, policy: str, steps: int) -> Dict[str, Any]
             "epochs": (one["epochs"], many["epochs"]), "routes": (one["routes"], many["routes"])}
 
 
-@pytest.mark.parametrize("policy", ["static", "keel"])
-def test_micro_batches_give_one_batchs_gradients_and_weights(policy: str) -> None:
+def accumulate_under_both(rank: int, world: int, steps: int) -> Dict[str, Any]:
+    """accumulate under the static and the keel placement, in one launch of the ranks."""
+    return {policy: accumulate(rank, world, policy, steps) for policy in ("static", "keel")}
+
+
+def test_micro_batches_give_one_batchs_gradients_and_weights() -> None:
     steps = 6
-    results = values(run_ranks(accumulate, RANKS, policy, steps, timeout=240))
-    for rank, result in enumerate(results):
-        assert result["gradient"] < 1e-5, f"rank {rank}: home gradients differ: {result}"
-        assert result["weight"] < 1e-5, f"rank {rank}: weights differ: {result}"
-        assert result["routes"] == (steps, steps * MICRO_BATCHES), result
-    if policy == "keel":
-        assert results[0]["epochs"][1] >= 1, "no epoch committed under micro-batches"
-        assert results[0]["epochs"][0] == results[0]["epochs"][1], (
-            "the planner saw other traffic per step with micro-batches")
+    by_rank = values(run_ranks(accumulate_under_both, RANKS, steps, timeout=280))
+    for policy in ("static", "keel"):
+        results = [answer[policy] for answer in by_rank]
+        for rank, result in enumerate(results):
+            assert result["gradient"] < 1e-5, f"{policy}, rank {rank}: gradients differ: {result}"
+            assert result["weight"] < 1e-5, f"{policy}, rank {rank}: weights differ: {result}"
+            assert result["routes"] == (steps, steps * MICRO_BATCHES), (policy, result)
+    keel = by_rank[0]["keel"]
+    assert keel["epochs"][1] >= 1, "no epoch committed under micro-batches"
+    assert keel["epochs"][0] == keel["epochs"][1], (
+        "the planner saw other traffic per step with micro-batches")
 
 
 def recompute(rank: int, world: int, mode: str) -> Dict[str, Any]:
@@ -179,21 +183,27 @@ def recompute(rank: int, world: int, mode: str) -> Dict[str, Any]:
     return {"gradients": found, "routes": routes[0]}
 
 
-@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
-def test_recomputation_reuses_the_routing_and_gives_the_same_gradients(mode: str) -> None:
+def recompute_every_mode(rank: int, world: int) -> Dict[str, Any]:
+    """recompute without checkpointing and in both modes of it, in one launch of the ranks."""
+    return {mode: recompute(rank, world, mode) for mode in ("none", "reentrant", "non-reentrant")}
+
+
+def test_recomputation_reuses_the_routing_and_gives_the_same_gradients() -> None:
     import torch
-    plain = values(run_ranks(recompute, RANKS, "none", timeout=240))
-    checkpointed = values(run_ranks(recompute, RANKS, mode, timeout=240))
-    for rank in range(RANKS):
-        assert checkpointed[rank]["routes"] == plain[rank]["routes"] == 3 * 2, (
-            f"rank {rank}: {checkpointed[rank]['routes']} routes with recomputation, "
-            f"{plain[rank]['routes']} without")
-        want = plain[rank]["gradients"]
-        got = checkpointed[rank]["gradients"]
-        assert got.keys() == want.keys()
-        for key, grad in want.items():
-            assert torch.equal(got[key], grad), (
-                f"rank {rank}: {key} differs by {float((got[key] - grad).abs().max())}")
+    by_rank = values(run_ranks(recompute_every_mode, RANKS, timeout=280))
+    for rank, answer in enumerate(by_rank):
+        plain = answer["none"]
+        for mode in ("reentrant", "non-reentrant"):
+            checkpointed = answer[mode]
+            assert checkpointed["routes"] == plain["routes"] == 3 * 2, (
+                f"rank {rank}, {mode}: {checkpointed['routes']} routes with recomputation, "
+                f"{plain['routes']} without")
+            want, got = plain["gradients"], checkpointed["gradients"]
+            assert got.keys() == want.keys()
+            for key, grad in want.items():
+                assert torch.equal(got[key], grad), (
+                    f"rank {rank}, {mode}: {key} differs by "
+                    f"{float((got[key] - grad).abs().max())}")
 
 
 def evaluate_between_steps(rank: int, world: int) -> List[str]:
@@ -233,10 +243,6 @@ def evaluate_between_steps(rank: int, world: int) -> List[str]:
     return problems
 
 
-def test_evaluation_between_steps_needs_no_call_and_attach_twice_is_refused() -> None:
-    for rank, problems in enumerate(values(run_ranks(evaluate_between_steps, RANKS,
-                                                     timeout=240))):
-        assert problems == [], f"rank {rank}: {problems}"
 
 
 def compiled_block(rank: int, world: int) -> Dict[str, Any]:
@@ -278,6 +284,13 @@ def compiled_block(rank: int, world: int) -> Dict[str, Any]:
     return worst
 
 
-def test_a_compiled_block_trains_like_the_eager_one() -> None:
-    for rank, worst in enumerate(values(run_ranks(compiled_block, RANKS, timeout=280))):
+def evaluate_and_compile(rank: int, world: int) -> Dict[str, Any]:
+    return {"problems": evaluate_between_steps(rank, world),
+            "compiled": compiled_block(rank, world)}
+
+
+def test_evaluation_needs_no_call_attach_twice_is_refused_and_a_compiled_block_trains() -> None:
+    for rank, answer in enumerate(values(run_ranks(evaluate_and_compile, RANKS, timeout=280))):
+        assert answer["problems"] == [], f"rank {rank}: {answer['problems']}"
+        worst = answer["compiled"]
         assert worst["out"] < 1e-6 and worst["router"] < 1e-5, f"rank {rank}: {worst}"
