@@ -3,6 +3,7 @@
 // default, range, unit and meaning), so they cannot disagree.
 #include "common/config.h"
 
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <span>
+#include <sstream>
 #include <type_traits>
 #include <utility>
 #include <variant>
@@ -55,23 +57,54 @@ std::string FormatDouble(double value) {
   return text;
 }
 
-// Range bounds read as plain numbers: "> 0", "in [0, 1)".
+// Range bounds read as plain numbers: "> 0", "in [0, 1)", "in [1e-9, 1e9]".
 std::string FormatBound(double bound) {
   char buffer[64];
   auto [end, error] = std::to_chars(buffer, buffer + sizeof(buffer), bound);
-  return error == std::errc() ? std::string(buffer, end) : std::to_string(bound);
+  if (error != std::errc()) return std::to_string(bound);
+  std::string text(buffer, end);
+  // to_chars writes exponents as "e+09" and "e-09"; a bound reads better as "e9" and "e-9".
+  if (const size_t e = text.find('e'); e != std::string::npos) {
+    size_t digits = e + 1;
+    if (text[digits] == '+') {
+      text.erase(digits, 1);
+    } else if (text[digits] == '-') {
+      ++digits;
+    }
+    while (digits + 1 < text.size() && text[digits] == '0') text.erase(digits, 1);
+  }
+  return text;
 }
 
-// ">= 1", "> 0", "in [0, 1)"; empty when the key has no range.
-std::string RangeText(const ConfigKey& key) {
-  bool has_min = std::isfinite(key.min);
-  bool has_max = std::isfinite(key.max);
-  if (has_min && has_max) {
-    return "in " + std::string(key.min_exclusive ? "(" : "[") + FormatBound(key.min) + ", " +
-           FormatBound(key.max) + (key.max_exclusive ? ")" : "]");
+// The range a key's values must lie within: the table's, narrowed for an int key to what an int
+// holds, so that messages and documents name the bound that applies.
+struct KeyRange {
+  double min;
+  bool min_exclusive;
+  double max;
+  bool max_exclusive;
+};
+
+KeyRange RangeOf(const ConfigKey& key) {
+  KeyRange range{key.min, key.min_exclusive, key.max, key.max_exclusive};
+  if (TypeOf(key) == ValueType::kInt) {
+    if (!(range.min >= INT_MIN)) range = {INT_MIN, false, range.max, range.max_exclusive};
+    if (!(range.max <= INT_MAX)) range = {range.min, range.min_exclusive, INT_MAX, false};
   }
-  if (has_min) return (key.min_exclusive ? "> " : ">= ") + FormatBound(key.min);
-  if (has_max) return (key.max_exclusive ? "< " : "<= ") + FormatBound(key.max);
+  return range;
+}
+
+// ">= 0", "> 0", "in [0, 1)", "in [1, 2147483647]"; empty when the key has no range.
+std::string RangeText(const ConfigKey& key) {
+  const KeyRange range = RangeOf(key);
+  bool has_min = std::isfinite(range.min);
+  bool has_max = std::isfinite(range.max);
+  if (has_min && has_max) {
+    return "in " + std::string(range.min_exclusive ? "(" : "[") + FormatBound(range.min) + ", " +
+           FormatBound(range.max) + (range.max_exclusive ? ")" : "]");
+  }
+  if (has_min) return (range.min_exclusive ? "> " : ">= ") + FormatBound(range.min);
+  if (has_max) return (range.max_exclusive ? "< " : "<= ") + FormatBound(range.max);
   return "";
 }
 
@@ -177,8 +210,9 @@ std::string FormatValue(const ConfigKey& key, const KeelConfig& config) {
 
 // Empty when `value` lies within the key's range, else "is out of range (must be >= 1)".
 std::string RangeProblem(const ConfigKey& key, double value) {
-  bool below = key.min_exclusive ? value <= key.min : value < key.min;
-  bool above = key.max_exclusive ? value >= key.max : value > key.max;
+  const KeyRange range = RangeOf(key);
+  bool below = range.min_exclusive ? value <= range.min : value < range.min;
+  bool above = range.max_exclusive ? value >= range.max : value > range.max;
   if (!below && !above) return "";
   return "is out of range (must be " + RangeText(key) + ")";
 }
@@ -241,10 +275,13 @@ std::string ShownValue(std::string_view text) {
   return text.empty() ? std::string("''") : std::string(text);
 }
 
-bool ParseInteger(std::string_view text, long long& out) {
+// Whether `text` is an integer, whole; `out_of_range` when it is one beyond 64 bits.
+bool ParseInteger(std::string_view text, long long& out, bool& out_of_range) {
+  out_of_range = false;
   if (text.starts_with('+')) text.remove_prefix(1);
   if (text.empty()) return false;
   auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), out);
+  out_of_range = error == std::errc::result_out_of_range && end == text.data() + text.size();
   return error == std::errc() && end == text.data() + text.size();
 }
 
@@ -267,6 +304,38 @@ bool ParseBool(std::string_view text, bool& out) {
   return false;
 }
 
+constexpr std::string_view kCoreTag = "tag:yaml.org,2002:";
+
+// Why the way `node` is written makes it no value of `key`'s type, or "". A quoted scalar ("4",
+// '4') and one tagged !!str are strings in YAML, so an int, float or bool key refuses them as a
+// JSON reader refuses "4" for an integer; a tag names the one type the scalar may be read as.
+std::string TagProblem(const ConfigKey& key, const YAML::Node& node) {
+  const ValueType type = TypeOf(key);
+  const std::string& tag = node.Tag();
+  if (tag == "?") return "";  // plain: its type is the key's
+  const std::string_view expected = type == ValueType::kInt      ? "an integer"
+                                    : type == ValueType::kDouble ? "a number"
+                                    : type == ValueType::kBool   ? "true or false"
+                                                                 : "a string";
+  const bool is_string = type == ValueType::kString || type == ValueType::kEnum;
+  if (tag == "!") {
+    if (is_string) return "";
+    return "is a quoted string, not " + std::string(expected) + " (write " + node.Scalar() +
+           " without quotes)";
+  }
+  if (std::string_view(tag).starts_with(kCoreTag)) {
+    const std::string_view core = std::string_view(tag).substr(kCoreTag.size());
+    if ((type == ValueType::kInt && core == "int") ||
+        (type == ValueType::kDouble && (core == "float" || core == "int")) ||
+        (type == ValueType::kBool && core == "bool") || (is_string && core == "str")) {
+      return "";
+    }
+    return "is tagged !!" + std::string(core) + ", not " + std::string(expected);
+  }
+  return "has the tag " + tag + ", which Keel does not read (expected " + std::string(expected) +
+         ")";
+}
+
 // Sets one key from its YAML value, checking type, range and choices.
 Status SetKey(const ConfigKey& key, const YAML::Node& node, int line, const ParseOrigin& origin,
               KeelConfig& config) {
@@ -285,15 +354,20 @@ Status SetKey(const ConfigKey& key, const YAML::Node& node, int line, const Pars
                            ", got " + DescribeNode(node));
   }
   const std::string& text = node.Scalar();
+  if (std::string problem = TagProblem(key, node); !problem.empty()) {
+    return fail(node.Tag() == "!" ? QuotedYamlString(text) : ShownValue(text), problem);
+  }
   FieldRef ref = key.field(config);
   switch (type) {
     case ValueType::kInt: {
       long long value = 0;
-      if (!ParseInteger(text, value)) return fail(ShownValue(text), "is not an integer");
-      std::string problem = RangeProblem(key, static_cast<double>(value));
-      if (problem.empty() && (value < INT_MIN || value > INT_MAX)) {
-        problem = "is out of range (must fit in a 32-bit int)";
+      bool out_of_range = false;
+      if (!ParseInteger(text, value, out_of_range)) {
+        return fail(ShownValue(text), out_of_range
+                                          ? "is out of range (must be " + RangeText(key) + ")"
+                                          : std::string("is not an integer"));
       }
+      std::string problem = RangeProblem(key, static_cast<double>(value));
       if (!problem.empty()) return fail(text, problem);
       *std::get<int*>(ref) = static_cast<int>(value);
       return Status::Ok();
@@ -589,6 +663,46 @@ policy:
     balance_ratio_trigger: 1.1
 )";
 
+// A config file is one YAML document: YAML::Load reads the first and drops the rest without a
+// word. Refuses a second document (after "---", or any text after "..."), naming its line, and text
+// the parser cannot get past (yaml-cpp then starts empty documents at the same place forever, so
+// YAML::LoadAll never returns: ",!" and a control character is one such text).
+Status CheckOneDocument(std::string_view yaml_text, const ParseOrigin& origin) {
+  // The parser's events carry the marks that loaded nodes lack: an empty document has none.
+  class DocumentStarts : public YAML::EventHandler {
+   public:
+    std::vector<YAML::Mark> marks;
+    void OnDocumentStart(const YAML::Mark& mark) override { marks.push_back(mark); }
+    void OnDocumentEnd() override {}
+    void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+    void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+    void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                  const std::string&) override {}
+    void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                         YAML::EmitterStyle::value) override {}
+    void OnSequenceEnd() override {}
+    void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                    YAML::EmitterStyle::value) override {}
+    void OnMapEnd() override {}
+  };
+  std::istringstream in{std::string(yaml_text)};
+  YAML::Parser parser(in);
+  DocumentStarts starts;
+  while (starts.marks.size() < 2 && parser.HandleNextDocument(starts)) {
+  }
+  if (starts.marks.size() < 2) return Status::Ok();
+  const YAML::Mark& first = starts.marks[0];
+  const YAML::Mark& second = starts.marks[1];
+  if (second.pos == first.pos) {
+    return InvalidArgument(origin.Where(second.line + 1) +
+                           "YAML syntax error: the parser cannot read past column " +
+                           std::to_string(second.column + 1));
+  }
+  return InvalidArgument(origin.Where(second.line + 1) +
+                         "a second YAML document starts here; a config file is one document "
+                         "(after its end, '...', only comments may follow)");
+}
+
 }  // namespace
 
 Result<std::vector<GemmEfficiencyPoint>> ParseGemmEfficiencyCurve(std::string_view text) {
@@ -625,9 +739,11 @@ Result<std::vector<GemmEfficiencyPoint>> ParseGemmEfficiencyCurve(std::string_vi
         point.columns > kMaxModelWidth) {
       return InvalidArgument(shown + ": columns must be a whole number in [1, 2^20]");
     }
+    // At least 1/1000 of expert_tflops: the rates' lower bound (config_keys.cc) keeps prices
+    // finite, and a measured GEMM is never slower than that.
     if (!parse(efficiency_text, point.efficiency) ||
-        !(point.efficiency > 0 && point.efficiency <= 4)) {
-      return InvalidArgument(shown + ": efficiency must be a number in (0, 4]");
+        !(point.efficiency >= 0.001 && point.efficiency <= 4)) {
+      return InvalidArgument(shown + ": efficiency must be a number in [0.001, 4]");
     }
     if (!curve.empty() && point.columns <= curve.back().columns) {
       return InvalidArgument(shown + ": columns must ascend (the entry before has " +
@@ -648,7 +764,8 @@ Result<KeelConfig> ParseConfig(std::string_view yaml_text, std::string_view sour
   origin.source = std::string(source);
   KeelConfig config;
   try {
-    YAML::Node root = YAML::Load(std::string(yaml_text));
+    const YAML::Node root = YAML::Load(std::string(yaml_text));
+    KEEL_RETURN_IF_ERROR(CheckOneDocument(yaml_text, origin));
     if (root.IsMap()) {
       KEEL_RETURN_IF_ERROR(ParseSection(root, "", origin, config));
     } else if (!root.IsNull()) {
@@ -696,7 +813,10 @@ std::string ConfigReferenceMarkdown() {
   out +=
       "Keys left out keep their defaults, so an empty file is a complete configuration. An "
       "unknown key, a value of the wrong type or out of range, and a syntax error are all "
-      "errors that name the key, the value and the line. `keel config --check FILE` checks a "
+      "errors that name the key, the value and the line. Types are exact: a quoted value "
+      "(`\"4\"`, `'true'`) or one tagged `!!str` is a string, which an int, float or bool key "
+      "refuses. The file is one YAML document: a second one (`---`) or text after its end "
+      "(`...`) is an error. `keel config --check FILE` checks a "
       "file; `keel config --defaults` prints every key at its default, with its meaning as a "
       "comment.\n";
   for (const ConfigSection& section : ConfigSections()) {

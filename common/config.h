@@ -51,7 +51,7 @@ struct GemmEfficiencyPoint {
   double efficiency = 1.0;
 };
 
-// Parses "columns:efficiency, ..." (columns ascending, efficiencies in (0, 4]); "" is an empty
+// Parses "columns:efficiency, ..." (columns ascending, efficiencies in [0.001, 4]); "" is an empty
 // curve. Errors name the bad entry.
 Result<std::vector<GemmEfficiencyPoint>> ParseGemmEfficiencyCurve(std::string_view text);
 

@@ -16,6 +16,18 @@ constexpr std::string_view kStrategyNames[] = {"ep", "esp", "parm", "ppmoe", "au
 constexpr std::string_view kTransportNames[] = {"local", "ucx", "nccl"};
 constexpr std::string_view kNcclHostTransportNames[] = {"ucx", "local"};
 
+// Rates of the cost model (TFLOP/s, GB/s) lie within nine orders of magnitude either side of 1:
+// with every size at its bound (widths 2^20, 16 matrices, 8-byte elements, 2^26 counts of 1e15
+// tokens per step, 2^31 passes) a layer step is priced below 1e40 seconds, so no price of a trace
+// overflows a double, while a rate near 0 (1e-320) or beyond 1e308 would make it inf, or NaN
+// where it meets 0 tokens. train_flops_multiplier and home_move_bytes_per_parameter have bounds
+// for the same reason.
+constexpr double kMinRate = 1e-9;
+constexpr double kMaxRate = 1e9;
+// Durations the engine turns into a clock's deadline: a clock's int64 nanoseconds hold 292 years,
+// 1e9 seconds is 31 (as --serve-seconds and --pace).
+constexpr double kMaxSeconds = 1e9;
+
 // The member expression is also the key's dotted path, so the two cannot drift apart.
 #define KEEL_CONFIG_FIELD(member) \
   .path = #member, .field = [](KeelConfig& c) { return FieldRef(&c.member); }
@@ -27,10 +39,10 @@ constexpr ConfigKey kConfigKeys[] = {
     {KEEL_CONFIG_FIELD(topology.gpus_per_node), .min = 1, .max = kMaxRanks,
      .doc = "Ranks (GPUs) per node; the job has num_nodes x gpus_per_node ranks, at most "
             "65536."},
-    {KEEL_CONFIG_FIELD(topology.intra_node_gb_per_s), .min = 0, .min_exclusive = true,
+    {KEEL_CONFIG_FIELD(topology.intra_node_gb_per_s), .min = kMinRate, .max = kMaxRate,
      .unit = "GB/s",
      .doc = "Bandwidth between two ranks of one node, per GPU and direction (NVLink)."},
-    {KEEL_CONFIG_FIELD(topology.inter_node_gb_per_s), .min = 0, .min_exclusive = true,
+    {KEEL_CONFIG_FIELD(topology.inter_node_gb_per_s), .min = kMinRate, .max = kMaxRate,
      .unit = "GB/s",
      .doc = "Bandwidth from a rank to ranks on other nodes, per GPU and direction (the NIC)."},
     // slots
@@ -42,7 +54,7 @@ constexpr ConfigKey kConfigKeys[] = {
             "the keel policy); 0 means none. The engine gives every layer its own transient "
             "slots, so a layer's backward finds the weights its forward used."},
     // cost_model
-    {KEEL_CONFIG_FIELD(cost_model.expert_tflops), .min = 0, .min_exclusive = true,
+    {KEEL_CONFIG_FIELD(cost_model.expert_tflops), .min = kMinRate, .max = kMaxRate,
      .unit = "TFLOP/s",
      .doc = "Achieved throughput of the expert GEMMs on one GPU, in the weights' dtype."},
     {KEEL_CONFIG_FIELD(cost_model.hidden_size), .min = 1, .max = kMaxModelWidth, .unit = "elements",
@@ -56,10 +68,10 @@ constexpr ConfigKey kConfigKeys[] = {
     {KEEL_CONFIG_FIELD(cost_model.dtype_bytes), .min = 1, .max = 8, .unit = "bytes",
      .doc = "Bytes per weight and per activation element (2 for bf16 or fp16)."},
     {KEEL_CONFIG_FIELD(cost_model.home_move_bytes_per_parameter), .min = 0, .min_exclusive = true,
-     .unit = "bytes",
+     .max = 1024, .unit = "bytes",
      .doc = "Bytes moved per expert parameter when its home changes rank: weights plus optimizer "
             "state (about 14 with Adam and mixed precision)."},
-    {KEEL_CONFIG_FIELD(cost_model.train_flops_multiplier), .min = 1,
+    {KEEL_CONFIG_FIELD(cost_model.train_flops_multiplier), .min = 1, .max = 1000,
      .doc = "Training FLOPs per forward FLOP of an expert (3: forward plus backward)."},
     {KEEL_CONFIG_FIELD(cost_model.all_to_all_passes), .min = 0,
      .doc = "All-to-all exchanges of the tokens per layer and step (4: dispatch and combine, "
@@ -97,7 +109,7 @@ constexpr ConfigKey kConfigKeys[] = {
     {KEEL_CONFIG_FIELD(policy.replan_interval_steps), .min = 1, .unit = "steps",
      .doc = "Steps between two placement plans."},
     {KEEL_CONFIG_FIELD(policy.planner_watchdog_seconds), .min = 0, .min_exclusive = true,
-     .unit = "seconds",
+     .max = kMaxSeconds, .unit = "seconds",
      .doc =
          "The engine's watchdog: a replan still running after this long is an error on every "
          "rank (StepEnd returns it), a log line and keel_watchdog_trips_total{what=\"planner\"}; "
@@ -204,11 +216,11 @@ constexpr ConfigKey kConfigKeys[] = {
      .doc = "Transfers are cut into chunks of this size and pipelined."},
     {KEEL_CONFIG_FIELD(migration.pipeline_depth), .min = 1, .max = 1024, .unit = "chunks",
      .doc = "Chunks in flight per peer at once."},
-    {KEEL_CONFIG_FIELD(migration.bandwidth_cap_gb_per_s), .min = 0, .unit = "GB/s",
+    {KEEL_CONFIG_FIELD(migration.bandwidth_cap_gb_per_s), .min = 0, .max = kMaxRate, .unit = "GB/s",
      .doc = "Migration bandwidth per rank, at most, so training traffic keeps priority; 0 means "
             "uncapped."},
     {KEEL_CONFIG_FIELD(migration.deadline_seconds), .min = 0, .min_exclusive = true,
-     .unit = "seconds",
+     .max = kMaxSeconds, .unit = "seconds",
      .doc = "An epoch's transfers must be done and verified within this time, or the epoch is "
             "aborted and the old placement stays."},
     {KEEL_CONFIG_FIELD(migration.ucx_progress_thread),
@@ -221,7 +233,7 @@ constexpr ConfigKey kConfigKeys[] = {
             "ucx (between processes) or local (ranks are threads of one process)."},
     // engine
     {KEEL_CONFIG_FIELD(engine.collective_timeout_seconds), .min = 0, .min_exclusive = true,
-     .unit = "seconds",
+     .max = kMaxSeconds, .unit = "seconds",
      .doc = "A collective (count all-gather, agreement, gradient and weight exchange) that some "
             "rank does not join within this time fails with an error naming the missing ranks, "
             "instead of hanging."},

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/file.h"
+#include "common/json.h"
 #include "common/log.h"
 #include "engine/engine_impl.h"
 #include "engine/expert_file.h"
@@ -38,12 +39,10 @@ Result<std::vector<int32_t>> IntArray(const nlohmann::json& value, const std::st
   if (!value.is_array()) return InvalidArgument(where + " must be an array of integers");
   std::vector<int32_t> out;
   for (size_t i = 0; i < value.size(); ++i) {
-    const nlohmann::json& v = value[i];
-    if (!v.is_number_integer() || v.get<int64_t>() < -1 || v.get<int64_t>() > INT32_MAX) {
-      return InvalidArgument(where + "[" + std::to_string(i) + "] must be an integer >= -1, got " +
-                             v.dump());
-    }
-    out.push_back(v.get<int32_t>());
+    KEEL_ASSIGN_OR_RETURN(
+        const int64_t v,
+        JsonInteger(value[i], where + "[" + std::to_string(i) + "]", -1, INT32_MAX));
+    out.push_back(static_cast<int32_t>(v));
   }
   return out;
 }
@@ -61,19 +60,18 @@ std::string EngineStateToJson(const EngineState& state) {
 }
 
 Result<EngineState> EngineStateFromJson(std::string_view text) {
-  const nlohmann::json in = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (in.is_discarded() || !in.is_object()) {
-    return InvalidArgument("engine state: not a JSON object");
-  }
-  if (!in.contains("keel_engine_state") || in["keel_engine_state"] != 1) {
+  Result<nlohmann::json> parsed = ParseJson(text, "not a JSON object");
+  if (!parsed.ok()) return parsed.status().WithContext("engine state");
+  const nlohmann::json& in = *parsed;
+  if (!in.is_object()) return InvalidArgument("engine state: not a JSON object");
+  if (!in.contains("keel_engine_state")) {
     return InvalidArgument("engine state: keel_engine_state must be 1");
   }
+  KEEL_RETURN_IF_ERROR(
+      JsonInteger(in["keel_engine_state"], "engine state: keel_engine_state", 1, 1).status());
   EngineState state;
-  if (!in.contains("epoch") || !in["epoch"].is_number_integer() || in["epoch"].get<int64_t>() < 0) {
-    return InvalidArgument("engine state: epoch must be an integer >= 0, got " +
-                           (in.contains("epoch") ? in["epoch"].dump() : std::string("nothing")));
-  }
-  state.epoch = in["epoch"].get<int64_t>();
+  if (!in.contains("epoch")) return InvalidArgument("engine state: epoch is missing");
+  KEEL_ASSIGN_OR_RETURN(state.epoch, JsonInteger(in["epoch"], "engine state: epoch", 0));
   for (const char* key : {"phy2log", "home"}) {
     if (!in.contains(key) || !in[key].is_array()) {
       return InvalidArgument(std::string("engine state: ") + key + " must be an array per layer");

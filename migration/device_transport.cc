@@ -58,6 +58,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/number_text.h"
 #include "migration/progress_thread.h"
 
 namespace keel {
@@ -855,7 +856,7 @@ Result<std::unique_ptr<Transport>> CreateDeviceTransport(std::unique_ptr<Transpo
   }
   if (!(options.cancel_grace_seconds >= 0)) {
     return InvalidArgument("device transport: cancel_grace_seconds must be >= 0, got " +
-                           std::to_string(options.cancel_grace_seconds));
+                           NumberText(options.cancel_grace_seconds));
   }
   return std::unique_ptr<Transport>(std::make_unique<DeviceTransport>(
       std::move(host), std::move(mover), std::move(memory), options));

@@ -12,6 +12,7 @@
 #include <optional>
 #include <thread>
 
+#include "common/number_text.h"
 #include "keel/device_memory.hpp"
 #include "kernels/checksum.h"
 
@@ -871,11 +872,11 @@ Result<ExchangeOptions> ExchangeOptions::FromConfig(const MigrationConfig& confi
   }
   if (!(config.bandwidth_cap_gb_per_s >= 0)) {
     return InvalidArgument("migration.bandwidth_cap_gb_per_s must be >= 0, got " +
-                           std::to_string(config.bandwidth_cap_gb_per_s));
+                           NumberText(config.bandwidth_cap_gb_per_s));
   }
   if (!(config.deadline_seconds > 0)) {
     return InvalidArgument("migration.deadline_seconds must be > 0, got " +
-                           std::to_string(config.deadline_seconds));
+                           NumberText(config.deadline_seconds));
   }
   ExchangeOptions options;
   options.chunk_bytes = static_cast<size_t>(config.chunk_bytes);

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "common/number_text.h"
 #include "common/random.h"
 #include "monitor/trace.h"
 
@@ -196,30 +197,29 @@ Status ValidateOptions(const SyntheticTraceOptions& o) {
                "must be in 1..num_experts (" + std::to_string(o.num_experts) + ")");
   }
   if (!std::isfinite(o.zipf_exponent) || o.zipf_exponent < 0.0 || o.zipf_exponent > 10.0) {
-    return bad("zipf_exponent", std::to_string(o.zipf_exponent), "must be in [0, 10]");
+    return bad("zipf_exponent", NumberText(o.zipf_exponent), "must be in [0, 10]");
   }
   if (!std::isfinite(o.drift_swaps_per_step) || o.drift_swaps_per_step < 0.0 ||
       o.drift_swaps_per_step > 1e6) {
-    return bad("drift_swaps_per_step", std::to_string(o.drift_swaps_per_step),
-               "must be in [0, 1e6]");
+    return bad("drift_swaps_per_step", NumberText(o.drift_swaps_per_step), "must be in [0, 1e6]");
   }
   if (!(o.burst_probability >= 0.0 && o.burst_probability <= 1.0)) {
-    return bad("burst_probability", std::to_string(o.burst_probability), "must be in [0, 1]");
+    return bad("burst_probability", NumberText(o.burst_probability), "must be in [0, 1]");
   }
   if (!std::isfinite(o.burst_factor) || o.burst_factor <= 0.0 || o.burst_factor > 1e6) {
-    return bad("burst_factor", std::to_string(o.burst_factor), "must be in (0, 1e6]");
+    return bad("burst_factor", NumberText(o.burst_factor), "must be in (0, 1e6]");
   }
   if (o.burst_steps < 1) return bad("burst_steps", std::to_string(o.burst_steps), "must be >= 1");
   const double row = static_cast<double>(o.num_experts) * std::max(o.num_sources, 1);
   if (static_cast<double>(o.num_steps) * o.num_layers * row > 2e9) {
     return InvalidArgument("synthetic trace: num_steps * num_layers * num_sources * num_experts " +
-                           std::to_string(static_cast<double>(o.num_steps) * o.num_layers * row) +
+                           NumberText(static_cast<double>(o.num_steps) * o.num_layers * row) +
                            " counts is more than 2e9");
   }
   const double selections = static_cast<double>(o.num_steps) * o.num_layers *
                             std::max(o.num_sources, 1) * o.tokens_per_source * o.top_k;
   if (selections > 1e11) {
-    return InvalidArgument("synthetic trace: " + std::to_string(selections) +
+    return InvalidArgument("synthetic trace: " + NumberText(selections) +
                            " token selections (steps * layers * sources * tokens * top_k) is "
                            "more than 1e11");
   }
@@ -238,13 +238,6 @@ void Quantize(const std::vector<double>& weights, std::vector<uint32_t>& out) {
   }
 }
 
-std::string FormatDouble(double value) {
-  std::string text = std::to_string(value);
-  text.erase(text.find_last_not_of('0') + 1);
-  if (!text.empty() && text.back() == '.') text.pop_back();
-  return text;
-}
-
 }  // namespace
 
 Result<Trace> GenerateSyntheticTrace(const SyntheticTraceOptions& options) {
@@ -257,14 +250,13 @@ Result<Trace> GenerateSyntheticTrace(const SyntheticTraceOptions& options) {
   trace.num_layers = options.num_layers;
   trace.num_experts = num_experts;
   trace.num_sources = options.num_sources;
-  trace.description = "synthetic: seed " + std::to_string(options.seed) + ", zipf " +
-                      FormatDouble(options.zipf_exponent) + ", drift " +
-                      FormatDouble(options.drift_swaps_per_step) +
-                      " swaps/step, bursts p=" + FormatDouble(options.burst_probability) + " x" +
-                      FormatDouble(options.burst_factor) + " for " +
-                      std::to_string(options.burst_steps) + " steps, " +
-                      std::to_string(options.tokens_per_source) + " tokens per source, top-" +
-                      std::to_string(top_k);
+  trace.description =
+      "synthetic: seed " + std::to_string(options.seed) + ", zipf " +
+      NumberText(options.zipf_exponent) + ", drift " + NumberText(options.drift_swaps_per_step) +
+      " swaps/step, bursts p=" + NumberText(options.burst_probability) + " x" +
+      NumberText(options.burst_factor) + " for " + std::to_string(options.burst_steps) +
+      " steps, " + std::to_string(options.tokens_per_source) + " tokens per source, top-" +
+      std::to_string(top_k);
   const size_t row_size = static_cast<size_t>(trace.row_size());
   trace.steps.assign(options.num_steps, std::vector<double>(row_size * options.num_layers, 0.0));
   for (int step = 0; step < options.num_steps; ++step) trace.step_ids.push_back(step);

@@ -11,6 +11,8 @@
 #include <system_error>
 
 #include "common/file.h"
+#include "common/json.h"
+#include "common/number_text.h"
 #include "monitor/trace_import.h"
 
 namespace keel {
@@ -65,20 +67,14 @@ Status CheckTraceShape(int64_t num_layers, int64_t num_experts, int64_t num_sour
 
 namespace {
 
-// Reads an integer member of the header; errors name the key and the bad value.
+// Reads an integer member of the header; errors name the key and the value as written.
 Result<int64_t> HeaderInt(const nlohmann::json& header, const char* key, const std::string& where,
                           int64_t min_value) {
   auto it = header.find(key);
   if (it == header.end()) return InvalidArgument(where + ": header has no \"" + key + "\"");
-  if (!it->is_number_integer()) {
-    return InvalidArgument(where + ": header \"" + key + "\" must be an integer, got " +
-                           it->dump());
-  }
-  int64_t value = it->get<int64_t>();
-  if (value < min_value || value > (int64_t{1} << 30)) {
-    return InvalidArgument(where + ": header \"" + key + "\" " + std::to_string(value) +
-                           " is out of range (minimum " + std::to_string(min_value) + ")");
-  }
+  Result<int64_t> value =
+      JsonInteger(*it, std::string("header \"") + key + "\"", min_value, int64_t{1} << 30);
+  if (!value.ok()) return value.status().WithContext(where);
   return value;
 }
 
@@ -134,20 +130,16 @@ Result<std::vector<TraceSequence>> ParseSequences(const nlohmann::json& list,
 
 // Parses one step line into `trace`. `where` is "path:line".
 Status ParseStepLine(std::string_view line, const std::string& where, Trace& trace) {
-  nlohmann::json step;
-  try {
-    step = nlohmann::json::parse(line.begin(), line.end());
-  } catch (const nlohmann::json::exception& error) {
-    return InvalidArgument(where + ": not a JSON object (truncated file?): " + error.what());
-  }
+  Result<nlohmann::json> parsed = ParseJson(line, "not a JSON object (truncated file?)");
+  if (!parsed.ok()) return parsed.status().WithContext(where);
+  const nlohmann::json& step = *parsed;
   if (!step.is_object()) return InvalidArgument(where + ": a step line must be a JSON object");
   auto step_id = step.find("step");
-  if (step_id == step.end() || !step_id->is_number_integer()) {
-    return InvalidArgument(where + ": \"step\" is missing or not an integer");
-  }
+  if (step_id == step.end()) return InvalidArgument(where + ": \"step\" is missing");
   // Steps are a time series: ids from 0 up, each after the one before.
-  const int64_t id = step_id->get<int64_t>();
-  if (id < 0) return InvalidArgument(where + ": step " + std::to_string(id) + " is negative");
+  const Result<int64_t> parsed_id = JsonInteger(*step_id, "step", 0);
+  if (!parsed_id.ok()) return parsed_id.status().WithContext(where);
+  const int64_t id = *parsed_id;
   if (!trace.step_ids.empty() && id <= trace.step_ids.back()) {
     return InvalidArgument(where + ": step " + std::to_string(id) + " does not follow step " +
                            std::to_string(trace.step_ids.back()) +
@@ -264,7 +256,7 @@ Status Trace::Validate() const {
         return InvalidArgument("trace: step " + std::to_string(step) + " layer " +
                                std::to_string(i / row_size()) + " entry " +
                                std::to_string(i % row_size()) + " is not a count in [0, 1e15] (" +
-                               std::to_string(value) + ")");
+                               NumberText(value) + ")");
       }
     }
   }
@@ -293,7 +285,7 @@ Status Trace::Validate() const {
         if (!(value >= 0.0 && value <= kMaxTokenCount)) {
           return InvalidArgument(where + " layer " + std::to_string(c / num_experts) + " expert " +
                                  std::to_string(c % num_experts) +
-                                 " is not a count in [0, 1e15] (" + std::to_string(value) + ")");
+                                 " is not a count in [0, 1e15] (" + NumberText(value) + ")");
         }
       }
     }
@@ -366,12 +358,9 @@ Result<Trace> ReadKeelTrace(const std::string& path) {
     if (line.find_first_not_of(" \t") == std::string_view::npos) continue;  // blank line
     const std::string where = path + ":" + std::to_string(line_number);
     if (!have_header) {
-      nlohmann::json header;
-      try {
-        header = nlohmann::json::parse(line.begin(), line.end());
-      } catch (const nlohmann::json::exception& error) {
-        return InvalidArgument(where + ": header is not JSON: " + error.what());
-      }
+      Result<nlohmann::json> parsed = ParseJson(line, "header is not JSON");
+      if (!parsed.ok()) return parsed.status().WithContext(where);
+      const nlohmann::json& header = *parsed;
       if (!header.is_object() || !header.contains("keel_trace")) {
         return InvalidArgument(where + ": first line must be a Keel header object with " +
                                "\"keel_trace\": " + std::to_string(kKeelTraceVersion));

@@ -42,20 +42,22 @@ Status ParseEsftLine(std::string_view line, const std::string& where, int num_ex
   const char* cursor = ids.data();
   const char* end = ids.data() + ids.size();
   while (cursor < end) {
-    int id = 0;
-    auto [next, error] = std::from_chars(cursor, end, id);
-    if (error != std::errc() || (next < end && *next != '\t')) {
-      return InvalidArgument(where + ": expert id " + std::to_string(num_ids) + " ('" +
-                             std::string(cursor, std::min<size_t>(end - cursor, 12)) +
+    // Read at its full width, so that an id beyond 64 bits is out of range, as it is.
+    const char* token_end = std::find(cursor, end, '\t');
+    const std::string token(cursor, token_end);
+    int64_t id = 0;
+    auto [next, error] = std::from_chars(cursor, token_end, id);
+    if (next != token_end || (error != std::errc() && error != std::errc::result_out_of_range)) {
+      return InvalidArgument(where + ": expert id " + std::to_string(num_ids) + " ('" + token +
                              "') is not an integer");
     }
-    if (id < 0 || id >= num_experts) {
-      return InvalidArgument(where + ": expert id " + std::to_string(id) + " outside 0.." +
+    if (error == std::errc::result_out_of_range || id < 0 || id >= num_experts) {
+      return InvalidArgument(where + ": expert id " + token + " outside 0.." +
                              std::to_string(num_experts - 1));
     }
     layer_counts[id] += 1.0;
     ++num_ids;
-    cursor = next < end ? next + 1 : next;
+    cursor = token_end < end ? token_end + 1 : token_end;
   }
   // The weights are not counted as load, but a file whose weights are not probabilities is not
   // the gate output it claims to be.
@@ -63,16 +65,16 @@ Status ParseEsftLine(std::string_view line, const std::string& where, int num_ex
   cursor = weights.data();
   end = weights.data() + weights.size();
   while (cursor < end) {
+    const char* token_end = std::find(cursor, end, '\t');
     double weight = 0;
-    auto [next, error] = std::from_chars(cursor, end, weight);
-    if (error != std::errc() || (next < end && *next != '\t') || !std::isfinite(weight) ||
-        weight < 0) {
+    auto [next, error] = std::from_chars(cursor, token_end, weight);
+    if (error != std::errc() || next != token_end || !std::isfinite(weight) || weight < 0) {
       return InvalidArgument(where + ": gate weight " + std::to_string(num_weights) + " ('" +
-                             std::string(cursor, std::min<size_t>(end - cursor, 12)) +
+                             std::string(cursor, token_end) +
                              "') is not a finite non-negative number");
     }
     ++num_weights;
-    cursor = next < end ? next + 1 : next;
+    cursor = token_end < end ? token_end + 1 : token_end;
   }
   if (num_weights != num_ids) {
     return InvalidArgument(where + ": " + std::to_string(num_ids) + " expert ids but " +

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/file.h"
+#include "common/json.h"
 #include "monitor/trace_files.h"
 
 namespace keel {
@@ -43,6 +44,7 @@ struct MegatronRecordKey {
   auto operator<=>(const MegatronRecordKey&) const = default;
 };
 
+// A record's step, layer, rank or MTP head number: an integer from 0 up.
 Result<int64_t> RecordInt(const nlohmann::json& record, const char* key, const std::string& where,
                           std::optional<int64_t> fallback) {
   auto it = record.find(key);
@@ -50,23 +52,18 @@ Result<int64_t> RecordInt(const nlohmann::json& record, const char* key, const s
     if (fallback) return *fallback;
     return InvalidArgument(where + ": record has no \"" + key + "\"");
   }
-  if (!it->is_number_integer()) {
-    return InvalidArgument(where + ": \"" + key + "\" must be an integer, got " + it->dump());
-  }
-  return it->get<int64_t>();
+  Result<int64_t> value = JsonInteger(*it, std::string("\"") + key + "\"", 0);
+  if (!value.ok()) return value.status().WithContext(where);
+  return value;
 }
 
 // Adds one record's selections into `counts`, growing it to the largest expert id seen.
 Status AddMegatronRecord(const nlohmann::json& record, const std::string& where,
                          std::vector<double>& counts) {
-  auto add = [&](int64_t expert, double value) -> Status {
-    if (expert < 0 || expert >= kMaxExperts) {
-      return InvalidArgument(where + ": expert id " + std::to_string(expert) +
-                             " is out of range [0, " + std::to_string(kMaxExperts) + ")");
-    }
+  // `expert` is in [0, kMaxExperts).
+  auto add = [&](int64_t expert, double value) {
     if (static_cast<size_t>(expert) >= counts.size()) counts.resize(expert + 1, 0.0);
     counts[expert] += value;
-    return Status::Ok();
   };
   auto top_indices = record.find("top_indices");
   if (top_indices != record.end()) {
@@ -80,11 +77,10 @@ Status AddMegatronRecord(const nlohmann::json& record, const std::string& where,
                                "] is not a list of expert ids");
       }
       for (const nlohmann::json& expert : choices) {
-        if (!expert.is_number_integer()) {
-          return InvalidArgument(where + ": top_indices[" + std::to_string(token) +
-                                 "] holds a non-integer " + expert.dump());
-        }
-        KEEL_RETURN_IF_ERROR(add(expert.get<int64_t>(), 1.0));
+        Result<int64_t> id = JsonInteger(
+            expert, "top_indices[" + std::to_string(token) + "]: expert id", 0, kMaxExperts - 1);
+        if (!id.ok()) return id.status().WithContext(where);
+        add(*id, 1.0);
       }
       ++token;
     }
@@ -102,7 +98,11 @@ Status AddMegatronRecord(const nlohmann::json& record, const std::string& where,
         return InvalidArgument(where + ": expert_counts[" + std::to_string(expert) +
                                "] is not a non-negative number: " + count.dump());
       }
-      KEEL_RETURN_IF_ERROR(add(expert, count.get<double>()));
+      if (expert >= kMaxExperts) {
+        return InvalidArgument(where + ": expert_counts has more than " +
+                               std::to_string(kMaxExperts) + " entries");
+      }
+      add(expert, count.get<double>());
       ++expert;
     }
     return Status::Ok();
@@ -140,13 +140,9 @@ Result<Trace> ImportMegatronTrace(const std::string& path, const MegatronImportO
     for (size_t line = 0; line < lines.size(); ++line) {
       if (lines[line].find_first_not_of(" \t") == std::string_view::npos) continue;
       const std::string where = file + ":" + std::to_string(line + 1);
-      nlohmann::json record;
-      try {
-        record = nlohmann::json::parse(lines[line].begin(), lines[line].end());
-      } catch (const nlohmann::json::exception& parse_error) {
-        return InvalidArgument(where +
-                               ": not a JSON object (truncated file?): " + parse_error.what());
-      }
+      Result<nlohmann::json> parsed = ParseJson(lines[line], "not a JSON object (truncated file?)");
+      if (!parsed.ok()) return parsed.status().WithContext(where);
+      const nlohmann::json& record = *parsed;
       if (!record.is_object()) return InvalidArgument(where + ": a record must be an object");
       MegatronRecordKey key;
       // "iteration" is accepted as a synonym of "step" for hand-written traces.
@@ -154,11 +150,11 @@ Result<Trace> ImportMegatronTrace(const std::string& path, const MegatronImportO
       KEEL_ASSIGN_OR_RETURN(key.step, RecordInt(record, step_field, where, std::nullopt));
       KEEL_ASSIGN_OR_RETURN(key.layer.layer, RecordInt(record, "layer", where, std::nullopt));
       KEEL_ASSIGN_OR_RETURN(key.rank, RecordInt(record, "rank", where, int64_t{0}));
-      if (key.rank < 0) {
-        return InvalidArgument(where + ": rank " + std::to_string(key.rank) + " is negative");
-      }
       std::string block = "decoder";
-      if (auto it = record.find("block"); it != record.end() && it->is_string()) {
+      if (auto it = record.find("block"); it != record.end()) {
+        if (!it->is_string()) {
+          return InvalidArgument(where + ": \"block\" must be a string, got " + it->dump());
+        }
         block = it->get<std::string>();
       }
       if (block == "mtp" || record.contains("mtp_idx")) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/file.h"
+#include "common/json.h"
 #include "monitor/trace_files.h"
 
 namespace keel {
@@ -22,12 +23,9 @@ Result<Trace> ImportOlmoeTrace(const std::string& path, const OlmoeImportOptions
     file = (fs::path(path) / "expert_counts_derived.json").string();
   }
   KEEL_ASSIGN_OR_RETURN(std::string text, ReadFile(file));
-  nlohmann::json root;
-  try {
-    root = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& parse_error) {
-    return InvalidArgument(file + ": not valid JSON: " + parse_error.what());
-  }
+  Result<nlohmann::json> parsed = ParseJson(text);
+  if (!parsed.ok()) return parsed.status().WithContext(file);
+  const nlohmann::json& root = *parsed;
   auto list_keys = [](const nlohmann::json& object) {
     std::string keys;
     for (auto it = object.begin(); it != object.end(); ++it) {

@@ -82,6 +82,10 @@ class SmartMoeLineParser {
     SkipSpace();
     int64_t value = 0;
     auto [end, error] = std::from_chars(line_.data() + pos_, line_.data() + line_.size(), value);
+    if (error == std::errc::result_out_of_range) {
+      return Error("integer " + std::string(line_.substr(pos_, end - line_.data() - pos_)) +
+                   " does not fit in 64 bits");
+    }
     if (error != std::errc()) return Error("expected an integer");
     pos_ = end - line_.data();
     return value;
@@ -90,6 +94,10 @@ class SmartMoeLineParser {
     SkipSpace();
     double value = 0;
     auto [end, error] = std::from_chars(line_.data() + pos_, line_.data() + line_.size(), value);
+    if (error == std::errc::result_out_of_range) {
+      return Error("count " + std::string(line_.substr(pos_, end - line_.data() - pos_)) +
+                   " is outside a double's range");
+    }
     if (error != std::errc()) return Error("expected a number");
     if (!(value >= 0.0) || !std::isfinite(value)) {
       return Error("count " + std::string(line_.substr(pos_, end - line_.data() - pos_)) +

@@ -4,11 +4,14 @@
 #include <algorithm>
 #include <array>
 #include <cassert>
+#include <cmath>
 #include <cstring>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "common/number_text.h"
 #include "common/simd.h"
 
 namespace keel {
@@ -374,6 +377,41 @@ MigrationCost CostModel::Migration(const Placement& from, const Placement& to) c
   }
   cost.seconds = links.SlowestRankSeconds();
   return cost;
+}
+
+Status CostModel::CheckFinite(const LayerCost& cost, const MigrationCost* migration) const {
+  const std::pair<const char*, double> terms[] = {
+      {"compute_seconds", cost.compute_seconds},
+      {"all_to_all_seconds", cost.all_to_all_seconds},
+      {"replica_sync_seconds", cost.replica_sync_seconds},
+      {"transient_seconds", cost.transient_seconds},
+      {"exposed_migration_seconds", cost.exposed_migration_seconds},
+      {"migration bytes", migration != nullptr ? migration->bytes : 0.0},
+      {"migration seconds", migration != nullptr ? migration->seconds : 0.0},
+  };
+  std::string bad;
+  for (const auto& [name, value] : terms) {
+    if (std::isfinite(value)) continue;
+    bad += (bad.empty() ? "" : ", ") + std::string(name) + " " + NumberText(value);
+  }
+  if (bad.empty()) return Status::Ok();
+  const CostModelConfig& c = config_;
+  return InvalidArgument(
+      "the cost model priced a layer step at " + bad +
+      " from constants out of scale: cost_model.expert_tflops " + NumberText(c.expert_tflops) +
+      ", cost_model.train_flops_multiplier " + NumberText(c.train_flops_multiplier) +
+      ", cost_model.hidden_size " + std::to_string(c.hidden_size) +
+      ", cost_model.expert_ffn_size " + std::to_string(c.expert_ffn_size) +
+      ", cost_model.expert_matrices " + std::to_string(c.expert_matrices) +
+      ", cost_model.dtype_bytes " + std::to_string(c.dtype_bytes) +
+      ", cost_model.home_move_bytes_per_parameter " + NumberText(c.home_move_bytes_per_parameter) +
+      ", cost_model.all_to_all_passes " + std::to_string(c.all_to_all_passes) +
+      ", cost_model.replica_sync_passes " + std::to_string(c.replica_sync_passes) +
+      ", topology.intra_node_gb_per_s " +
+      NumberText(topology_.intra_node_bytes_per_second() / 1e9) +
+      ", topology.inter_node_gb_per_s " +
+      NumberText(topology_.inter_node_bytes_per_second() / 1e9) +
+      " (ValidateConfig, or keel config --check on a file, names the one out of range)");
 }
 
 }  // namespace keel

@@ -88,6 +88,13 @@ class CostModel {
 
   MigrationCost Migration(const Placement& from, const Placement& to) const;
 
+  // OK when every price in `cost` (and `migration`, when given) is finite; else InvalidArgument
+  // naming the terms and the constants they come from. Constants that passed ValidateConfig give
+  // finite prices for any trace (common/config_keys.cc); a program that fills CostModelConfig
+  // itself may not, and callers that report prices check them here rather than write inf or NaN
+  // (null in JSON).
+  Status CheckFinite(const LayerCost& cost, const MigrationCost* migration = nullptr) const;
+
   // Seconds of one all-to-all of `bytes` [num_ranks * num_ranks] (rows by source): the slowest
   // rank's sends or receives over each link class, as one pass of Estimate's all-to-all. Prices
   // traffic that is not token rows, such as the sequences a sequence plan moves.

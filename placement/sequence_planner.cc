@@ -9,6 +9,8 @@
 #include <cmath>
 #include <string>
 
+#include "common/number_text.h"
+
 namespace keel {
 namespace {
 
@@ -76,11 +78,11 @@ Status CheckInput(std::span<const Placement> layers, std::span<const SequenceTra
   }
   if (!(options.max_token_imbalance >= 1.0) || !std::isfinite(options.max_token_imbalance)) {
     return InvalidArgument("sequence plan: max_token_imbalance " +
-                           std::to_string(options.max_token_imbalance) + " must be >= 1");
+                           NumberText(options.max_token_imbalance) + " must be >= 1");
   }
   if (!(options.move_bytes_per_token >= 0) || !std::isfinite(options.move_bytes_per_token)) {
     return InvalidArgument("sequence plan: move_bytes_per_token " +
-                           std::to_string(options.move_bytes_per_token) + " must be >= 0");
+                           NumberText(options.move_bytes_per_token) + " must be >= 0");
   }
   const size_t row_size = layers.size() * static_cast<size_t>(layers[0].num_experts());
   for (size_t s = 0; s < sequences.size(); ++s) {
@@ -479,7 +481,7 @@ Result<std::vector<Placement>> GroupExpertsBySequences(std::span<const SequenceT
   if (!(options.max_node_load_imbalance >= 1.0) ||
       !std::isfinite(options.max_node_load_imbalance)) {
     return InvalidArgument("expert grouping: max_node_load_imbalance " +
-                           std::to_string(options.max_node_load_imbalance) + " must be >= 1");
+                           NumberText(options.max_node_load_imbalance) + " must be >= 1");
   }
   const size_t row = static_cast<size_t>(num_layers) * num_experts;
   for (size_t s = 0; s < history.size(); ++s) {

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <string>
 
+#include "common/number_text.h"
+
 namespace keel {
 
 Result<Topology> Topology::Create(const TopologyConfig& config) {
@@ -17,11 +19,11 @@ Result<Topology> Topology::Create(const TopologyConfig& config) {
   }
   if (!(config.intra_node_gb_per_s > 0) || !std::isfinite(config.intra_node_gb_per_s)) {
     return InvalidArgument("topology.intra_node_gb_per_s must be > 0, got " +
-                           std::to_string(config.intra_node_gb_per_s));
+                           NumberText(config.intra_node_gb_per_s));
   }
   if (!(config.inter_node_gb_per_s > 0) || !std::isfinite(config.inter_node_gb_per_s)) {
     return InvalidArgument("topology.inter_node_gb_per_s must be > 0, got " +
-                           std::to_string(config.inter_node_gb_per_s));
+                           NumberText(config.inter_node_gb_per_s));
   }
   return Topology(config.num_nodes, config.gpus_per_node, config.intra_node_gb_per_s * 1e9,
                   config.inter_node_gb_per_s * 1e9);

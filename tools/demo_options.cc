@@ -6,6 +6,7 @@
 #include <string>
 
 #include "common/file.h"
+#include "common/number_text.h"
 #include "keel/limits.hpp"
 #include "keel/version.hpp"
 #include "kernels/device.h"
@@ -129,18 +130,17 @@ Status CheckFlags(const DemoFlags& f) {
     }
   }
   if (!(f.affinity >= 0.0 && f.affinity <= 1.0)) {
-    return InvalidArgument("--sequence-affinity " + std::to_string(f.affinity) +
-                           " must be in [0, 1]");
+    return InvalidArgument("--sequence-affinity " + NumberText(f.affinity) + " must be in [0, 1]");
   }
   if (!(f.repeat >= 0.0 && f.repeat <= 1.0)) {
-    return InvalidArgument("--token-repeat " + std::to_string(f.repeat) + " must be in [0, 1]");
+    return InvalidArgument("--token-repeat " + NumberText(f.repeat) + " must be in [0, 1]");
   }
   if (f.sequence_objective != "step" && f.sequence_objective != "traffic") {
     return InvalidArgument("--sequence-objective '" + f.sequence_objective +
                            "' is not step or traffic");
   }
   if (!(f.link_gb_per_s >= 0.0 && f.link_gb_per_s <= 1e6)) {
-    return InvalidArgument("--link-gb-per-s " + std::to_string(f.link_gb_per_s) +
+    return InvalidArgument("--link-gb-per-s " + NumberText(f.link_gb_per_s) +
                            " must be in [0, 1e6] (0: no emulated links)");
   }
   if (f.strategy != "ep" && f.strategy != "esp" && f.strategy != "parm" && f.strategy != "ppmoe") {
@@ -172,8 +172,7 @@ Status CheckFlags(const DemoFlags& f) {
         "--condense");
   }
   if (!(f.learning_rate > 0.0 && f.learning_rate < 1.0)) {
-    return InvalidArgument("--learning-rate " + std::to_string(f.learning_rate) +
-                           " must be in (0, 1)");
+    return InvalidArgument("--learning-rate " + NumberText(f.learning_rate) + " must be in (0, 1)");
   }
   return Status::Ok();
 }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 
 namespace keel::tools {
 namespace {
@@ -17,11 +18,14 @@ std::string FormatDouble(double value) {
   return buffer;
 }
 
+// Whether `text` is an integer, whole; `out_of_range` when it is one that Int cannot hold.
 template <typename Int>
-bool ParseInteger(std::string_view text, Int& out) {
+bool ParseInteger(std::string_view text, Int& out, bool& out_of_range) {
+  out_of_range = false;
   if (text.empty()) return false;
   const char* end = text.data() + text.size();
   auto [ptr, ec] = std::from_chars(text.data(), end, out);
+  out_of_range = ec == std::errc::result_out_of_range && ptr == end;
   return ec == std::errc() && ptr == end;
 }
 
@@ -124,9 +128,13 @@ Status FlagParser::Assign(Flag& flag, std::string_view value) {
           }
         } else {
           T parsed{};
-          if (!ParseInteger(value, parsed)) {
-            status = InvalidArgument(where + "is not an integer" +
-                                     (std::is_unsigned_v<T> ? " >= 0" : ""));
+          bool out_of_range = false;
+          if (!ParseInteger(value, parsed, out_of_range)) {
+            status = InvalidArgument(
+                out_of_range
+                    ? where + "is out of range [" + std::to_string(std::numeric_limits<T>::min()) +
+                          ", " + std::to_string(std::numeric_limits<T>::max()) + "]"
+                    : where + "is not an integer" + (std::is_unsigned_v<T> ? " >= 0" : ""));
           } else {
             *target = parsed;
           }

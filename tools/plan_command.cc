@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/file.h"
+#include "common/json.h"
 #include "keel/config.hpp"
 #include "keel/plan.hpp"
 #include "placement/policy.h"
@@ -47,8 +48,8 @@ Result<Json> ReadJsonFile(const std::string& path) {
     if (!read.ok()) return read.status().WithContext("--input");
     text = std::move(*read);
   }
-  Json json = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (json.is_discarded()) return InvalidArgument("--input '" + path + "' is not valid JSON");
+  Result<Json> json = ParseJson(text, "is not valid JSON");
+  if (!json.ok()) return json.status().WithContext("--input '" + path + "'");
   return json;
 }
 

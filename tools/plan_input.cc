@@ -7,6 +7,8 @@
 #include <string>
 #include <string_view>
 
+#include "common/json.h"
+
 namespace keel::tools {
 namespace {
 
@@ -14,17 +16,10 @@ using Json = nlohmann::json;
 
 Result<int> PositiveIntField(const Json& input, const char* name) {
   if (!input.contains(name)) return InvalidArgument(std::string("missing field '") + name + "'");
-  const Json& value = input.at(name);
-  if (!value.is_number_integer()) {
-    return InvalidArgument(std::string("field '") + name + "' must be an integer, got " +
-                           value.dump());
-  }
-  const long long parsed = value.get<long long>();
-  if (parsed < 1 || parsed > 1'000'000'000) {
-    return InvalidArgument(std::string("field '") + name + "' must be in [1, 1000000000], got " +
-                           std::to_string(parsed));
-  }
-  return static_cast<int>(parsed);
+  KEEL_ASSIGN_OR_RETURN(
+      const int64_t value,
+      JsonInteger(input.at(name), std::string("field '") + name + "'", 1, 1'000'000'000));
+  return static_cast<int>(value);
 }
 
 }  // namespace

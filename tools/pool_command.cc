@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/file.h"
+#include "common/json.h"
 #include "tools/commands.h"
 #include "tools/flags.h"
 #include "tools/progress.h"
@@ -41,9 +42,9 @@ Result<StrategyReplayReport> ReplayWithProgress(const Trace& trace, const KeelCo
 
 Result<StrategyPool> ReadPool(const std::string& path) {
   KEEL_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
-  nlohmann::json json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (json.is_discarded()) return InvalidArgument(path + ": not valid JSON");
-  Result<StrategyPool> pool = StrategyPoolFromJson(json);
+  Result<nlohmann::json> json = ParseJson(text);
+  if (!json.ok()) return json.status().WithContext(path);
+  Result<StrategyPool> pool = StrategyPoolFromJson(*json);
   if (!pool.ok()) return pool.status().WithContext(path);
   return pool;
 }

@@ -155,6 +155,10 @@ Result<LayerStepOutcome> StepLayer(const PolicyRun& run, LayerState& state, int 
   Result<StepRouting> routing = state.policy->Route(layer, current, load);
   if (!routing.ok()) return routing.status().WithContext(Where(name, step, layer) + "Route");
   const LayerCost layer_cost = run.cost->Estimate(current, *routing, migration_seconds);
+  if (Status finite = run.cost->CheckFinite(layer_cost, replan ? &outcome.migration : nullptr);
+      !finite.ok()) {
+    return InvalidArgument(Where(name, step, layer) + finite.message());
+  }
   outcome.seconds = layer_cost.total_seconds();
   outcome.imbalance = routing->imbalance();
   outcome.transients = static_cast<long>(routing->transients.size());

@@ -15,6 +15,7 @@
 
 #include "common/config.h"
 #include "common/file.h"
+#include "common/number_text.h"
 #include "monitor/metrics.h"
 #include "monitor/trace.h"
 #include "placement/policy.h"
@@ -366,11 +367,11 @@ int RunReplay(int argc, char** argv) {
   constexpr double kMaxSeconds = 1e9;
   if (!(pace_seconds >= 0 && pace_seconds <= kMaxSeconds)) {
     return Fail(
-        InvalidArgument("--pace must be in [0, 1e9] seconds, got " + std::to_string(pace_seconds)));
+        InvalidArgument("--pace must be in [0, 1e9] seconds, got " + NumberText(pace_seconds)));
   }
   if (!(serve_seconds >= 0 && serve_seconds <= kMaxSeconds)) {
-    return Fail(InvalidArgument("--serve-seconds must be in [0, 1e9], got " +
-                                std::to_string(serve_seconds)));
+    return Fail(
+        InvalidArgument("--serve-seconds must be in [0, 1e9], got " + NumberText(serve_seconds)));
   }
   if (!serve && (loop || flags.IsSet("serve-seconds"))) {
     return Fail(InvalidArgument(std::string(loop ? "--loop" : "--serve-seconds") +
@@ -430,7 +431,7 @@ int RunReplay(int argc, char** argv) {
   if (!(sequence_options.max_token_imbalance >= 1.0 &&
         sequence_options.max_token_imbalance <= 1e6)) {
     return Fail(InvalidArgument("--max-token-imbalance must be in [1, 1e6], got " +
-                                std::to_string(sequence_options.max_token_imbalance)));
+                                NumberText(sequence_options.max_token_imbalance)));
   }
 
   // Before the trace is read or anything served: no output may replace an input or another.

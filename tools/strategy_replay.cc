@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <mutex>
 
+#include "common/number_text.h"
 #include "common/parallel.h"
 #include "placement/load.h"
 #include "placement/topology.h"
@@ -248,8 +250,19 @@ Result<StrategyReplayReport> ReplayStrategies(const Trace& trace, const KeelConf
   for (int step = 0; step < num_steps; ++step) {
     for (int layer = 0; layer < num_layers; ++layer) {
       for (int s = 0; s < kFixed; ++s) {
-        report.layer_step_seconds[(static_cast<size_t>(step) * num_layers + layer) * kFixed + s] =
+        const double seconds =
             walks[layer].costs[static_cast<size_t>(step) * (kFixed + 1) + s].total_seconds();
+        // The ep replay checked its prices (CostModel::CheckFinite); the strategies' come from
+        // the same constants, and a report holds no inf or NaN either.
+        if (!std::isfinite(seconds)) {
+          return InvalidArgument("strategy " + std::string(StrategyName(kAllStrategies[s])) +
+                                 ", step " + std::to_string(step) + ", layer " +
+                                 std::to_string(layer) + ": priced at " + NumberText(seconds) +
+                                 " seconds; the cost_model and topology constants are out of "
+                                 "scale (ValidateConfig names the one out of range)");
+        }
+        report.layer_step_seconds[(static_cast<size_t>(step) * num_layers + layer) * kFixed + s] =
+            seconds;
       }
     }
   }
@@ -290,13 +303,20 @@ nlohmann::json StrategyPoolToJson(const StrategyPool& pool) {
 }
 
 Result<StrategyPool> StrategyPoolFromJson(const nlohmann::json& json) {
-  if (!json.is_object() || json.value("format", "") != "keel-strategy-pool") {
+  if (!json.is_object() || !json.contains("format") ||
+      json["format"] != nlohmann::json("keel-strategy-pool")) {
     return InvalidArgument(
         "not a strategy pool: expected an object with \"format\": "
         "\"keel-strategy-pool\" (written by keel pool build)");
   }
   StrategyPool pool;
-  if (json.contains("source") && json["source"].is_string()) pool.source = json["source"];
+  if (json.contains("source")) {
+    if (!json["source"].is_string()) {
+      return InvalidArgument("strategy pool: \"source\" must be a string, got " +
+                             json["source"].dump());
+    }
+    pool.source = json["source"];
+  }
   if (!json.contains("layers") || !json["layers"].is_array() || json["layers"].empty()) {
     return InvalidArgument("strategy pool: \"layers\" must be a non-empty array");
   }

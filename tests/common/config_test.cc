@@ -94,7 +94,8 @@ TEST(ConfigTest, OutOfRangeNamesKeyValueLineAndBound) {
               {"configs/x.yaml:3: cost_model.hidden_size: -3 is out of range (must be in [1, "
                "1048576])"});
   ExpectError("topology:\n  intra_node_gb_per_s: 0\n",
-              {"configs/x.yaml:2: topology.intra_node_gb_per_s: 0 is out of range (must be > 0)"});
+              {"configs/x.yaml:2: topology.intra_node_gb_per_s: 0 is out of range (must be in "
+               "[1e-9, 1e9])"});
   ExpectError("estimator:\n  ema_decay: 1.0\n",
               {"configs/x.yaml:2: estimator.ema_decay: 1.0 is out of range (must be in [0, 1))"});
   ExpectError("cost_model:\n  dtype_bytes: 16\n",
@@ -116,6 +117,136 @@ TEST(ConfigTest, WrongTypeNamesKeyValueAndLine) {
   ExpectError("topology:\n  num_nodes: [1, 2]\n",
               {"configs/x.yaml:2:", "topology.num_nodes", "expected an integer", "a list"});
   ExpectError("topology:\n  num_nodes:\n", {"configs/x.yaml:2:", "topology.num_nodes", "no value"});
+}
+
+// Types are exact: YAML reads a quoted scalar, or one tagged !!str, as a string, and a key of
+// another type refuses it; a plain or rightly tagged scalar of the key's type reads as before.
+TEST(ConfigTest, QuotedOrTaggedScalarsAreOfTheirOwnType) {
+  struct Case {
+    const char* yaml;
+    const char* message;
+  };
+  const Case refused[] = {
+      {"topology:\n  num_nodes: \"4\"\n",
+       "x.yaml:2: topology.num_nodes: \"4\" is a quoted string, not an integer (write 4 without "
+       "quotes)"},
+      {"slots:\n  transient_per_rank: '2'\n",
+       "x.yaml:2: slots.transient_per_rank: \"2\" is a quoted string, not an integer"},
+      {"cost_model:\n  expert_tflops: \"600\"\n",
+       "x.yaml:2: cost_model.expert_tflops: \"600\" is a quoted string, not a number"},
+      {"policy:\n  keel:\n    transient_replicas: \"true\"\n",
+       "x.yaml:3: policy.keel.transient_replicas: \"true\" is a quoted string, not true or false"},
+      {"monitor:\n  per_source_rank: 'false'\n",
+       "x.yaml:2: monitor.per_source_rank: \"false\" is a quoted string, not true or false"},
+      {"topology:\n  num_nodes: !!str 4\n",
+       "x.yaml:2: topology.num_nodes: 4 is tagged !!str, not an integer"},
+      {"estimator:\n  ema_decay: !!bool 0.5\n",
+       "x.yaml:2: estimator.ema_decay: 0.5 is tagged !!bool, not a number"},
+      {"policy:\n  keel:\n    shard_experts: !!int 1\n",
+       "x.yaml:3: policy.keel.shard_experts: 1 is tagged !!int, not true or false"},
+      {"policy:\n  name: !!int 4\n", "x.yaml:2: policy.name: 4 is tagged !!int, not a string"},
+      {"topology:\n  num_nodes: !mine 4\n",
+       "x.yaml:2: topology.num_nodes: 4 has the tag !mine, which Keel does not read"},
+  };
+  for (const Case& c : refused) ExpectError(c.yaml, {c.message});
+  Result<KeelConfig> accepted = ParseConfig(
+      "topology:\n  num_nodes: !!int \"4\"\n  intra_node_gb_per_s: !!int 300\n"
+      "cost_model:\n  expert_tflops: !!float 500\npolicy:\n  name: \"keel\"\n  keel:\n"
+      "    transient_replicas: !!bool false\n    spare_slots: 'replicas'\n"
+      "monitor:\n  metrics_address: 9400\n  trace_path: !!str t.jsonl\n",
+      "x.yaml");
+  ASSERT_TRUE(accepted.ok()) << accepted.status().ToString();
+  EXPECT_EQ(accepted->topology.num_nodes, 4);
+  EXPECT_EQ(accepted->topology.intra_node_gb_per_s, 300.0);
+  EXPECT_EQ(accepted->cost_model.expert_tflops, 500.0);
+  EXPECT_EQ(accepted->policy.name, "keel");
+  EXPECT_FALSE(accepted->policy.keel.transient_replicas);
+  EXPECT_EQ(accepted->monitor.metrics_address, "9400");  // a bare port, as documented
+  EXPECT_EQ(accepted->monitor.trace_path, "t.jsonl");
+}
+
+// A config file is one YAML document: a second one, or text after its end, was dropped unread.
+TEST(ConfigTest, OneDocumentOnly) {
+  struct Case {
+    const char* yaml;
+    const char* line;
+  };
+  const Case refused[] = {
+      {"topology:\n  num_nodes: 2\n...\ntopology:\n  num_nodes: 3\n", "x.yaml:4: "},
+      {"topology:\n  num_nodes: 2\n...\ngarbage\n", "x.yaml:4: "},
+      {"topology:\n  num_nodes: 2\n---\npolicy:\n  name: keel\n", "x.yaml:3: "},
+      {"topology:\n  num_nodes: 2\n---\n", "x.yaml:3: "},
+      {"---\ntopology:\n  num_nodes: 2\n...\n\n---\n", "x.yaml:6: "},
+  };
+  for (const Case& c : refused) {
+    ExpectError(c.yaml, {std::string(c.line) + "a second YAML document starts here"});
+  }
+  // Text yaml-cpp cannot get past: it starts empty documents there forever (found by the config
+  // fuzzer once the reader looked for a second document; YAML::Load read it as an empty file).
+  ExpectError(std::string(",!\x0e", 3),
+              {"x.yaml:1: YAML syntax error: the parser cannot read past"});
+  for (const char* yaml : {"---\ntopology:\n  num_nodes: 2\n...\n# a comment after the end\n",
+                           "topology:\n  num_nodes: 2\n...\n"}) {
+    Result<KeelConfig> config = ParseConfig(yaml, "x.yaml");
+    ASSERT_TRUE(config.ok()) << yaml << ": " << config.status().ToString();
+    EXPECT_EQ(config->topology.num_nodes, 2);
+  }
+}
+
+// Integers are read at their full width: one beyond 64 bits is out of range, not "not an
+// integer", and an int key's range names the int's bound where the table has none.
+TEST(ConfigTest, IntegersOutOfRangeNameTheBoundThatApplies) {
+  ExpectError("topology:\n  num_nodes: 18446744073709551615\n",
+              {"x.yaml:2: topology.num_nodes: 18446744073709551615 is out of range (must be in "
+               "[1, 65536])"});
+  ExpectError("policy:\n  replan_interval_steps: 3000000000\n",
+              {"x.yaml:2: policy.replan_interval_steps: 3000000000 is out of range (must be in "
+               "[1, 2147483647])"});
+  ExpectError("policy:\n  replan_interval_steps: -99999999999999999999\n",
+              {"x.yaml:2: policy.replan_interval_steps: -99999999999999999999 is out of range "
+               "(must be in [1, 2147483647])"});
+  ExpectError("monitor:\n  aggregating_rank: 2147483648\n",
+              {"monitor.aggregating_rank: 2147483648 is out of range (must be in [0, "
+               "2147483647])"});
+}
+
+// Constants the cost model divides by or multiplies with have bounds that keep every price of a
+// trace finite; a degenerate one is refused by name, where before a replay reported inf or NaN
+// (null in its JSON report). One case per key.
+TEST(ConfigTest, CostModelConstantsThatWouldGiveNonFinitePricesAreRefused) {
+  struct Case {
+    const char* yaml;
+    const char* message;
+  };
+  const Case refused[] = {
+      {"topology:\n  intra_node_gb_per_s: 1e-320\n",
+       "topology.intra_node_gb_per_s: 1e-320 is out of range (must be in [1e-9, 1e9])"},
+      {"topology:\n  inter_node_gb_per_s: 1e308\n",
+       "topology.inter_node_gb_per_s: 1e308 is out of range (must be in [1e-9, 1e9])"},
+      {"cost_model:\n  expert_tflops: 1e-300\n",
+       "cost_model.expert_tflops: 1e-300 is out of range (must be in [1e-9, 1e9])"},
+      {"cost_model:\n  train_flops_multiplier: 1e308\n",
+       "cost_model.train_flops_multiplier: 1e308 is out of range (must be in [1, 1000])"},
+      {"cost_model:\n  home_move_bytes_per_parameter: 1e308\n",
+       "cost_model.home_move_bytes_per_parameter: 1e308 is out of range (must be in (0, 1024])"},
+      {"cost_model:\n  gemm_efficiency: \"1024:1e-300\"\n",
+       "entry '1024:1e-300': efficiency must be a number in [0.001, 4]"},
+      {"migration:\n  bandwidth_cap_gb_per_s: 1e300\n",
+       "migration.bandwidth_cap_gb_per_s: 1e300 is out of range (must be in [0, 1e9])"},
+      {"migration:\n  deadline_seconds: 1e300\n",
+       "migration.deadline_seconds: 1e300 is out of range (must be in (0, 1e9])"},
+      {"policy:\n  planner_watchdog_seconds: 1e20\n",
+       "policy.planner_watchdog_seconds: 1e20 is out of range (must be in (0, 1e9])"},
+      {"engine:\n  collective_timeout_seconds: 1e20\n",
+       "engine.collective_timeout_seconds: 1e20 is out of range (must be in (0, 1e9])"},
+  };
+  for (const Case& c : refused) ExpectError(c.yaml, {":2: ", c.message});
+  // The bounds themselves are accepted.
+  Result<KeelConfig> edges = ParseConfig(
+      "topology:\n  intra_node_gb_per_s: 1e-9\n  inter_node_gb_per_s: 1e9\n"
+      "cost_model:\n  expert_tflops: 1e-9\n  train_flops_multiplier: 1000\n"
+      "  home_move_bytes_per_parameter: 1024\n  gemm_efficiency: \"1024:0.001\"\n");
+  EXPECT_TRUE(edges.ok()) << edges.status().ToString();
 }
 
 TEST(ConfigTest, BadEnumValueListsAllowedValues) {

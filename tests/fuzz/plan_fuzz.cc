@@ -5,9 +5,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
+#include "common/json.h"
 #include "keel/plan.hpp"
 #include "tools/plan_input.h"
 
@@ -15,10 +17,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   static const char* const kPolicies[] = {"eplb", "keel", "static", "flexmoe", "lplb", "velb"};
   const char* policy = kPolicies[data[0] % (sizeof kPolicies / sizeof kPolicies[0])];
-  const nlohmann::json input =
-      nlohmann::json::parse(data + 1, data + size, nullptr, /*allow_exceptions=*/false);
-  if (input.is_discarded()) return 0;
-  keel::Result<keel::PlanRequest> request = keel::tools::ParsePlanInput(input);
+  const keel::Result<nlohmann::json> input =
+      keel::ParseJson(std::string_view(reinterpret_cast<const char*>(data) + 1, size - 1));
+  if (!input.ok()) return 0;
+  keel::Result<keel::PlanRequest> request = keel::tools::ParsePlanInput(*input);
   if (!request.ok()) return 0;
   request->policy = policy;
   keel::Result<keel::PlanResult> plan = keel::PlanPlacement(*request);

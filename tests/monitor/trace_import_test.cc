@@ -399,6 +399,103 @@ TEST(MegatronImportTest, ErrorsNameFileAndLine) {
   EXPECT_NE(ImportMegatronTrace(path).status().message().find("t.jsonl:1"), std::string::npos);
 }
 
+// Every reader reads numbers exactly: an integer beyond its field's range is named with the value
+// as written (never wrapped to a negative one), a repeated JSON key is refused with its place
+// (nlohmann kept the last), a quoted number is a string. One case per reader and field.
+TEST(TraceReadersTest, NumbersAreReadExactlyAndKeysOnce) {
+  struct Case {
+    TraceFormat format;
+    const char* file;  // written with `text`; the reader gets its folder's path for folder formats
+    std::string text;
+    const char* message;
+  };
+  const std::string keel_header =
+      "{\"keel_trace\": 1, \"num_layers\": 1, \"num_experts\": 2, \"num_sources\": 0}\n";
+  const std::string megatron = "{\"step\": 0, \"layer\": 0, \"expert_counts\": [1, 2]}\n";
+  const Case cases[] = {
+      // Keel traces: the header's integers and the step id.
+      {TraceFormat::kKeel, "k.jsonl",
+       "{\"keel_trace\": 1, \"num_layers\": 18446744073709551615, \"num_experts\": 2, "
+       "\"num_sources\": 0}\n",
+       "k.jsonl:1: header \"num_layers\" 18446744073709551615 is more than 1073741824"},
+      {TraceFormat::kKeel, "k.jsonl",
+       "{\"keel_trace\": 1, \"num_layers\": 2000000000, \"num_experts\": 2, "
+       "\"num_sources\": 0}\n",
+       "k.jsonl:1: header \"num_layers\" 2000000000 is more than 1073741824"},
+      {TraceFormat::kKeel, "k.jsonl",
+       "{\"keel_trace\": 1, \"num_layers\": 1, \"num_experts\": \"2\", \"num_sources\": 0}\n",
+       "k.jsonl:1: header \"num_experts\" must be an integer, got \"2\""},
+      {TraceFormat::kKeel, "k.jsonl",
+       "{\"keel_trace\": 1, \"num_layers\": 1, \"num_layers\": 4, \"num_experts\": 2, "
+       "\"num_sources\": 0}\n",
+       "k.jsonl:1: key \"num_layers\" appears twice in one object at line 1, column 36"},
+      {TraceFormat::kKeel, "k.jsonl",
+       keel_header + "{\"step\": 18446744073709551615, \"layers\": [[1, 2]]}\n",
+       "k.jsonl:2: step 18446744073709551615 is more than 9223372036854775807"},
+      {TraceFormat::kKeel, "k.jsonl",
+       keel_header + "{\"step\": 18446744073709551616, \"layers\": [[1, 2]]}\n",
+       "k.jsonl:2: step 18446744073709551616 is more than 9223372036854775807"},
+      {TraceFormat::kKeel, "k.jsonl", keel_header + "{\"step\": \"0\", \"layers\": [[1, 2]]}\n",
+       "k.jsonl:2: step must be an integer, got \"0\""},
+      {TraceFormat::kKeel, "k.jsonl",
+       keel_header + "{\"step\": 0, \"layers\": [[1, 2]], \"layers\": [[3, 4]]}\n",
+       "k.jsonl:2: key \"layers\" appears twice in one object at line 1, column 33"},
+      // Megatron-LM router records: step, layer, rank, MTP head, expert ids.
+      {TraceFormat::kMegatron, "m.jsonl",
+       "{\"step\": 18446744073709551615, \"layer\": 0, \"expert_counts\": [1, 2]}\n",
+       "m.jsonl:1: \"step\" 18446744073709551615 is more than 9223372036854775807"},
+      {TraceFormat::kMegatron, "m.jsonl",
+       "{\"iteration\": -1, \"layer\": 0, \"expert_counts\": [1, 2]}\n",
+       "m.jsonl:1: \"iteration\" -1 is negative"},
+      {TraceFormat::kMegatron, "m.jsonl",
+       "{\"step\": 0, \"layer\": \"3\", \"expert_counts\": [1, 2]}\n",
+       "m.jsonl:1: \"layer\" must be an integer, got \"3\""},
+      {TraceFormat::kMegatron, "m.jsonl",
+       "{\"step\": 0, \"layer\": 0, \"rank\": 18446744073709551615, \"expert_counts\": [1]}\n",
+       "m.jsonl:1: \"rank\" 18446744073709551615 is more than 9223372036854775807"},
+      {TraceFormat::kMegatron, "m.jsonl",
+       "{\"step\": 0, \"layer\": 0, \"block\": 1, \"expert_counts\": [1]}\n",
+       "m.jsonl:1: \"block\" must be a string, got 1"},
+      {TraceFormat::kMegatron, "m.jsonl",
+       "{\"step\": 0, \"layer\": 0, \"top_indices\": [[1, 18446744073709551615]]}\n",
+       "m.jsonl:1: top_indices[0]: expert id 18446744073709551615 is more than 65535"},
+      {TraceFormat::kMegatron, "m.jsonl",
+       megatron + "{\"step\": 1, \"step\": 0, \"layer\": 0, \"expert_counts\": [1, 2]}\n",
+       "m.jsonl:2: key \"step\" appears twice in one object at line 1, column 13"},
+      // OLMoE's counts file.
+      {TraceFormat::kOlmoe, "expert_counts_derived.json",
+       "{\"models\": {\"olmoe\": {\"top8\": {\"law\": [[1, 2]],\n\"law\": [[3, 4]]}}}}",
+       "expert_counts_derived.json: key \"law\" appears twice in one object at line 2, column 1"},
+      // ESFT expert ids and SmartMoE layer numbers, beyond 64 bits.
+      {TraceFormat::kEsft, "esft/expert_weights_1.txt", "1\t18446744073709551616\t\t0.5\t0.5\n",
+       "expert_weights_1.txt:1: expert id 18446744073709551616 outside 0..63"},
+      {TraceFormat::kSmartMoe, "sm/table_iter1_rank0.log", "99999999999999999999:[[1.0, 2.0]]\n",
+       "table_iter1_rank0.log:1: column 1: integer 99999999999999999999 does not fit in 64 bits"},
+  };
+  for (const Case& c : cases) {
+    ScratchFolder folder;
+    const std::string path = folder.Write(c.file, c.text);
+    const bool folder_format = c.format == TraceFormat::kEsft || c.format == TraceFormat::kSmartMoe;
+    Result<Trace> trace = ReadTrace(
+        folder_format ? std::filesystem::path(path).parent_path().string() : path, c.format);
+    ASSERT_FALSE(trace.ok()) << c.text;
+    EXPECT_EQ(trace.status().code(), StatusCode::kInvalidArgument) << trace.status().ToString();
+    EXPECT_NE(trace.status().message().find(c.message), std::string::npos)
+        << c.text << "\n-> " << trace.status().message();
+  }
+  // Multi-token-prediction heads, read when asked for.
+  ScratchFolder folder;
+  const std::string path = folder.Write(
+      "m.jsonl", "{\"step\": 0, \"layer\": 0, \"mtp_idx\": -2, \"expert_counts\": [1]}\n");
+  MegatronImportOptions options;
+  options.include_mtp = true;
+  Result<Trace> trace = ImportMegatronTrace(path, options);
+  ASSERT_FALSE(trace.ok());
+  EXPECT_NE(trace.status().message().find("m.jsonl:1: \"mtp_idx\" -2 is negative"),
+            std::string::npos)
+      << trace.status().message();
+}
+
 // ---- Real traces (skipped where the shared folder is absent) ----
 
 TEST(SharedTraceTest, SmartMoe) {

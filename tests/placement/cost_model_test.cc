@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <random>
 #include <utility>
 #include <vector>
@@ -35,6 +36,36 @@ StepRouting EmptyRouting(int ranks, int slots) {
   routing.sent_tokens.assign(ranks * ranks, 0);
   routing.slot_tokens.assign(slots, 0);
   return routing;
+}
+
+// A price that is not finite is refused where it is produced, naming the terms and every
+// constant it came from; ValidateConfig's ranges keep configs from files out of this path.
+TEST(CostModelTest, CheckFiniteNamesTheTermsAndTheConstants) {
+  const Topology topology = TwoNodesOfTwo();
+  CostModelConfig config = SmallModel();
+  StepRouting routing = EmptyRouting(4, 4);
+  routing.rank_tokens = {10, 0, 0, 0};
+  routing.sent_tokens[1] = 10;
+  const Placement placement = Placement::Contiguous(4, 4, 1).value();
+  EXPECT_TRUE(CostModel(topology, config)
+                  .CheckFinite(CostModel(topology, config).Estimate(placement, routing))
+                  .ok());
+
+  config.expert_tflops = 1e-300;  // 2 * 64 * 1e20 * 10 FLOPs at 1e-288 FLOP/s: inf seconds
+  config.train_flops_multiplier = 1e20;
+  const CostModel degenerate(topology, config);
+  const Status status = degenerate.CheckFinite(degenerate.Estimate(placement, routing));
+  ASSERT_FALSE(status.ok());
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  for (const char* part : {"compute_seconds inf", "cost_model.expert_tflops 1e-300",
+                           "cost_model.train_flops_multiplier 1e+20", "cost_model.hidden_size 4",
+                           "topology.intra_node_gb_per_s 100", "topology.inter_node_gb_per_s 10"}) {
+    EXPECT_NE(status.message().find(part), std::string::npos) << part << " in " << status.message();
+  }
+  MigrationCost migration;
+  migration.bytes = std::numeric_limits<double>::infinity();
+  const Status moved = CostModel(topology, SmallModel()).CheckFinite(LayerCost{}, &migration);
+  EXPECT_NE(moved.message().find("migration bytes inf"), std::string::npos) << moved.message();
 }
 
 TEST(CostModelTest, SizesFollowTheConfig) {

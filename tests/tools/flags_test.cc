@@ -87,6 +87,11 @@ TEST(FlagParserTest, ErrorsNameTheFlagAndValue) {
       {{"--quiet"}, "missing required flag --path"},
       {{"--path", "x", "--repeat", "many"}, "flag --repeat: 'many' is not an integer"},
       {{"--path", "x", "--seed=-1"}, "flag --seed: '-1' is not an integer >= 0"},
+      // Integers beyond the flag's type are out of range, with the type's bounds.
+      {{"--path", "x", "--repeat", "3000000000"},
+       "flag --repeat: '3000000000' is out of range [-2147483648, 2147483647]"},
+      {{"--path", "x", "--seed=18446744073709551616"},
+       "flag --seed: '18446744073709551616' is out of range [0, 18446744073709551615]"},
       {{"--path", "x", "--ratio=abc"}, "flag --ratio: 'abc' is not a finite number"},
       {{"--path", "x", "--quiet=maybe"}, "flag --quiet: 'maybe' is not a boolean"},
       {{"--path", "x", "stray"}, "unexpected argument 'stray'"},

@@ -298,5 +298,38 @@ TEST(ReplayPlotTest, SvgHasBothPanelsAndEveryPolicy) {
   EXPECT_EQ(svg.find("nan"), std::string::npos);
 }
 
+// A config built in code skips ValidateConfig's ranges; a degenerate constant then gives a price
+// that is not finite, which the replay refuses where it is produced (it reported inf, and null in
+// its JSON report), naming the policy, step, layer, term and constants.
+TEST(ReplayTest, NonFinitePricesAreRefusedNamingTheConstants) {
+  const Trace trace = SkewedTrace(4, 2);
+  struct Case {
+    std::function<void(KeelConfig&)> set;
+    const char* term;
+    const char* constant;
+  };
+  const Case cases[] = {
+      {[](KeelConfig& c) { c.cost_model.expert_tflops = 1e-310; }, "compute_seconds inf",
+       "cost_model.expert_tflops 1e-310"},
+      {[](KeelConfig& c) { c.cost_model.train_flops_multiplier = 1e308; }, "compute_seconds",
+       "cost_model.train_flops_multiplier 1e+308"},
+      {[](KeelConfig& c) { c.topology.intra_node_gb_per_s = 1e-320; }, "all_to_all_seconds inf",
+       "topology.intra_node_gb_per_s 1e-320"},
+  };
+  for (const Case& c : cases) {
+    KeelConfig config = SmallConfig();
+    c.set(config);
+    ReplayOptions options;
+    options.policies = {"static"};
+    Result<ReplayReport> report = ReplayTrace(trace, config, options);
+    ASSERT_FALSE(report.ok()) << c.constant;
+    EXPECT_EQ(report.status().code(), StatusCode::kInvalidArgument);
+    for (const char* part : {"policy static, step 0, layer 0: ", c.term, c.constant}) {
+      EXPECT_NE(report.status().message().find(part), std::string::npos)
+          << part << " in " << report.status().message();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace keel::tools
