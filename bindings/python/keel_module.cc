@@ -432,7 +432,16 @@ class PythonEngine {
   }
 
   // Checkpoints: the engine's state as JSON text, and the experts by logical id (engine.hpp).
-  std::string SaveState() { return EngineStateToJson(engine().SaveState()); }
+  // The accessors below wait for a call another thread has in progress (Engine's rule), whose
+  // collectives may need the GIL: they wait without it.
+  std::string SaveState() {
+    EngineState state;
+    {
+      py::gil_scoped_release release;
+      state = engine().SaveState();
+    }
+    return EngineStateToJson(state);
+  }
 
   void RestoreState(const std::string& json) {
     Result<EngineState> state = EngineStateFromJson(json);
@@ -463,7 +472,12 @@ class PythonEngine {
 
   std::vector<std::pair<int, int>> HomeSlots(int layer) {
     std::vector<std::pair<int, int>> homes;
-    for (const HomeSlot& home : engine().HomeSlots(layer)) {
+    std::vector<HomeSlot> slots;
+    {
+      py::gil_scoped_release release;
+      slots = engine().HomeSlots(layer);
+    }
+    for (const HomeSlot& home : slots) {
       homes.emplace_back(home.expert, home.local_slot);
     }
     return homes;
@@ -471,7 +485,11 @@ class PythonEngine {
 
   py::dict Placement(int layer) {
     if (layer < 0) throw StatusError(InvalidArgument("layer = " + std::to_string(layer) + " < 0"));
-    const LayerPlacement p = engine().placement(layer);
+    LayerPlacement p;
+    {
+      py::gil_scoped_release release;
+      p = engine().placement(layer);
+    }
     if (p.num_experts == 0) {
       throw StatusError(InvalidArgument("layer = " + std::to_string(layer) + " is out of range"));
     }
@@ -488,7 +506,11 @@ class PythonEngine {
   }
 
   py::dict Stats() {
-    const EngineStats s = engine().stats();
+    EngineStats s;
+    {
+      py::gil_scoped_release release;
+      s = engine().stats();
+    }
     py::dict out;
     out["steps"] = s.steps;
     out["epoch"] = s.epoch;
@@ -731,5 +753,8 @@ PYBIND11_MODULE(_keel, m) {
                              [](PythonEngine& e) { return e.engine().slots_per_rank(); })
       .def_property_readonly("transient_per_rank",
                              [](PythonEngine& e) { return e.engine().transient_per_rank(); })
-      .def_property_readonly("epoch", [](PythonEngine& e) { return e.engine().epoch(); });
+      .def_property_readonly("epoch", [](PythonEngine& e) {
+        py::gil_scoped_release release;  // it waits for another thread's call in progress
+        return e.engine().epoch();
+      });
 }

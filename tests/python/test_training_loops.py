@@ -1,7 +1,8 @@
 """keel.torch in the training loops of real runs, on 4 real ranks: several micro-batches per
 optimizer step (gradient accumulation), activation recomputation with torch.utils.checkpoint
-(reentrant and not), evaluation passes between steps without extra calls, and the misuse of
-attaching the optimizer hooks twice.
+(reentrant and not), evaluation passes between steps without extra calls, torch.compile around a
+block with a KeelMoE layer, and two misuses: attaching the optimizer hooks twice, and one engine
+driven from two threads.
 
 Gradient accumulation: one batch per step and the same tokens in 4 micro-batches give the same
 home gradients and, after SGD, the same weights, under the static and the keel placement (epochs
@@ -284,12 +285,48 @@ def compiled_block(rank: int, world: int) -> Dict[str, Any]:
     return worst
 
 
+def two_threads(rank: int, world: int) -> List[str]:
+    """One engine driven from two threads on rank 0 while its route waits for the other ranks:
+    a second route is refused by name, and stats() waits for the route (without the GIL, which
+    the route's collectives need) instead of deadlocking. Returns what went wrong."""
+    import threading
+    import time
+    import torch
+    import keel
+    import keel.torch as kt
+
+    moe = kt.KeelMoE(kt.ffn_expert(HIDDEN, FFN), num_layers=1, num_experts=EXPERTS, top_k=TOP_K,
+                     config=moe_config("static"), seed=3)
+    counts = torch.full((EXPERTS,), 3, dtype=torch.int32)
+    problems: List[str] = []
+    if rank != 0:
+        time.sleep(1.0)  # rank 0's route waits for these in its first all-reduce
+        moe.engine.route_counts(0, counts)
+    else:
+        routing = threading.Thread(target=lambda: moe.engine.route_counts(0, counts))
+        routing.start()
+        time.sleep(0.3)
+        try:
+            moe.engine.route_counts(0, counts)
+            problems.append("a second thread's route was accepted")
+        except keel.FailedPreconditionError as error:
+            if "runs on another thread" not in str(error):
+                problems.append(f"unexpected message: {error}")
+        stats = moe.engine.stats()  # waits for the route in progress
+        routing.join(timeout=60)
+        if routing.is_alive() or stats is None:
+            problems.append("the route never finished")
+    moe.engine.step_end()
+    moe.close()
+    return problems
+
+
 def evaluate_and_compile(rank: int, world: int) -> Dict[str, Any]:
-    return {"problems": evaluate_between_steps(rank, world),
+    return {"problems": evaluate_between_steps(rank, world) + two_threads(rank, world),
             "compiled": compiled_block(rank, world)}
 
 
-def test_evaluation_needs_no_call_attach_twice_is_refused_and_a_compiled_block_trains() -> None:
+def test_evaluation_attach_twice_two_threads_and_a_compiled_block() -> None:
     for rank, answer in enumerate(values(run_ranks(evaluate_and_compile, RANKS, timeout=280))):
         assert answer["problems"] == [], f"rank {rank}: {answer['problems']}"
         worst = answer["compiled"]
