@@ -197,3 +197,13 @@ def test_engine_calls_name_bad_arguments() -> None:
     assert len(answers) == len(expected)
     for answer, wanted in zip(answers, expected):
         assert answer.startswith("InvalidArgumentError") and wanted in answer, (wanted, answer)
+
+
+def test_config_dicts_keep_their_numbers_through_replace() -> None:
+    """to_dict reads numbers as numbers (YAML 1.2: "1e-06" is a float, "off" a string), so a
+    replaced config keeps a small rate, which the library would refuse as a quoted string."""
+    config = keel.Config.from_yaml("cost_model: {expert_tflops: 0.000001}\n")
+    assert config.to_dict()["cost_model"]["expert_tflops"] == 1e-06
+    replaced = config.replace({"policy": {"name": "static"}})
+    assert replaced.to_dict()["cost_model"]["expert_tflops"] == 1e-06
+    assert replaced.policy == "static"

@@ -129,6 +129,12 @@ def _load_yaml(text: str) -> Any:
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
     Loader.add_implicit_resolver(bool_tag, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
                                  list("tTfF"))
+    # YAML 1.2's floats include an exponent without a dot ("1e-06", as to_yaml writes small
+    # values), which PyYAML's YAML 1.1 resolver reads as a string. Added last, after the int
+    # resolver, so that integers stay integers.
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                 re.compile(r"^[-+]?[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+$"),
+                                 list("-+0123456789"))
     return yaml.load(text, Loader=Loader)
 
 
