@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every CPU benchmark of docs/benchmarks.md and writes the results to out/bench/:
 # planner, monitor, migration and demo-expert micro-benchmarks (Google Benchmark JSON), the UCX
-# transfers between processes (JSON lines), and trace replays (keel replay reports).
+# transfers between processes (JSON lines), trace replays (keel replay reports), and scrapes of
+# the metrics endpoint under idle and slow clients (JSON lines).
 # Usage: bench/run.sh [build-dir]   (default: build; run `scripts/dev build` first)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -47,4 +48,6 @@ if [ -f "$smartmoe" ]; then
 else
   echo "== skipping SmartMoE replays: $smartmoe not found"
 fi
+echo "== metrics endpoint: scrapes with 200 idle and 40 dripping clients (docs/monitor.md)"
+python3 "$root/bench/scrape_under_abuse.py" --keel "$keel" | tee "$out/scrape-under-abuse.jsonl"
 echo "== results in $out"

@@ -24,6 +24,7 @@
 
 #include "common/config_keys.h"
 #include "common/file.h"
+#include "common/listen_address.h"
 #include "common/policy_names.h"
 #include "keel/limits.hpp"
 
@@ -558,6 +559,12 @@ Status Validate(const KeelConfig& config, const ParseOrigin& origin) {
         "monitor.aggregating_rank", "topology.gpus_per_node",
         "monitor.aggregating_rank: " + std::to_string(config.monitor.aggregating_rank) +
             " is not a rank of the job (it has " + std::to_string(num_ranks) + " ranks)");
+  }
+  if (const std::string& address = config.monitor.metrics_address; !address.empty()) {
+    if (Result<ListenAddress> parsed = ParseListenAddress(address); !parsed.ok()) {
+      return InvalidArgument(origin.WhereKey("monitor.metrics_address") +
+                             "monitor.metrics_address: " + parsed.status().message());
+    }
   }
   const CostModelConfig& cost = config.cost_model;
   if (cost.home_move_bytes_per_parameter < cost.dtype_bytes) {

@@ -191,8 +191,9 @@ constexpr ConfigKey kConfigKeys[] = {
      .doc = "auto: a switch must cut the layer's estimated step time by at least this fraction."},
     // monitor
     {KEEL_CONFIG_FIELD(monitor.metrics_address),
-     .doc = "host:port where the Prometheus exporter serves /metrics; a bare port listens on "
-            "127.0.0.1; empty means no exporter."},
+     .doc = "Where the Prometheus exporter serves /metrics: host:port (an IPv4 address or a "
+            "host name), [v6addr]:port for IPv6, or a bare port, which listens on 127.0.0.1; "
+            "port 0 picks a free one; empty means no exporter."},
     {KEEL_CONFIG_FIELD(monitor.per_expert), .choices = kPerExpertModes,
      .doc = "Per-(layer, expert) token series: off, or aggregated (exported by "
             "aggregating_rank only, so one exporter carries them rather than every rank)."},

@@ -1,10 +1,8 @@
 // Keel's Prometheus metrics: families are registered once with every per-layer and per-rank
-// series, so updates only touch cached atomic series, and the exposer's foreign exceptions are
-// turned into Status at this boundary.
+// series, so updates only touch cached atomic series; ScrapeServer serves their text.
 #include "monitor/metrics.h"
 
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/family.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
@@ -12,11 +10,11 @@
 #include <prometheus/text_serializer.h>
 
 #include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <exception>
 
 #include "keel/version.hpp"
+#include "monitor/scrape_server.h"
 #include "placement/load.h"
 #include "placement/placement.h"
 #include "placement/routing.h"
@@ -60,31 +58,6 @@ MetricsLayout MetricsLayout::FromConfig(const KeelConfig& config, int num_layers
   layout.num_experts = num_experts;
   layout.per_expert_series = PerExpertSeriesEnabled(config.monitor, this_rank);
   return layout;
-}
-
-Result<std::string> ResolveMetricsAddress(std::string_view address) {
-  if (address.empty()) return std::string();
-  const std::string quoted = "metrics address '" + std::string(address) + "'";
-  const size_t colon = address.rfind(':');
-  std::string host = "127.0.0.1";
-  std::string_view port_text = address;
-  if (colon != std::string_view::npos) {
-    host = std::string(address.substr(0, colon));
-    port_text = address.substr(colon + 1);
-    if (host.empty()) return InvalidArgument(quoted + " has an empty host; use host:port or PORT");
-    if (host.find(':') != std::string::npos && !(host.front() == '[' && host.back() == ']')) {
-      return InvalidArgument(quoted + ": write IPv6 hosts in brackets, e.g. [::1]:9400");
-    }
-  }
-  int port = -1;
-  const auto [end, error] =
-      std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
-  if (port_text.empty() || error != std::errc() || end != port_text.data() + port_text.size() ||
-      port < 0 || port > 65535) {
-    return InvalidArgument(quoted + ": port '" + std::string(port_text) +
-                           "' is not a number in 0..65535");
-  }
-  return host + ":" + std::to_string(port);
 }
 
 std::string_view PlanOutcomeName(PlanOutcome outcome) {
@@ -293,40 +266,22 @@ Metrics::Metrics(const MetricsLayout& layout)
                           .Add({});
 }
 
-Metrics::~Metrics() = default;
-
-namespace {
-constexpr int kExporterThreads = 8;
-constexpr int kExporterRequestTimeoutMs = 5000;
-}  // namespace
+// The server's page reads the registry: it stops before anything else goes.
+Metrics::~Metrics() { server_.reset(); }
 
 Status Metrics::Serve(std::string_view address) {
-  if (exposer_) {
+  if (server_) {
     return FailedPrecondition("metrics are already served on " + bound_address_ +
                               "; cannot also serve on '" + std::string(address) + "'");
   }
-  KEEL_ASSIGN_OR_RETURN(std::string resolved, ResolveMetricsAddress(address));
-  if (resolved.empty()) return Status::Ok();
-  try {
-    // Enough threads that a few slow or idle clients leave others served, and a timeout that
-    // frees a thread whose client stopped sending (civetweb's options).
-    auto exposer = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
-        "listening_ports", resolved, "num_threads", std::to_string(kExporterThreads),
-        "request_timeout_ms", std::to_string(kExporterRequestTimeoutMs)});
-    const std::vector<int> ports = exposer->GetListeningPorts();
-    if (ports.empty()) {
-      return IoError("metrics address '" + std::string(address) + "': exposer bound no port");
-    }
-    exposer->RegisterCollectable(registry_);
-    bound_port_ = ports.front();
-    bound_address_ = resolved.substr(0, resolved.rfind(':')) + ":" + std::to_string(bound_port_);
-    exposer_ = std::move(exposer);
-  } catch (const std::exception&) {
-    // civetweb says no more than that it could not start ("null context ..."), so name the causes.
-    return InvalidArgument("cannot serve metrics on '" + std::string(address) + "' (" + resolved +
-                           "): the port is in use, the address is not one of this host's, or "
-                           "the port is below 1024 and needs root");
-  }
+  if (address.empty()) return Status::Ok();
+  KEEL_ASSIGN_OR_RETURN(ListenAddress listen, ParseListenAddress(address));
+  ScrapeServerParams params;
+  params.address = std::move(listen);
+  params.page = [this] { return Serialize(); };
+  KEEL_ASSIGN_OR_RETURN(server_, ScrapeServer::Start(std::move(params)));
+  bound_address_ = server_->bound_address();
+  bound_port_ = server_->bound_port();
   return Status::Ok();
 }
 

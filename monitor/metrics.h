@@ -1,6 +1,7 @@
 // Keel's Prometheus metrics (prometheus-cpp): one registry holding every family the engine, the
-// load monitor and `keel replay --serve-metrics` export, an optional HTTP exposer, and the text
-// exposition for tests. Names and labels are listed in docs/monitor.md; dashboards query them.
+// load monitor and `keel replay --serve-metrics` export, an optional HTTP server for scrapes
+// (ScrapeServer), and the text exposition for tests. Names and labels are listed in
+// docs/monitor.md; dashboards query them.
 #pragma once
 
 #include <cstdint>
@@ -15,7 +16,6 @@
 
 namespace prometheus {
 class Counter;
-class Exposer;
 template <typename T>
 class Family;
 class Gauge;
@@ -46,10 +46,6 @@ struct MetricsLayout {
 // layers stay one exporter's 15k series instead of every rank's.
 bool PerExpertSeriesEnabled(const MonitorConfig& config, int this_rank);
 
-// "9400" -> "127.0.0.1:9400"; "host:port" unchanged (port 0..65535, host non-empty); "" stays
-// "" (no exporter). Errors name the address.
-Result<std::string> ResolveMetricsAddress(std::string_view address);
-
 // One layer's step as the monitor or the replay saw it.
 struct LayerStepObservation {
   int layer = 0;
@@ -62,6 +58,7 @@ struct LayerStepObservation {
 };
 
 class Placement;
+class ScrapeServer;
 struct StepRouting;
 
 enum class PlanOutcome { kMade, kApplied, kSkipped, kRejected };
@@ -82,11 +79,12 @@ class Metrics {
 
   const MetricsLayout& layout() const { return layout_; }
 
-  // Starts the HTTP exposer on `address` (as ResolveMetricsAddress reads it; "" does nothing)
-  // serving /metrics. Port 0 picks a free port: see bound_address(). Fails, naming the address,
-  // when it is malformed or cannot be bound; calling it twice is a FailedPrecondition.
+  // Serves /metrics on `address` (`[v6addr]:port`, `host:port` or `port`, as ParseListenAddress
+  // reads it; "" does nothing) from a ScrapeServer thread. Port 0 picks a free port: see
+  // bound_address(). Fails, naming the address, when it is malformed or cannot be bound;
+  // calling it twice is a FailedPrecondition.
   Status Serve(std::string_view address);
-  // "127.0.0.1:PORT" with the port actually bound; "" when not serving.
+  // "127.0.0.1:PORT" or "[::1]:PORT" with the port actually bound; "" when not serving.
   std::string bound_address() const { return bound_address_; }
   int bound_port() const { return bound_port_; }
 
@@ -129,7 +127,7 @@ class Metrics {
 
   MetricsLayout layout_;
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<ScrapeServer> server_;
   std::string bound_address_;
   int bound_port_ = 0;
 

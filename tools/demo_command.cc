@@ -423,8 +423,8 @@ int RunDemo(int argc, char** argv) {
              "(policy.plan_adoption: next_step, so epochs fall at the same steps in every run); "
              "policy.name is set by each run");
   parser.Add("metrics", "ADDR", &flags.metrics_address,
-             "serve Prometheus metrics on host:port (a bare port listens on 127.0.0.1; 0 picks "
-             "a free one) while both runs train");
+             "serve Prometheus metrics on host:port or [v6addr]:port (a bare port listens on "
+             "127.0.0.1; 0 picks a free one) while both runs train");
   parser.Add("report", "FILE", &flags.report_path,
              "write the JSON report: per mode parallel step seconds, imbalance, epochs, bytes "
              "moved, exposed migration, loss curve, engine overhead; final_weights_identical, "

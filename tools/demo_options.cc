@@ -6,6 +6,7 @@
 #include <string>
 
 #include "common/file.h"
+#include "common/listen_address.h"
 #include "common/number_text.h"
 #include "keel/limits.hpp"
 #include "keel/version.hpp"
@@ -219,7 +220,10 @@ Result<KeelConfig> MakeConfig(const DemoFlags& f, const FlagParser& parser, int 
   if (f.config_path.empty() || parser.IsSet("transport")) {
     config.migration.transport = f.transport;
   }
-  if (!f.metrics_address.empty()) config.monitor.metrics_address = f.metrics_address;
+  if (!f.metrics_address.empty()) {
+    KEEL_RETURN_IF_ERROR(ParseListenAddress(f.metrics_address).status().WithContext("--metrics"));
+    config.monitor.metrics_address = f.metrics_address;
+  }
   if (parser.IsSet("shard-degree")) config.strategy.shard_degree = f.shard_degree;
   if (f.mp > 0) config.strategy.mp_degree = f.mp;
   KEEL_RETURN_IF_ERROR(ValidateConfig(config));

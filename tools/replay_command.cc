@@ -15,6 +15,7 @@
 
 #include "common/config.h"
 #include "common/file.h"
+#include "common/listen_address.h"
 #include "common/number_text.h"
 #include "monitor/metrics.h"
 #include "monitor/trace.h"
@@ -300,9 +301,9 @@ int RunReplay(int argc, char** argv) {
             "per hardware thread");
   flags.AddBool("quiet", &quiet, "no progress bar and no notes on stderr");
   flags.Add("serve-metrics", "ADDR", &serve_address,
-            "export Prometheus metrics on host:port (a bare port listens on 127.0.0.1; port 0 "
-            "picks a free one) while replaying one policy: the one --policy names, else the "
-            "config's policy.name");
+            "export Prometheus metrics on host:port or [v6addr]:port (a bare port listens on "
+            "127.0.0.1; port 0 picks a free one) while replaying one policy: the one --policy "
+            "names, else the config's policy.name");
   flags.Add("pace", "SECONDS", &pace_seconds,
             "make each replayed step take this long (0 = as fast as possible; at most 1e9)");
   flags.Add("serve-seconds", "N", &serve_seconds,
@@ -378,11 +379,12 @@ int RunReplay(int argc, char** argv) {
                                 " is only meaningful with --serve-metrics ADDR"));
   }
   if (serve && serve_address.empty()) {
-    return Fail(InvalidArgument("--serve-metrics needs an address (host:port or PORT)"));
+    return Fail(
+        InvalidArgument("--serve-metrics needs an address ([v6addr]:port, host:port or port)"));
   }
   if (serve) {
-    if (Result<std::string> resolved = ResolveMetricsAddress(serve_address); !resolved.ok()) {
-      return Fail(resolved.status().WithContext("--serve-metrics"));
+    if (Result<ListenAddress> parsed = ParseListenAddress(serve_address); !parsed.ok()) {
+      return Fail(parsed.status().WithContext("--serve-metrics"));
     }
   }
 

@@ -151,7 +151,18 @@ printf 'slots:\n  persistent_per_rank: 5\nmonitor:\n  trace_path: %s\n' \
 expect_usage_error "demo trace in a missing folder" "monitor.trace_path: cannot create trace" \
   "$keel" demo --config "$work/lost_trace.yaml" --steps 2 --quiet
 expect_usage_error "metrics on a foreign address" "the address is not one of this host's" \
+  "$keel" replay --trace synthetic --serve-metrics 192.0.2.1:0 --quiet
+# Addresses that are not [v6addr]:port, host:port or port, by every way in: the same reader.
+expect_usage_error "metrics on 256.1.1.1" \
+  "--serve-metrics: address '256.1.1.1:0': '256.1.1.1' is not an IPv4 address" \
   "$keel" replay --trace synthetic --serve-metrics 256.1.1.1:0 --quiet
+expect_usage_error "metrics on an IPv6 address without brackets" \
+  "--metrics: address '::1:9400': write an IPv6 host in brackets, e.g. [::1]:9400" \
+  "$keel" demo --metrics ::1:9400 --steps 2 --quiet
+printf 'monitor:\n  metrics_address: "127.0.0.1:9400,9401"\n' >"$work/two_ports.yaml"
+expect_usage_error "metrics_address listing two ports" \
+  "monitor.metrics_address: address '127.0.0.1:9400,9401': port '9400,9401' is not a number" \
+  "$keel" demo --config "$work/two_ports.yaml" --steps 2 --quiet
 
 # Durations a clock cannot hold.
 expect_usage_error "--serve-seconds 9.3e9" "--serve-seconds must be in [0, 1e9], got" \

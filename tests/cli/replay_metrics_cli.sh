@@ -162,6 +162,7 @@ expect_usage_error() {
 EXPECT="one policy" expect_usage_error --serve-metrics 127.0.0.1:0 --policy keel,eplb
 EXPECT="--loop" expect_usage_error --loop
 EXPECT="not-a-port" expect_usage_error --serve-metrics 127.0.0.1:not-a-port
+EXPECT="write an IPv6 host in brackets" expect_usage_error --serve-metrics ::1:9400
 EXPECT="--pace" expect_usage_error --pace -1
 
 # 4. A port in use: bad input (exit 2, not a crash); the error names the address and the cause.
@@ -178,4 +179,20 @@ grep -q "the port is in use" "$work/err2" || fail "error does not say why: $(cat
 kill -INT "$pid"
 wait "$pid" || fail "keel replay exited with $? on SIGINT"
 pid=""
+
+# 5. IPv6: "[::1]:0" serves and is scraped over IPv6 (skipped without an IPv6 loopback).
+if python3 -c 'import socket; socket.socket(socket.AF_INET6).bind(("::1", 0))' 2>/dev/null; then
+  "$keel" replay --trace synthetic --policy static --serve-metrics "[::1]:0" --serve-seconds 20 \
+    --quiet >"$work/out" 2>"$work/err" &
+  pid=$!
+  address="$(wait_for_address)" || fail "no 'serving metrics on' line ([::1]:0)"
+  [[ "$address" == "[::1]:"* ]] || fail "exporter not on [::1]: $address"
+  scrape "$address" >"$work/metrics" || fail "scrape of $address failed"
+  grep -q '^keel_steps_total ' "$work/metrics" || fail "no keel_steps_total from $address"
+  kill -TERM "$pid"
+  wait "$pid" || fail "keel replay on [::1] exited with $? on SIGTERM"
+  pid=""
+else
+  echo "replay_metrics_cli: no IPv6 loopback, skipping the [::1] case"
+fi
 echo "replay_metrics_cli: ok"

@@ -347,6 +347,23 @@ TEST(ConfigTest, ValidateConfigChecksBuiltConfigs) {
   config = KeelConfig{};
   config.monitor.aggregating_rank = 8;  // the default topology has 8 ranks
   expect_invalid(config, "monitor.aggregating_rank: 8 is not a rank of the job (it has 8 ranks)");
+  // The same reader as --serve-metrics (ParseListenAddress), so the same words.
+  config = KeelConfig{};
+  config.monitor.metrics_address = "::1:9400";
+  expect_invalid(config,
+                 "monitor.metrics_address: address '::1:9400': write an IPv6 host in "
+                 "brackets, e.g. [::1]:9400");
+  config.monitor.metrics_address = "[::1]:9400";
+  EXPECT_TRUE(ValidateConfig(config).ok()) << ValidateConfig(config).ToString();
+}
+
+TEST(ConfigTest, MetricsAddressIsCheckedWhereTheFileSetsIt) {
+  ExpectError("monitor:\n  metrics_address: \"localhost:80s\"\n",
+              {"configs/x.yaml:2", "monitor.metrics_address", "address 'localhost:80s'",
+               "port '80s' is not a number in 0..65535"});
+  Result<KeelConfig> config = ParseConfig("monitor:\n  metrics_address: \"[::1]:0\"\n");
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  EXPECT_EQ(config->monitor.metrics_address, "[::1]:0");
 }
 
 TEST(ConfigTest, EstimatorKindNames) {
