@@ -234,6 +234,19 @@ def dense_parameters(model: torch.nn.Module, moe: kt.KeelMoE) -> List[torch.nn.P
     return [p for p in model.parameters() if id(p) not in expert]
 
 
+def average_gradients(params: List[torch.nn.Parameter], size: int, group: Any = None) -> None:
+    """Averages `params`' gradients over `group`'s `size` ranks in one all-reduce of a flat
+    bucket (a parameter without a gradient counts as zeros)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= size
+    at = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[at:at + g.numel()].view_as(g)
+        at += g.numel()
+
+
 def keel_config(args: argparse.Namespace, world: int, policy: str) -> keel.Config:
     if args.config:
         return keel.Config.from_file(args.config).replace({"policy": {"name": policy}})
@@ -299,14 +312,7 @@ class Mode:
         control_started = time.process_time()
         # Dense gradients are averaged over the ranks (DistributedDataParallel's job); the
         # experts' are Keel's, folded into their homes by the hook inside optimizer.step().
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        flat /= world
-        at = 0
-        for p, g in zip(self.dense, grads):
-            p.grad = flat[at:at + g.numel()].view_as(g)
-            at += g.numel()
+        average_gradients(self.dense, world)
         self.optimizer.step()
         self.optimizer.zero_grad()
         # The whole phase: dense all-reduce, Keel's hooks (reduce_gradients, step_end) and Adam.

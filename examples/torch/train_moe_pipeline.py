@@ -369,14 +369,7 @@ class PipelineMode:
         control_started = time.process_time()
         # A stage's dense gradients are averaged over its data-parallel ranks (DDP's job); the
         # experts' are Keel's, folded into their homes by the hook inside optimizer.step().
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=layout.group)
-        flat /= layout.ep
-        at = 0
-        for p, g in zip(self.dense, grads):
-            p.grad = flat[at:at + g.numel()].view_as(g)
-            at += g.numel()
+        lm.average_gradients(self.dense, layout.ep, layout.group)
         self.optimizer.step()
         self.optimizer.zero_grad()
         control = time.process_time() - control_started

@@ -15,46 +15,22 @@ from typing import Any, Dict, List
 
 import pytest
 
+import test_training_loops as loops
 from ranks import run_ranks, values
 
-EXPERTS = 8
-TOP_K = 2
-HIDDEN = 16
-FFN = 24
+EXPERTS, TOP_K, HIDDEN, FFN = loops.EXPERTS, loops.TOP_K, loops.HIDDEN, loops.FFN
 TOKENS = 48  # per virtual rank
 VIRTUAL_RANKS = 4  # the data of 4 ranks, whatever the world size
 STEPS = 8
 SAVE_AT = 3  # saved after this step's optimizer step
 
 
-def moe_config(world: int) -> Dict[str, Any]:
-    return {
-        "topology": {"num_nodes": 1, "gpus_per_node": world},
-        "slots": {"persistent_per_rank": EXPERTS // world + 1, "transient_per_rank": 1},
-        "cost_model": {"hidden_size": HIDDEN, "expert_ffn_size": FFN, "expert_tflops": 1e-6,
-                       "dtype_bytes": 4},
-        "policy": {"name": "keel", "replan_interval_steps": 1, "plan_adoption": "next_step"},
-        "migration": {"transport": "ucx", "deadline_seconds": 20},
-        "engine": {"collective_timeout_seconds": 60},
-    }
-
-
 def batch(step: int, rank: int, world: int):
     """This rank's share of the step's tokens: the virtual ranks it stands for, concatenated."""
     import torch
-    parts = []
     per_rank = VIRTUAL_RANKS // world
-    for virtual in range(rank * per_rank, (rank + 1) * per_rank):
-        g = torch.Generator().manual_seed(1000 * step + virtual)
-        hidden = torch.randn(TOKENS, HIDDEN, generator=g)
-        hot = torch.tensor([(step // 2) % EXPERTS, (step // 2 + 3) % EXPERTS])
-        first = torch.where(torch.rand(TOKENS, generator=g) < 0.7,
-                            hot[torch.randint(0, 2, (TOKENS,), generator=g)],
-                            torch.randint(0, EXPERTS, (TOKENS,), generator=g))
-        second = (first + 1 + torch.randint(0, EXPERTS - 1, (TOKENS,), generator=g)) % EXPERTS
-        weights = torch.softmax(torch.randn(TOKENS, TOP_K, generator=g), dim=1)
-        probe = torch.randn(TOKENS, HIDDEN, generator=g)
-        parts.append((hidden, torch.stack([first, second], dim=1), weights, probe))
+    parts = [loops.batch(step, virtual, TOKENS)
+             for virtual in range(rank * per_rank, (rank + 1) * per_rank)]
     return [torch.cat(tensors) for tensors in zip(*parts)]
 
 
@@ -62,7 +38,7 @@ def make_moe(world: int, seed: int) -> Any:
     import torch
     import keel.torch as kt
     moe = kt.KeelMoE(kt.ffn_expert(HIDDEN, FFN), num_layers=1, num_experts=EXPERTS, top_k=TOP_K,
-                     config=moe_config(world), average_gradients=False, seed=seed)
+                     config=loops.moe_config("keel", world), average_gradients=False, seed=seed)
     optimizer = torch.optim.Adam(moe.parameters(), lr=1e-2)
     moe.attach(optimizer)
     return moe, optimizer

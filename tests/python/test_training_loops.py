@@ -28,10 +28,12 @@ TOKENS = 96
 MICRO_BATCHES = 4
 
 
-def moe_config(policy: str) -> Dict[str, Any]:
+def moe_config(policy: str, world: int = RANKS) -> Dict[str, Any]:
+    """One node of `world` ranks, a spare slot and a transient slot each, a replan every step
+    adopted at the next one (epochs at the same steps however busy the machine is)."""
     return {
-        "topology": {"num_nodes": 1, "gpus_per_node": RANKS},
-        "slots": {"persistent_per_rank": EXPERTS // RANKS + 1, "transient_per_rank": 1},
+        "topology": {"num_nodes": 1, "gpus_per_node": world},
+        "slots": {"persistent_per_rank": EXPERTS // world + 1, "transient_per_rank": 1},
         # Tiny experts on slow "GPUs": compute dominates, so replicas and transients pay.
         "cost_model": {"hidden_size": HIDDEN, "expert_ffn_size": FFN, "expert_tflops": 1e-6,
                        "dtype_bytes": 4},
@@ -41,18 +43,19 @@ def moe_config(policy: str) -> Dict[str, Any]:
     }
 
 
-def batch(step: int, rank: int):
-    """This rank's tokens, router ids (skewed toward two hot experts that drift) and weights."""
+def batch(step: int, rank: int, tokens: int = TOKENS):
+    """This rank's tokens, router ids (skewed toward two hot experts that drift), weights and a
+    probe for the loss."""
     import torch
     g = torch.Generator().manual_seed(1000 * step + rank)
-    hidden = torch.randn(TOKENS, HIDDEN, generator=g)
+    hidden = torch.randn(tokens, HIDDEN, generator=g)
     hot = torch.tensor([(step // 2) % EXPERTS, (step // 2 + 3) % EXPERTS])
-    first = torch.where(torch.rand(TOKENS, generator=g) < 0.7,
-                        hot[torch.randint(0, 2, (TOKENS,), generator=g)],
-                        torch.randint(0, EXPERTS, (TOKENS,), generator=g))
-    second = (first + 1 + torch.randint(0, EXPERTS - 1, (TOKENS,), generator=g)) % EXPERTS
-    weights = torch.softmax(torch.randn(TOKENS, TOP_K, generator=g), dim=1)
-    probe = torch.randn(TOKENS, HIDDEN, generator=g)
+    first = torch.where(torch.rand(tokens, generator=g) < 0.7,
+                        hot[torch.randint(0, 2, (tokens,), generator=g)],
+                        torch.randint(0, EXPERTS, (tokens,), generator=g))
+    second = (first + 1 + torch.randint(0, EXPERTS - 1, (tokens,), generator=g)) % EXPERTS
+    weights = torch.softmax(torch.randn(tokens, TOP_K, generator=g), dim=1)
+    probe = torch.randn(tokens, HIDDEN, generator=g)
     return hidden, torch.stack([first, second], dim=1), weights, probe
 
 
