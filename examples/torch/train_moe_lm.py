@@ -357,8 +357,8 @@ class Mode:
         import torch.distributed.checkpoint as dcp
         started = time.monotonic()
         os.makedirs(folder, exist_ok=True)
-        dcp.save({"model": self.model.state_dict(), "experts_adam": self.moe.optimizer_state_dict()},
-                 checkpoint_id=folder)
+        dcp.save({"model": self.model.state_dict(),
+                  "experts_adam": self.moe.optimizer_state_dict()}, checkpoint_id=folder)
         if rank == 0:  # the dense Adam state is the same on every rank; Keel's slots are left out
             torch.save(self.optimizer.state_dict(), os.path.join(folder, "dense_optimizer.pt"))
         dist.barrier()
