@@ -104,9 +104,24 @@ def relative(got: Any, want: Any) -> float:
     return float((got - want).abs().max()) / (1.0 + float(want.abs().max()))
 
 
-def test_a_checkpoint_resumes_on_4_and_2_ranks_and_loads_into_a_plain_model(tmp_path: Any) -> None:
-    directory = str(tmp_path / "checkpoint")
-    whole = values(run_ranks(uninterrupted, 4, directory, timeout=240))[0]
+def on_4_ranks(rank: int, world: int, directory: str) -> Dict[str, Any]:
+    """The uninterrupted run, then the refusals (on a fresh KeelMoE): one launch for both."""
+    return {"uninterrupted": uninterrupted(rank, world, directory),
+            "refusals": refuse_bad_checkpoints(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> Dict[str, Any]:
+    """Every rank's answer of on_4_ranks, and the checkpoint's folder under "directory"."""
+    directory = str(tmp_path_factory.mktemp("saved") / "checkpoint")
+    answers = values(run_ranks(on_4_ranks, 4, directory, timeout=240))
+    return {"directory": directory, "ranks": answers}
+
+
+def test_a_checkpoint_resumes_on_4_and_2_ranks_and_loads_into_a_plain_model(
+        four_ranks: Dict[str, Any]) -> None:
+    directory = four_ranks["directory"]
+    whole = four_ranks["ranks"][0]["uninterrupted"]
     assert whole["epochs"] >= 1, "no epoch committed: the placement never changed"
     assert whole["in_flight"], "no migration was in flight when the checkpoint was saved"
     assert whole["slot_state_in_optimizer_dict"] == 0, "the optimizer's dict holds Keel's slots"
@@ -232,6 +247,6 @@ def refuse_bad_checkpoints(rank: int, world: int) -> List[str]:
     return problems
 
 
-def test_bad_checkpoints_are_refused_before_anything_changes() -> None:
-    for rank, problems in enumerate(values(run_ranks(refuse_bad_checkpoints, 4, timeout=240))):
-        assert problems == [], f"rank {rank}: {problems}"
+def test_bad_checkpoints_are_refused_before_anything_changes(four_ranks: Dict[str, Any]) -> None:
+    for rank, answer in enumerate(four_ranks["ranks"]):
+        assert answer["refusals"] == [], f"rank {rank}: {answer['refusals']}"

@@ -10,6 +10,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+from typing import Any, Dict
 
 import pytest
 
@@ -29,13 +30,20 @@ def run(args, timeout=240):
                           timeout=timeout, env=env)
 
 
-@needs_bible
-def test_both_modes_write_the_report(tmp_path) -> None:
-    report_path = tmp_path / "torch-demo.json"
+@pytest.fixture(scope="module")
+def both_modes(tmp_path_factory) -> Dict[str, Any]:
+    """The example's report for both modes at the tiny size (one launch that two tests read),
+    with its stdout under the key "stdout"."""
+    report_path = tmp_path_factory.mktemp("both") / "torch-demo.json"
     done = run(TINY + ["--report", str(report_path)])
     assert done.returncode == 0, done.stderr
-    assert "keel / static parallel step:" in done.stdout
-    report = json.loads(report_path.read_text())
+    return dict(json.loads(report_path.read_text()), stdout=done.stdout)
+
+
+@needs_bible
+def test_both_modes_write_the_report(both_modes) -> None:
+    report = both_modes
+    assert "keel / static parallel step:" in report["stdout"]
     assert set(report["modes"]) == {"static", "keel"}
     for name, mode in report["modes"].items():
         for key in ("parallel_step_seconds", "mean_imbalance", "loss", "heldout_loss",
@@ -104,26 +112,42 @@ def test_condensation_reports_rows_saved_and_the_loss(tmp_path) -> None:
     assert condensed["loss"][0] == pytest.approx(exact["loss"][0], rel=1e-2)
 
 
-def test_flags_are_checked_and_explained() -> None:
+def example():
+    """The example as a module: its flags are checked in this process, without a launch."""
+    if str(EXAMPLE.parent) not in sys.path:
+        sys.path.insert(0, str(EXAMPLE.parent))
+    import train_moe_lm
+    return train_moe_lm
+
+
+def refusal(capsys, argv) -> str:
+    """What the example prints when it refuses `argv` (it exits with status 2)."""
+    with pytest.raises(SystemExit) as exited:
+        example().parse_args(argv)
+    assert exited.value.code == 2, argv
+    return capsys.readouterr().err
+
+
+def test_flags_are_checked_and_explained(capsys) -> None:
     help_text = run(["--help"]).stdout
     for flag in ("--aux-loss", "--policy", "--steps", "--report", "--text", "--config",
-                 "--condense"):
+                 "--condense", "--micro-batches", "--save", "--resume"):
         assert flag in help_text
-    bad = run(["--condense", "1.5"])
-    assert bad.returncode == 2 and "--condense must be in (0, 1]" in bad.stderr
-    bad = run(["--top-k", "9", "--experts", "8"])
-    assert bad.returncode == 2 and "--top-k 9 exceeds --experts 8" in bad.stderr
-    missing = run(["--text", "/no/such/file.txt", "--steps", "1"])
-    assert missing.returncode != 0 and "/no/such/file.txt" in missing.stderr
+    assert "--condense must be in (0, 1]" in refusal(capsys, ["--condense", "1.5"])
+    assert "--top-k 9 exceeds --experts 8" in refusal(capsys, ["--top-k", "9", "--experts", "8"])
+    assert "--micro-batches 3 must be >= 1 and divide --batch 4" in refusal(
+        capsys, ["--micro-batches", "3", "--batch", "4"])
+    with pytest.raises(SystemExit) as missing:
+        example().load_text("/no/such/file.txt")
+    assert "--text /no/such/file.txt" in str(missing.value.code)
 
 
 @needs_bible
-def test_micro_batches_save_and_resume_on_fewer_ranks(tmp_path) -> None:
+def test_micro_batches_save_and_resume_on_fewer_ranks(tmp_path, both_modes) -> None:
     """The same first step with 2 micro-batches as with one batch (the mean of the micro-batches'
     means is the batch's mean); the checkpoint saved on 4 ranks resumes on 2."""
-    reports = {}
-    for name, extra in (("one", []), ("two", ["--micro-batches", "2", "--save",
-                                              str(tmp_path / "saved")]),
+    reports = {"one": both_modes["modes"]["keel"]}
+    for name, extra in (("two", ["--micro-batches", "2", "--save", str(tmp_path / "saved")]),
                         ("resumed", ["--ranks", "2", "--resume", str(tmp_path / "saved")])):
         path = tmp_path / f"{name}.json"
         done = run(TINY + ["--policy", "keel", "--report", str(path)] + extra)
@@ -135,5 +159,3 @@ def test_micro_batches_save_and_resume_on_fewer_ranks(tmp_path) -> None:
     assert resumed["resume_seconds"] > 0
     # Trained weights: the resumed run starts below a fresh model's first loss.
     assert resumed["loss"][0] < one["loss"][0] - 0.05, (resumed["loss"], one["loss"])
-    bad = run(["--micro-batches", "3", "--batch", "4"])
-    assert bad.returncode == 2 and "--micro-batches 3 must be >= 1 and divide --batch 4" in bad.stderr
