@@ -7,10 +7,12 @@ import importlib
 import os
 import pathlib
 
+import numpy
 import pytest
 import torch
 
 import keel
+import keel.torch as kt
 
 SHARED = pathlib.Path(os.environ.get("KEEL_SHARED_TRACES", "../shared/traces"))
 
@@ -115,6 +117,12 @@ def test_int64_values_that_do_not_fit_int32_are_named_not_wrapped() -> None:
     assert narrowed.tolist() == [0, 2 ** 31 - 1, -2 ** 31]
 
 
+DEEP: list = []
+for _ in range(100_000):
+    DEEP = [DEEP]
+LOOP: list = [1]
+LOOP.append(LOOP)
+
 # Each public call with one bad argument: a KeelError subclass naming the argument (the match),
 # never pybind11's TypeError, a path cut at its NUL, or None read as a file named "None".
 BAD_CALLS = [
@@ -141,6 +149,27 @@ BAD_CALLS = [
      "threshold = '0.5' must be a number"),
     (lambda: keel.condense_rows(torch.zeros(2, 2), torch.tensor([0, 2]), 1.0, window=0),
      r"window = 0 must be in \[1, "),
+    # Found by tests/fuzz/python_api_fuzz.py: values whose repr recurses without end, text that
+    # UTF-8 cannot encode, numbers too large for a float, things that only look like arrays.
+    (lambda: keel.Config.from_yaml(DEEP), r"text must be a str, got list \[\[\[\[\.\.\.\]\]\]\]"),
+    (lambda: keel.Config.from_yaml(LOOP),
+     r"text must be a str, got list \[1, \[1, \[1, \[\.\.\.\]\]\]\]"),
+    (lambda: keel.Config.from_yaml("a: \udcff"), "text = 'a: \\\\udcff' is not valid Unicode text"),
+    (lambda: keel.read_trace("trace\udcff.jsonl"), "path = .* is not valid Unicode text"),
+    (lambda: keel.plan("keel", [[10 ** 400, 1.0]], 2), "weight holds a value that is not a number"),
+    (lambda: keel.plan("keel", numpy.float64, 2), "weight = .* is not an array of numbers"),
+    (lambda: keel.synthetic_trace(zipf_exponent=10 ** 400),
+     "zipf_exponent = 1000.* must be a number"),
+    (lambda: keel.synthetic_trace(num_steps=torch.tensor([1, 2])),
+     "num_steps = tensor.* must be an integer"),
+    (lambda: kt.ffn_expert(4, 8, activation=numpy.array([1, 2])), "activation must be a str"),
+    (lambda: kt.ffn_expert(4, "8"), "ffn_size = '8' must be an integer"),
+    (lambda: kt.ExpertSpec({"w": (4, 0)}, print, print, 4, 4),
+     r"shapes\['w'\]\[1\] = 0 must be in"),
+    (lambda: kt.ExpertSpec({"w": 4}, print, print, 4, 4), r"shapes\['w'\] = 4 must be a tuple"),
+    (lambda: kt.ExpertSpec({"w": (2 ** 20, 2 ** 20)}, print, print, 4, 4),
+     "1099511627776 values per expert, more than 17179869184"),
+    (lambda: kt.ExpertSpec({"w": (4,)}, 3, print, 4, 4), "forward must be a callable, got int"),
 ]
 
 

@@ -188,7 +188,11 @@ def _float64_bytes(values: Any, name: str) -> Tuple[bytes, Tuple[int, ...]]:
         return data.numpy().tobytes(), tuple(data.shape)
     if hasattr(values, "__array__"):
         import numpy
-        array = numpy.ascontiguousarray(values, dtype=numpy.float64)
+        try:
+            array = numpy.ascontiguousarray(values, dtype=numpy.float64)
+        except (TypeError, ValueError, OverflowError) as error:
+            raise InvalidArgumentError(
+                f"{name} = {_checks.shown(values)} is not an array of numbers: {error}") from None
         return array.tobytes(), tuple(array.shape)
     import array as py_array
     rows = values if isinstance(values, (list, tuple)) else None
@@ -207,7 +211,7 @@ def _float64_bytes(values: Any, name: str) -> Tuple[bytes, Tuple[int, ...]]:
         flat, shape = list(rows), (len(rows),)
     try:
         return py_array.array("d", [float(v) for v in flat]).tobytes(), shape
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, OverflowError) as error:
         raise InvalidArgumentError(f"{name} holds a value that is not a number: {error}") from None
 
 

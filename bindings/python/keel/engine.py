@@ -189,11 +189,8 @@ class Engine:
         if config is not None and not isinstance(config, Config):
             raise InvalidArgumentError(
                 f"config must be a keel.Config, a dict or None, got {type(config).__name__}")
-        if gradient_type not in _GRADIENT_TYPES:
-            raise InvalidArgumentError(f"gradient_type = {gradient_type!r} is not one of "
-                                       f"{', '.join(_GRADIENT_TYPES)}")
-        if memory not in _MEMORIES:
-            raise InvalidArgumentError(f"memory = {memory!r} is not one of {', '.join(_MEMORIES)}")
+        gradient_type = _checks.text("gradient_type", gradient_type, _GRADIENT_TYPES)
+        memory = _checks.text("memory", memory, _MEMORIES)
         for name in ("rank", "size"):
             if not hasattr(communicator, name):
                 raise InvalidArgumentError(

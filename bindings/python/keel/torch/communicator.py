@@ -22,6 +22,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from keel import _checks
 from keel._errors import FailedPreconditionError, InvalidArgumentError
 
 _DTYPES = {"int64": torch.int64, "float64": torch.float64}
@@ -42,6 +43,10 @@ class ProcessGroupCommunicator:
             raise FailedPreconditionError(
                 "torch.distributed is not initialized: call "
                 "torch.distributed.init_process_group(...) before creating keel's engine")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise InvalidArgumentError(
+                f"group = {_checks.shown(group)} ({type(group).__name__}) is not a "
+                f"torch.distributed process group (None: the whole job)")
         self.group = group if group is not None else dist.group.WORLD
         self.rank: int = dist.get_rank(self.group)
         self.size: int = dist.get_world_size(self.group)

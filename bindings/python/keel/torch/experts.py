@@ -10,9 +10,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from keel import _checks
 from keel._errors import InvalidArgumentError
 
 Params = Dict[str, torch.Tensor]
+# The most values one expert may have: every copy is one buffer, allocated when a KeelMoE is made.
+MAX_EXPERT_VALUES = 2 ** 34
 
 
 class ExpertSpec:
@@ -34,22 +37,35 @@ class ExpertSpec:
                  forward: Callable[[Params, torch.Tensor], torch.Tensor],
                  init: Callable[[torch.Generator], Params], input_size: int,
                  output_size: int) -> None:
-        if not shapes:
-            raise InvalidArgumentError("shapes is empty: an expert needs parameters")
-        self.shapes = {name: tuple(int(d) for d in shape) for name, shape in shapes.items()}
-        for name, shape in self.shapes.items():
-            if not shape or any(d < 1 for d in shape):
-                raise InvalidArgumentError(f"shapes[{name!r}] = {list(shape)} must be positive")
+        if not isinstance(shapes, dict) or not shapes:
+            raise InvalidArgumentError(f"shapes = {_checks.shown(shapes)} must be a dict of "
+                                       f"parameter names to shapes: an expert needs parameters")
+        self.shapes: Dict[str, Tuple[int, ...]] = {}
+        for name, shape in shapes.items():
+            _checks.text("a name in shapes", name)
+            if not isinstance(shape, (tuple, list)) or not shape:
+                raise InvalidArgumentError(
+                    f"shapes[{name!r}] = {_checks.shown(shape)} must be a tuple of sizes")
+            self.shapes[name] = tuple(_checks.integer(f"shapes[{name!r}][{i}]", d, 1, 2 ** 31 - 1)
+                                      for i, d in enumerate(shape))
+        for name, function in (("forward", forward), ("init", init)):
+            if not callable(function):
+                raise InvalidArgumentError(
+                    f"{name} must be a callable, got {type(function).__name__}")
         self.forward = forward
         self.init = init
-        self.input_size = int(input_size)
-        self.output_size = int(output_size)
+        self.input_size = _checks.integer("input_size", input_size, 1, 2 ** 31 - 1)
+        self.output_size = _checks.integer("output_size", output_size, 1, 2 ** 31 - 1)
         self.offsets: Dict[str, Tuple[int, int]] = {}
         at = 0
         for name, shape in self.shapes.items():
             count = math.prod(shape)
             self.offsets[name] = (at, count)
             at += count
+        if at > MAX_EXPERT_VALUES:
+            raise InvalidArgumentError(
+                f"shapes = {_checks.shown(shapes)}: {at} values per expert, more than "
+                f"{MAX_EXPERT_VALUES} (2**34, 64 GiB of float32)")
         self.numel = at  # values per slot
 
     @property
@@ -84,8 +100,9 @@ def ffn_expert(hidden_size: int, ffn_size: int, activation: str = "gelu") -> Exp
     initialized like ``torch.nn.Linear`` (uniform in +-1/sqrt(fan_in)).
     """
     activations = {"gelu": torch.nn.functional.gelu, "relu": torch.relu}
-    if activation not in (*activations, "swiglu"):
-        raise InvalidArgumentError(f"activation = {activation!r} is not gelu, relu or swiglu")
+    _checks.text("activation", activation, (*activations, "swiglu"))
+    hidden_size = _checks.integer("hidden_size", hidden_size, 1, 2 ** 31 - 1)
+    ffn_size = _checks.integer("ffn_size", ffn_size, 1, 2 ** 31 - 1)
     shapes: Dict[str, Tuple[int, ...]] = {"w1": (hidden_size, ffn_size),
                                           "w2": (ffn_size, hidden_size)}
     if activation == "swiglu":

@@ -19,6 +19,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
+from keel import _checks
 from keel._errors import FailedPreconditionError, InternalError, InvalidArgumentError
 from keel.engine import Engine, check_tensor
 from keel.torch.communicator import ProcessGroupCommunicator, wait_for_stream
@@ -734,17 +735,19 @@ class KeelMoE:
         if not isinstance(expert, ExpertSpec):
             raise InvalidArgumentError(
                 f"expert must be a keel.torch.ExpertSpec, got {type(expert).__name__}")
-        if optimizer not in self._OPTIMIZERS:
+        optimizer = _checks.text("optimizer", optimizer, self._OPTIMIZERS)
+        condense_threshold = _checks.number("condense_threshold", condense_threshold, 0.0, 1.0)
+        condense_window = _checks.integer("condense_window", condense_window, 1, 2 ** 31 - 1)
+        average_gradients = _checks.flag("average_gradients", average_gradients)
+        seed = _checks.integer("seed", seed)
+        mp_group_size = _checks.integer("mp_group_size", mp_group_size, 1, 2 ** 31 - 1)
+        if init_expert is not None and not callable(init_expert):
             raise InvalidArgumentError(
-                f"optimizer = {optimizer!r} is not one of {', '.join(self._OPTIMIZERS)}")
-        if not 0.0 <= condense_threshold <= 1.0:
+                f"init_expert must be None or a callable, got {type(init_expert).__name__}")
+        if not isinstance(dtype, torch.dtype) or dtype not in self._DTYPES:
             raise InvalidArgumentError(
-                f"condense_threshold = {condense_threshold} is not in [0, 1] (0 = off)")
-        if condense_window < 1:
-            raise InvalidArgumentError(f"condense_window = {condense_window} must be >= 1")
-        if dtype not in self._DTYPES:
-            raise InvalidArgumentError(
-                f"dtype = {dtype} is not one of {', '.join(str(d) for d in self._DTYPES)}")
+                f"dtype = {_checks.shown(dtype)} is not one of "
+                f"{', '.join(str(d) for d in self._DTYPES)}")
         self.condense_threshold = float(condense_threshold)
         self.condense_window = int(condense_window)
         self.condensation_rows = [0, 0]  # forward rows dispatched, rows sent after condensation
@@ -807,15 +810,18 @@ class KeelMoE:
             return self.communicator.device
         try:
             chosen = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise InvalidArgumentError(f"device = {device!r} is not a torch device") from None
+        except (RuntimeError, TypeError, ValueError):
+            raise InvalidArgumentError(
+                f"device = {_checks.shown(device)} is not a torch device") from None
         if chosen.type == "cuda":
             if not torch.cuda.is_available():
-                raise InvalidArgumentError(f"device = {device!r}, but torch sees no CUDA device")
+                raise InvalidArgumentError(
+                    f"device = {_checks.shown(device)}, but torch sees no CUDA device")
             if chosen.index is None:
                 chosen = torch.device("cuda", torch.cuda.current_device())
         elif chosen.type != "cpu":
-            raise InvalidArgumentError(f"device = {device!r}: keel takes CPU or CUDA devices")
+            raise InvalidArgumentError(
+                f"device = {_checks.shown(device)}: keel takes CPU or CUDA devices")
         return chosen
 
     def synchronize(self, what: str = "the work queued on the GPU") -> None:
