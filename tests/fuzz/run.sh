@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the libFuzzer targets of a KEEL_FUZZ build, each for SECONDS, starting from its seeds
-# (tests/fuzz/seeds/<target>, and configs/ for the config loader). New inputs go to a scratch
+# (tests/fuzz/seeds/<target>, and configs/ for the config loader) with its dictionary of keys and
+# hostile tokens when it has one (tests/fuzz/dicts/<target>.dict). New inputs go to a scratch
 # corpus that is removed afterwards; a crash, hang or sanitizer report is saved as
 # BUILD/fuzz/artifacts/<target>-crash-* (reproduce: BUILD/fuzz/<target>_fuzz FILE) and fails the run.
 # Targets run side by side, KEEL_FUZZ_JOBS at a time (default: the number of cores), each on one
@@ -39,9 +40,11 @@ fuzz_one() {  # target
   fi
   seeds=("$root/tests/fuzz/seeds/$target")
   [ "$target" = config ] && seeds+=("$root/configs")
+  local dictionary=() words="$root/tests/fuzz/dicts/$target.dict"
+  [ -f "$words" ] && dictionary=(-dict="$words")
   scratch=$(mktemp -d "${TMPDIR:-/tmp}/keel-fuzz-$target-XXXXXX")
   "${program[@]}" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -max_len=4096 \
-    -print_final_stats=1 -artifact_prefix="$build/fuzz/artifacts/$target-" \
+    -print_final_stats=1 -artifact_prefix="$build/fuzz/artifacts/$target-" "${dictionary[@]}" \
     "$scratch" "${seeds[@]}" >"$log" 2>&1
   rc=$?
   rm -rf "$scratch"
