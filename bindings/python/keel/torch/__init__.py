@@ -13,8 +13,9 @@ docs/pytorch.md shows the calls in a Megatron-style and a torchtitan-style layer
 """
 
 from keel.torch.communicator import ProcessGroupCommunicator
+from keel.torch.dispatcher import MoEDispatcher, StepTimes
 from keel.torch.experts import ExpertSpec, ffn_expert
-from keel.torch.moe import KeelMoE, MoEDispatcher, StepTimes
+from keel.torch.moe import KeelMoE
 
 __all__ = ["ExpertSpec", "KeelMoE", "MoEDispatcher", "ProcessGroupCommunicator", "StepTimes",
            "ffn_expert"]
