@@ -796,7 +796,7 @@ Result<KeelConfig> ParseConfig(std::string_view yaml_text, std::string_view sour
 }
 
 Result<KeelConfig> LoadConfigFile(const std::string& path) {
-  Result<std::string> text = ReadFile(path);
+  Result<std::string> text = ReadFile(path, {.limit = InputLimit::kConfigBytes});
   if (!text.ok()) return text.status().WithContext("config file");
   return ParseConfig(*text, path);
 }
