@@ -27,9 +27,9 @@ constexpr uint64_t kKiB = uint64_t{1} << 10;
 constexpr uint64_t kMiB = uint64_t{1} << 20;
 constexpr uint64_t kGiB = uint64_t{1} << 30;
 
-// The defaults hold every input Keel has met with room to spare (the largest shared trace file is
-// a 25 MB Keel trace; the SmartMoE archive expands to 145 MiB) and stop a device or an endless
-// stream long before memory runs out.
+// The defaults hold every input Keel has met with room to spare (the SmartMoE artifact expands to
+// 144.5 MiB, and is a 25 MB Keel trace once converted) and stop a device or an endless stream long
+// before memory runs out.
 constexpr InputLimitInfo kInputLimits[] = {
     {InputLimit::kConfigBytes, "KEEL_MAX_CONFIG_BYTES", 1 * kMiB, "a config file",
      "A config file: `--config`, `keel config --check`, `Config.from_file`, the C API's "
