@@ -24,6 +24,7 @@
 
 #include "common/config_keys.h"
 #include "common/file.h"
+#include "common/json.h"
 #include "common/listen_address.h"
 #include "common/policy_names.h"
 #include "keel/limits.hpp"
@@ -661,6 +662,29 @@ std::string EscapeMarkdownCell(std::string_view text) {
   return out;
 }
 
+// How deep maps and sequences may nest in a config file. Its keys nest 3 levels
+// (policy.flexmoe.balance_ratio_trigger); deeper text is refused where it goes past the limit,
+// before YAML::Load builds it.
+constexpr int kMaxYamlNesting = 64;
+
+// What every input file goes through (common/file.h), before the table of limits.
+std::string InputLimitsText() {
+  return "Every file Keel reads must be a regular file: a folder, a FIFO or a device is refused "
+         "by name, without blocking (set `" +
+         std::string(kAllowStreamsVariable) +
+         "=1` to read pipes and devices as streams; `keel plan --input -` reads stdin). Each "
+         "kind of input has a size limit, checked before the file is read and again while it is "
+         "read (a file that grows past it is refused too); an environment variable raises it, "
+         "as a whole number of bytes or with K, M or G (`KEEL_MAX_TRACE_BYTES=4G`). Arrays and "
+         "objects nest at most " +
+         std::to_string(kMaxJsonNesting) + " levels in a JSON input, maps and sequences " +
+         std::to_string(kMaxYamlNesting) +
+         " in a config file; an expert file (`LoadExperts`) is read only up to the size the "
+         "engine's shape gives it. An output that is a FIFO (`monitor.trace_path`, `--output`) "
+         "must have a reader within " +
+         std::to_string(kFifoReaderWaitSeconds) + " s, or the open fails instead of blocking.";
+}
+
 constexpr std::string_view kExampleYaml = R"(topology:
   num_nodes: 2
   gpus_per_node: 8
@@ -673,8 +697,13 @@ policy:
 // A config file is one YAML document: YAML::Load reads the first and drops the rest without a
 // word. Refuses a second document (after "---", or any text after "..."), naming its line, and text
 // the parser cannot get past (yaml-cpp then starts empty documents at the same place forever, so
-// YAML::LoadAll never returns: ",!" and a control character is one such text).
+// YAML::LoadAll never returns: ",!" and a control character is one such text). Refuses nesting
+// deeper than kMaxYamlNesting, naming its line.
 Status CheckOneDocument(std::string_view yaml_text, const ParseOrigin& origin) {
+  // Where the text nests too deep: thrown out of the parser, which has no other way to stop.
+  struct TooDeep {
+    YAML::Mark mark;
+  };
   // The parser's events carry the marks that loaded nodes lack: an empty document has none.
   class DocumentStarts : public YAML::EventHandler {
    public:
@@ -685,17 +714,33 @@ Status CheckOneDocument(std::string_view yaml_text, const ParseOrigin& origin) {
     void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
     void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t,
                   const std::string&) override {}
-    void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
-                         YAML::EmitterStyle::value) override {}
-    void OnSequenceEnd() override {}
-    void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
-                    YAML::EmitterStyle::value) override {}
-    void OnMapEnd() override {}
+    void OnSequenceStart(const YAML::Mark& mark, const std::string&, YAML::anchor_t,
+                         YAML::EmitterStyle::value) override {
+      Enter(mark);
+    }
+    void OnSequenceEnd() override { --depth_; }
+    void OnMapStart(const YAML::Mark& mark, const std::string&, YAML::anchor_t,
+                    YAML::EmitterStyle::value) override {
+      Enter(mark);
+    }
+    void OnMapEnd() override { --depth_; }
+
+   private:
+    void Enter(const YAML::Mark& mark) {
+      if (++depth_ > kMaxYamlNesting) throw TooDeep{mark};
+    }
+    int depth_ = 0;
   };
   std::istringstream in{std::string(yaml_text)};
   YAML::Parser parser(in);
   DocumentStarts starts;
-  while (starts.marks.size() < 2 && parser.HandleNextDocument(starts)) {
+  try {
+    while (starts.marks.size() < 2 && parser.HandleNextDocument(starts)) {
+    }
+  } catch (const TooDeep& deep) {
+    return InvalidArgument(origin.Where(deep.mark.line + 1) +
+                           "maps and sequences nest deeper than " +
+                           std::to_string(kMaxYamlNesting) + " levels");
   }
   if (starts.marks.size() < 2) return Status::Ok();
   const YAML::Mark& first = starts.marks[0];
@@ -771,8 +816,9 @@ Result<KeelConfig> ParseConfig(std::string_view yaml_text, std::string_view sour
   origin.source = std::string(source);
   KeelConfig config;
   try {
-    const YAML::Node root = YAML::Load(std::string(yaml_text));
+    // First, so that what it refuses is never built.
     KEEL_RETURN_IF_ERROR(CheckOneDocument(yaml_text, origin));
+    const YAML::Node root = YAML::Load(std::string(yaml_text));
     if (root.IsMap()) {
       KEEL_RETURN_IF_ERROR(ParseSection(root, "", origin, config));
     } else if (!root.IsNull()) {
@@ -796,7 +842,7 @@ Result<KeelConfig> ParseConfig(std::string_view yaml_text, std::string_view sour
 }
 
 Result<KeelConfig> LoadConfigFile(const std::string& path) {
-  Result<std::string> text = ReadFile(path);
+  Result<std::string> text = ReadFile(path, {.limit = InputLimit::kConfigBytes});
   if (!text.ok()) return text.status().WithContext("config file");
   return ParseConfig(*text, path);
 }
@@ -842,6 +888,13 @@ std::string ConfigReferenceMarkdown() {
              " | " + default_text + " | " + EscapeMarkdownCell(key.doc) + " |\n";
     }
   }
+  out += "\n## Input limits\n\n";
+  out += InputLimitsText();
+  out += "\n\n| environment variable | default | what it bounds |\n|---|---|---|\n";
+  for (const InputLimitInfo& limit : InputLimits()) {
+    out += "| `" + std::string(limit.variable) + "` | " + DescribeBytes(limit.default_bytes) +
+           " | " + EscapeMarkdownCell(limit.doc) + " |\n";
+  }
   return out;
 }
 
@@ -863,6 +916,13 @@ std::string ConfigHelpText() {
       out += "  (" + TypeText(key, "") + ")\n";
       AppendWrapped(out, key.doc, "      ");
     }
+  }
+  out += "\nInput limits (environment variables):\n";
+  AppendWrapped(out, InputLimitsText(), "  ");
+  out += "\n";
+  for (const InputLimitInfo& limit : InputLimits()) {
+    out += "  " + std::string(limit.variable) + " = " + DescribeBytes(limit.default_bytes) + "\n";
+    AppendWrapped(out, limit.doc, "      ");
   }
   return out;
 }

@@ -73,6 +73,7 @@ class StrictBuilder {
   bool string(Json::string_t& value) { return Add(std::move(value)); }
   bool binary(Json::binary_t& /*value*/) { return Refuse("binary value", Offset()); }
   bool start_object(std::size_t /*size*/) {
+    if (TooDeep()) return false;
     stack_.push_back(Place(Json::object()));
     return true;
   }
@@ -88,6 +89,7 @@ class StrictBuilder {
     return true;
   }
   bool start_array(std::size_t /*size*/) {
+    if (TooDeep()) return false;
     stack_.push_back(Place(Json::array()));
     return true;
   }
@@ -126,6 +128,14 @@ class StrictBuilder {
     Json& member = container[key_];
     member = std::move(value);
     return &member;
+  }
+
+  // Whether the array or object that starts here would nest deeper than the limit (refused).
+  bool TooDeep() {
+    if (stack_.size() < static_cast<size_t>(kMaxJsonNesting)) return false;
+    Refuse("arrays and objects nest deeper than " + std::to_string(kMaxJsonNesting) + " levels",
+           Offset() - 1);
+    return true;
   }
 
   bool Refuse(const std::string& what, size_t offset) {

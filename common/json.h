@@ -12,11 +12,17 @@
 
 namespace keel {
 
+// How deep arrays and objects may nest in any JSON input. Keel's formats need 6 levels at most
+// (OLMoE's counts); deeper text is refused where it goes past the limit, before it is built, so
+// that no reader of the value recurses without bound.
+inline constexpr int kMaxJsonNesting = 64;
+
 // `text` as one JSON value. InvalidArgument, naming the line and column in `text`, for what
 // nlohmann would accept silently: a key that appears twice in one object (nlohmann keeps the
-// last). A syntax error, text after the value or a number beyond a double's range is
-// InvalidArgument "<syntax_error>: <nlohmann's message, which names the line and column>". An
-// integer beyond 64 bits is a double, as in nlohmann: a count may be one, JsonInteger refuses it.
+// last), and nesting deeper than kMaxJsonNesting. A syntax error, text after the value or a number
+// beyond a double's range is InvalidArgument "<syntax_error>: <nlohmann's message, which names the
+// line and column>". An integer beyond 64 bits is a double, as in nlohmann: a count may be one,
+// JsonInteger refuses it.
 Result<nlohmann::json> ParseJson(std::string_view text,
                                  std::string_view syntax_error = "not valid JSON");
 

@@ -276,6 +276,15 @@ Status Engine::Impl::LoadExperts(const std::string& dir) {
   expected.weight_element_bytes = WeightElementBytes(options_.shard_layout);
   expected.weight_bytes = weight_bytes;
   expected.optimizer_bytes = optimizer_bytes;
+  // A file is read only as far as a file of this engine's shape goes: a larger one (a device, or
+  // a file that is not an expert's) is refused before it is read.
+  const std::string file_size_text = "the size of an expert file of this engine (" +
+                                     std::to_string(kExpertFileHeaderBytes) + " of header, " +
+                                     std::to_string(weight_bytes) + " of weights, " +
+                                     std::to_string(optimizer_bytes) + " of optimizer state)";
+  const ReadOptions read_options{
+      .max_bytes = kExpertFileHeaderBytes + weight_bytes + optimizer_bytes,
+      .subject = file_size_text};
   for (int l = 0; l < options_.num_layers; ++l) {
     const Placement& p = placements_[l];
     const ShardMap& units = shards_[l];
@@ -296,7 +305,7 @@ Status Engine::Impl::LoadExperts(const std::string& dir) {
       auto [file, added] = files.try_emplace(path);
       CheckedFile& checked = file->second;
       if (added) {
-        KEEL_ASSIGN_OR_RETURN(checked.contents, ReadFile(path));
+        KEEL_ASSIGN_OR_RETURN(checked.contents, ReadFile(path, read_options));
         KEEL_ASSIGN_OR_RETURN(checked.payload, CheckExpertFile(path, checked.contents, expected));
         if (checked.payload.version == 1) unverified.push_back(path);
       }

@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/file.h"
 #include "common/log.h"
 
 namespace keel {
@@ -35,31 +36,6 @@ using Clock = std::chrono::steady_clock;
 constexpr std::chrono::milliseconds kAcceptPause{100};
 
 std::string SystemMessage(int error) { return std::system_category().message(error); }
-
-// An owned file descriptor, closed on destruction.
-class Descriptor {
- public:
-  Descriptor() = default;
-  explicit Descriptor(int fd) : fd_(fd) {}
-  Descriptor(Descriptor&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-  Descriptor& operator=(Descriptor&& other) noexcept {
-    if (this != &other) {
-      Reset();
-      fd_ = std::exchange(other.fd_, -1);
-    }
-    return *this;
-  }
-  ~Descriptor() { Reset(); }
-
-  int get() const { return fd_; }
-  void Reset() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-};
 
 struct SocketAddress {
   sockaddr_storage storage{};

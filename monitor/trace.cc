@@ -13,6 +13,7 @@
 #include "common/file.h"
 #include "common/json.h"
 #include "common/number_text.h"
+#include "monitor/trace_files.h"
 #include "monitor/trace_import.h"
 
 namespace keel {
@@ -344,7 +345,8 @@ std::string GuessedFormatContext(TraceFormat guessed) {
 }
 
 Result<Trace> ReadKeelTrace(const std::string& path) {
-  KEEL_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  KEEL_ASSIGN_OR_RETURN(std::string text, trace_files::ReadTraceFile(path));
+  KEEL_ASSIGN_OR_RETURN(const uint64_t max_line, InputLimitBytes(InputLimit::kTraceLineBytes));
   Trace trace;
   std::string_view rest = text;
   int line_number = 0;
@@ -357,6 +359,7 @@ Result<Trace> ReadKeelTrace(const std::string& path) {
     if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
     if (line.find_first_not_of(" \t") == std::string_view::npos) continue;  // blank line
     const std::string where = path + ":" + std::to_string(line_number);
+    KEEL_RETURN_IF_ERROR(trace_files::CheckLineLength(line, where, max_line));
     if (!have_header) {
       Result<nlohmann::json> parsed = ParseJson(line, "header is not JSON");
       if (!parsed.ok()) return parsed.status().WithContext(where);

@@ -1,29 +1,41 @@
 // What the trace importers share (monitor/trace_files.h).
 #include "monitor/trace_files.h"
 
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <charconv>
-#include <cstdlib>
 #include <filesystem>
 #include <system_error>
 #include <utility>
 
-extern char** environ;
+#include "common/file.h"
 
 namespace keel::trace_files {
 
 namespace fs = std::filesystem;
 
-std::vector<std::string_view> SplitLines(std::string_view text) {
+Result<std::string> ReadTraceFile(const std::string& path) {
+  return ReadFile(path, {.limit = InputLimit::kTraceFileBytes});
+}
+
+Status CheckLineLength(std::string_view line, std::string_view where, uint64_t max_bytes) {
+  if (line.size() <= max_bytes) return Status::Ok();
+  const InputLimitInfo& info = InputLimitOf(InputLimit::kTraceLineBytes);
+  return InvalidArgument(std::string(where) + ": a line of " + DescribeBytes(line.size()) +
+                         " is longer than the limit of " + DescribeBytes(max_bytes) + " for " +
+                         std::string(info.subject) + " (set " + std::string(info.variable) +
+                         " to raise it)");
+}
+
+Result<std::vector<std::string_view>> SplitLines(std::string_view text, std::string_view path) {
+  KEEL_ASSIGN_OR_RETURN(const uint64_t max_line, InputLimitBytes(InputLimit::kTraceLineBytes));
   std::vector<std::string_view> lines;
   while (!text.empty()) {
     size_t end = text.find('\n');
     std::string_view line = text.substr(0, end);
     if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (line.size() > max_line) {
+      return CheckLineLength(line, std::string(path) + ":" + std::to_string(lines.size() + 1),
+                             max_line);
+    }
     lines.push_back(line);
     if (end == std::string_view::npos) break;
     text.remove_prefix(end + 1);
@@ -69,46 +81,6 @@ std::vector<FolderEntry> ListFolder(const std::string& folder) {
 bool IsFolder(const std::string& path) {
   std::error_code error;
   return fs::is_directory(path, error);
-}
-
-Result<TemporaryFolder> TemporaryFolder::Create() {
-  const char* base = std::getenv("TMPDIR");
-  std::string pattern =
-      std::string(base != nullptr && *base != '\0' ? base : "/tmp") + "/keel-trace-XXXXXX";
-  if (mkdtemp(pattern.data()) == nullptr) {
-    return IoError(pattern + ": mkdtemp failed: " + std::generic_category().message(errno));
-  }
-  return TemporaryFolder(pattern);
-}
-
-TemporaryFolder::~TemporaryFolder() {
-  if (path_.empty()) return;
-  std::error_code ignored;
-  fs::remove_all(path_, ignored);
-}
-
-Status ExtractTarXz(const std::string& archive, const std::string& folder) {
-  std::vector<std::string> args = {"tar", "-xJf", archive, "-C", folder};
-  std::vector<char*> argv;
-  for (std::string& arg : args) argv.push_back(arg.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  int spawn_error = posix_spawnp(&pid, "tar", nullptr, nullptr, argv.data(), environ);
-  if (spawn_error != 0) {
-    return IoError(archive + ": cannot run tar: " + std::generic_category().message(spawn_error));
-  }
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) return IoError(archive + ": waiting for tar failed");
-  }
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    // Almost always a truncated or corrupt archive: bad input, like any other bad trace.
-    return InvalidArgument(archive + ": `tar -xJf` failed (exit status " +
-                           std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) +
-                           "): the archive is truncated, corrupt or not .tar.xz (or xz is not "
-                           "installed)");
-  }
-  return Status::Ok();
 }
 
 bool IsEsftTaskFolder(const std::string& path) {

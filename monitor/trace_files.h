@@ -1,5 +1,5 @@
-// What the trace importers (monitor/trace_import*.cc) share: lines of text, numbers in file names,
-// folders and .tar.xz archives. Internal to monitor/.
+// What the trace readers (monitor/trace*.cc) share: bounded reads of a trace's files, lines of
+// text, numbers in file names and folders. Internal to monitor/.
 #pragma once
 
 #include <cstdint>
@@ -12,8 +12,18 @@
 
 namespace keel::trace_files {
 
-// Splits text into lines (without '\n' or a trailing '\r'); trailing empty lines are dropped.
-std::vector<std::string_view> SplitLines(std::string_view text);
+// One file of a trace, read whole as common/file.h's ReadFile does: a regular file of at most
+// KEEL_MAX_TRACE_BYTES.
+Result<std::string> ReadTraceFile(const std::string& path);
+
+// Splits `text`, the contents of `path`, into lines (without '\n' or a trailing '\r'); trailing
+// empty lines are dropped. A line longer than KEEL_MAX_LINE_BYTES is InvalidArgument naming the
+// file and line (CheckLineLength).
+Result<std::vector<std::string_view>> SplitLines(std::string_view text, std::string_view path);
+
+// InvalidArgument naming `where` ("file:line") when `line` holds more than `max_bytes`, the line
+// limit in force (InputLimitBytes(InputLimit::kTraceLineBytes)).
+Status CheckLineLength(std::string_view line, std::string_view where, uint64_t max_bytes);
 
 bool EndsWith(std::string_view text, std::string_view suffix);
 
@@ -32,26 +42,6 @@ struct FolderEntry {
 std::vector<FolderEntry> ListFolder(const std::string& folder);
 
 bool IsFolder(const std::string& path);
-
-// A folder made with mkdtemp and removed, with everything in it, when this goes out of scope.
-class TemporaryFolder {
- public:
-  static Result<TemporaryFolder> Create();
-  TemporaryFolder(TemporaryFolder&& other) noexcept : path_(std::move(other.path_)) {
-    other.path_.clear();
-  }
-  TemporaryFolder& operator=(TemporaryFolder&&) = delete;
-  TemporaryFolder(const TemporaryFolder&) = delete;
-  ~TemporaryFolder();
-  const std::string& path() const { return path_; }
-
- private:
-  explicit TemporaryFolder(std::string path) : path_(std::move(path)) {}
-  std::string path_;
-};
-
-// Runs `tar -xJf archive -C folder` without a shell, so no path needs quoting.
-Status ExtractTarXz(const std::string& archive, const std::string& folder);
 
 // True for a folder that holds expert_weights_1.txt: one ESFT task (the ESFT importer and format
 // detection both ask).

@@ -4,12 +4,12 @@
 // line and value it cannot use. This file tells the formats apart.
 #include "monitor/trace_import.h"
 
-#include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <system_error>
 
+#include "common/file.h"
 #include "monitor/trace_files.h"
 
 namespace keel {
@@ -23,20 +23,17 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// The first line of a JSON Lines file as JSON (up to 1 MiB of it); null when it is not JSON.
-nlohmann::json FirstLine(const std::string& path) {
-  std::FILE* file = std::fopen(path.c_str(), "rb");
-  if (file == nullptr) return nullptr;
-  std::string first;
-  int c = 0;
-  while ((c = std::fgetc(file)) != EOF && c != '\n' && first.size() < (1 << 20)) {
-    first.push_back(static_cast<char>(c));
-  }
-  std::fclose(file);
+// The first line of a JSON Lines file as JSON (up to 1 MiB of it); null when it is not JSON. A
+// file that cannot be read as a trace (a FIFO, a device, one beyond the limit) is an error here,
+// before any format is guessed for it.
+Result<nlohmann::json> FirstLine(const std::string& path) {
+  KEEL_ASSIGN_OR_RETURN(InputFile file,
+                        InputFile::Open(path, {.limit = InputLimit::kTraceFileBytes}));
+  KEEL_ASSIGN_OR_RETURN(const std::string first, file.ReadFirstLine(1 << 20));
   try {
     return nlohmann::json::parse(first);
   } catch (const nlohmann::json::exception&) {
-    return nullptr;
+    return nlohmann::json(nullptr);
   }
 }
 
@@ -82,7 +79,7 @@ Result<TraceFormat> DetectTraceFormat(const std::string& path) {
     std::string name = fs::path(path).filename().string();
     if (EndsWith(name, ".tar.xz")) return TraceFormat::kSmartMoe;
     if (EndsWith(name, ".jsonl")) {
-      const nlohmann::json first = FirstLine(path);
+      KEEL_ASSIGN_OR_RETURN(const nlohmann::json first, FirstLine(path));
       if (IsKeelHeader(first)) return TraceFormat::kKeel;
       if (IsKeelStep(first)) {
         return InvalidArgument(path +

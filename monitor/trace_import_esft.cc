@@ -13,7 +13,6 @@
 #include <utility>
 #include <vector>
 
-#include "common/file.h"
 #include "common/random.h"
 #include "monitor/trace_files.h"
 
@@ -24,6 +23,7 @@ using trace_files::IsEsftTaskFolder;
 using trace_files::IsFolder;
 using trace_files::ListFolder;
 using trace_files::NumberBetween;
+using trace_files::ReadTraceFile;
 using trace_files::SplitLines;
 namespace fs = std::filesystem;
 
@@ -123,8 +123,8 @@ Result<std::vector<TraceSequence>> ReadEsftTask(const std::string& path, const s
   std::vector<TraceSequence> sequences;
   std::string first_file;
   for (const auto& [layer, file] : layer_files) {
-    KEEL_ASSIGN_OR_RETURN(std::string text, ReadFile(file));
-    std::vector<std::string_view> lines = SplitLines(text);
+    KEEL_ASSIGN_OR_RETURN(std::string text, ReadTraceFile(file));
+    KEEL_ASSIGN_OR_RETURN(std::vector<std::string_view> lines, SplitLines(text, file));
     if (layer == 1) {
       first_file = file;
       if (lines.empty()) return InvalidArgument(file + ": no sequences");

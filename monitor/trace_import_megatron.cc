@@ -11,7 +11,6 @@
 #include <utility>
 #include <vector>
 
-#include "common/file.h"
 #include "common/json.h"
 #include "monitor/trace_files.h"
 
@@ -21,6 +20,7 @@ using trace_files::EndsWith;
 using trace_files::FolderEntry;
 using trace_files::IsFolder;
 using trace_files::ListFolder;
+using trace_files::ReadTraceFile;
 using trace_files::SplitLines;
 
 namespace {
@@ -135,8 +135,8 @@ Result<Trace> ImportMegatronTrace(const std::string& path, const MegatronImportO
   // Records of counts must all count the same experts; where the first of them is.
   std::optional<std::pair<size_t, std::string>> counts_length;
   for (const std::string& file : files) {
-    KEEL_ASSIGN_OR_RETURN(std::string text, ReadFile(file));
-    std::vector<std::string_view> lines = SplitLines(text);
+    KEEL_ASSIGN_OR_RETURN(std::string text, ReadTraceFile(file));
+    KEEL_ASSIGN_OR_RETURN(std::vector<std::string_view> lines, SplitLines(text, file));
     for (size_t line = 0; line < lines.size(); ++line) {
       if (lines[line].find_first_not_of(" \t") == std::string_view::npos) continue;
       const std::string where = file + ":" + std::to_string(line + 1);

@@ -8,13 +8,13 @@
 #include <utility>
 #include <vector>
 
-#include "common/file.h"
 #include "common/json.h"
 #include "monitor/trace_files.h"
 
 namespace keel {
 
 using trace_files::IsFolder;
+using trace_files::ReadTraceFile;
 namespace fs = std::filesystem;
 
 Result<Trace> ImportOlmoeTrace(const std::string& path, const OlmoeImportOptions& options) {
@@ -22,7 +22,7 @@ Result<Trace> ImportOlmoeTrace(const std::string& path, const OlmoeImportOptions
   if (IsFolder(path)) {
     file = (fs::path(path) / "expert_counts_derived.json").string();
   }
-  KEEL_ASSIGN_OR_RETURN(std::string text, ReadFile(file));
+  KEEL_ASSIGN_OR_RETURN(std::string text, ReadTraceFile(file));
   Result<nlohmann::json> parsed = ParseJson(text);
   if (!parsed.ok()) return parsed.status().WithContext(file);
   const nlohmann::json& root = *parsed;

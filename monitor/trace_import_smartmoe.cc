@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "common/file.h"
+#include "monitor/trace_archive.h"
 #include "monitor/trace_files.h"
 
 namespace keel {
@@ -24,6 +24,7 @@ using trace_files::FolderEntry;
 using trace_files::IsFolder;
 using trace_files::ListFolder;
 using trace_files::NumberBetween;
+using trace_files::ReadTraceFile;
 using trace_files::SplitLines;
 using trace_files::TemporaryFolder;
 namespace fs = std::filesystem;
@@ -212,8 +213,9 @@ Result<Trace> ImportSmartMoeFolder(const std::string& folder, const std::string&
   }
 
   // The first file fixes the number of layers (lines) and experts (entries per list).
-  KEEL_ASSIGN_OR_RETURN(std::string first_text, ReadFile(files[0].path));
-  std::vector<std::string_view> first_lines = SplitLines(first_text);
+  KEEL_ASSIGN_OR_RETURN(std::string first_text, ReadTraceFile(files[0].path));
+  KEEL_ASSIGN_OR_RETURN(std::vector<std::string_view> first_lines,
+                        SplitLines(first_text, files[0].path));
   if (first_lines.empty()) return InvalidArgument(files[0].path + ": empty table");
   KEEL_ASSIGN_OR_RETURN(int num_experts, SmartMoeExpertsOf(first_lines[0], files[0].path + ":1"));
 
@@ -237,9 +239,9 @@ Result<Trace> ImportSmartMoeFolder(const std::string& folder, const std::string&
     if (i == 0) {
       text = std::move(first_text);
     } else {
-      KEEL_ASSIGN_OR_RETURN(text, ReadFile(file.path));
+      KEEL_ASSIGN_OR_RETURN(text, ReadTraceFile(file.path));
     }
-    std::vector<std::string_view> lines = SplitLines(text);
+    KEEL_ASSIGN_OR_RETURN(std::vector<std::string_view> lines, SplitLines(text, file.path));
     if (static_cast<int>(lines.size()) != trace.num_layers) {
       return InvalidArgument(file.path + ": " + std::to_string(lines.size()) + " layers, but " +
                              files[0].path + " has " + std::to_string(trace.num_layers));

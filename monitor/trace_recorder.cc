@@ -4,8 +4,12 @@
 // line as not JSON, naming the file and line, so the cut is never silently replayed.
 #include "monitor/trace_recorder.h"
 
+#include <fcntl.h>
+
 #include <cerrno>
 #include <cstring>
+
+#include "common/file.h"
 
 namespace keel {
 
@@ -29,11 +33,16 @@ Result<std::unique_ptr<TraceRecorder>> TraceRecorder::Open(const TraceRecorderOp
   Result<std::string> header = KeelTraceHeaderLine(shape);
   if (!header.ok()) return header.status().WithContext(options.path);
 
-  std::FILE* file = std::fopen(options.path.c_str(), "wb");
+  // A FIFO that no process reads is an error, not a run that hangs before its first step.
+  Result<Descriptor> fd = OpenForWriting(options.path, O_CREAT | O_TRUNC);
+  // A missing folder, a path without write permission, a FIFO without a reader: the path given
+  // is wrong.
+  if (!fd.ok()) return InvalidArgument("cannot create trace " + fd.status().message());
+  std::FILE* file = ::fdopen(fd->get(), "wb");
   if (file == nullptr) {
-    // A missing folder or a path without write permission: the path given is wrong.
-    return InvalidArgument("cannot create trace " + options.path + ": " + std::strerror(errno));
+    return IoError("cannot open trace " + options.path + ": " + std::strerror(errno));
   }
+  fd->Release();  // the FILE owns it now
   std::unique_ptr<TraceRecorder> recorder(new TraceRecorder(options, file));
   recorder->shape_ = std::move(shape);
   if (std::fwrite(header->data(), 1, header->size(), file) != header->size() ||

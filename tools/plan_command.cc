@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
-#include <iterator>
 #include <memory>
 #include <optional>
 #include <span>
@@ -40,14 +39,10 @@ int Fail(const Status& status) {
 }
 
 Result<Json> ReadJsonFile(const std::string& path) {
-  std::string text;
-  if (path == "-") {
-    text.assign(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
-  } else {
-    Result<std::string> read = ReadFile(path);
-    if (!read.ok()) return read.status().WithContext("--input");
-    text = std::move(*read);
-  }
+  KEEL_ASSIGN_OR_RETURN(const std::string text,
+                        ReadFile(path, {.limit = InputLimit::kPlanInputBytes,
+                                        .argument = "--input",
+                                        .dash_is_stdin = true}));
   Result<Json> json = ParseJson(text, "is not valid JSON");
   if (!json.ok()) return json.status().WithContext("--input '" + path + "'");
   return json;

@@ -41,7 +41,8 @@ Result<StrategyReplayReport> ReplayWithProgress(const Trace& trace, const KeelCo
 }
 
 Result<StrategyPool> ReadPool(const std::string& path) {
-  KEEL_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  KEEL_ASSIGN_OR_RETURN(std::string text,
+                        ReadFile(path, {.limit = InputLimit::kStrategyPoolBytes}));
   Result<nlohmann::json> json = ParseJson(text);
   if (!json.ok()) return json.status().WithContext(path);
   Result<StrategyPool> pool = StrategyPoolFromJson(*json);

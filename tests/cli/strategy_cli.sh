@@ -88,8 +88,9 @@ expect_usage_error "belongs to the policy replay" \
 echo '{"format": "keel-strategy-pool", "layers": [["ep"], ["parm", "nope"]]}' >"$work/bad.json"
 expect_usage_error "layers\[1\]: strategy 'nope'" \
   "$keel" replay --trace "$work/trace.jsonl" --strategy auto --pool "$work/bad.json"
+# A pool from a pipe: read as a stream when KEEL_ALLOW_STREAMS=1 says so.
 expect_usage_error "the pool has 2 layers, the trace 4" \
-  "$keel" replay --trace "$work/trace.jsonl" --strategy auto \
+  env KEEL_ALLOW_STREAMS=1 "$keel" replay --trace "$work/trace.jsonl" --strategy auto \
   --pool <(echo '{"format": "keel-strategy-pool", "layers": [["ep"], ["ppmoe"]]}')
 expect_usage_error "--size must be in \[1, 4\]" \
   "$keel" pool build --trace "$work/trace.jsonl" --size 5 --out "$work/p.json"

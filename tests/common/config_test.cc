@@ -4,14 +4,19 @@
 #include "common/config.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <yaml-cpp/yaml.h>
 
 #include <cstddef>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <initializer_list>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace keel {
 namespace {
@@ -424,6 +429,47 @@ TEST(ConfigTest, FreeFormValuesAreText) {
   Result<KeelConfig> again = ParseConfig(ConfigToYaml(config), "again.yaml");
   ASSERT_TRUE(again.ok()) << again.status().ToString();
   EXPECT_EQ(again->monitor.trace_path, config.monitor.trace_path);
+}
+
+// Maps and sequences nest at most 64 levels, in flow and block style alike: deeper text is
+// refused, naming its line, before it is built (a megabyte of '[' included).
+TEST(ConfigTest, NestingIsBounded) {
+  std::string block;
+  for (int level = 0; level < 70; ++level) block += std::string(2 * level, ' ') + "k:\n";
+  ExpectError(block, {"configs/x.yaml:65: maps and sequences nest deeper than 64 levels"});
+  ExpectError("policy: " + std::string(100, '['),
+              {"configs/x.yaml:1: maps and sequences nest deeper than 64 levels"});
+  ExpectError("policy:\n  name: " + std::string(1 << 20, '['),
+              {"configs/x.yaml:2: maps and sequences nest deeper than 64 levels"});
+  // Within the limit, the text parses and is refused for what it says.
+  ExpectError("policy: " + std::string(10, '[') + std::string(10, ']'),
+              {"configs/x.yaml:1: policy"});
+}
+
+// A config file is read as every input is (common/file.h): a FIFO, a device or a file beyond
+// KEEL_MAX_CONFIG_BYTES is refused by name, without blocking.
+TEST(ConfigTest, FileThatIsNotARegularFileWithinTheLimitIsRefused) {
+  char pattern[] = "/tmp/keel-config-test-XXXXXX";
+  ASSERT_NE(::mkdtemp(pattern), nullptr);
+  const std::string dir = pattern;
+  const std::string fifo = dir + "/fifo.yaml";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::string large = dir + "/large.yaml";
+  { std::ofstream(large) << "policy:\n  name: static\n" << std::string(2 << 20, '#') << "\n"; }
+  for (const auto& [path, text] : std::vector<std::pair<std::string, std::string>>{
+           {fifo, "is a FIFO (named pipe), not a regular file"},
+           {"/dev/zero", "is a character device, not a regular file"},
+           {large,
+            "is more than the limit of 1 MiB for a config file (set KEEL_MAX_CONFIG_BYTES "
+            "to raise it)"}}) {
+    const Result<KeelConfig> config = LoadConfigFile(path);
+    ASSERT_FALSE(config.ok()) << path;
+    EXPECT_EQ(config.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(config.status().message().rfind("config file: " + path + ": ", 0), 0u)
+        << config.status().message();
+    EXPECT_NE(config.status().message().find(text), std::string::npos) << config.status().message();
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST(ConfigTest, MissingFileIsNotFound) {

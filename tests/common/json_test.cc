@@ -43,6 +43,35 @@ TEST(JsonTest, RefusesWhatNlohmannAcceptsSilentlyAndSaysWhere) {
       << syntax.status().message();
 }
 
+// Nesting is bounded: kMaxJsonNesting levels read, one more is refused where it starts, and a
+// megabyte of '[' is refused at the same place without building anything deeper.
+TEST(JsonTest, NestingIsBounded) {
+  const auto nested = [](int depth, const std::string& inner) {
+    std::string text;
+    for (int i = 0; i < depth; ++i) text += i % 2 == 0 ? "[" : "{\"k\": ";
+    text += inner;
+    for (int i = depth - 1; i >= 0; --i) text += i % 2 == 0 ? "]" : "}";
+    return text;
+  };
+  const Result<nlohmann::json> deepest = ParseJson(nested(kMaxJsonNesting, "1"));
+  ASSERT_TRUE(deepest.ok()) << deepest.status().ToString();
+  for (const std::string& text :
+       {nested(kMaxJsonNesting + 1, "1"), nested(kMaxJsonNesting, "[]"),
+        "\n" + std::string(1 << 20, '['), std::string(1 << 19, '[') + std::string(1 << 19, ']')}) {
+    const Result<nlohmann::json> parsed = ParseJson(text);
+    ASSERT_FALSE(parsed.ok()) << text.substr(0, 80);
+    EXPECT_EQ(parsed.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(parsed.status().message().find("arrays and objects nest deeper than 64 levels at "
+                                             "line "),
+              std::string::npos)
+        << parsed.status().message();
+  }
+  const Result<nlohmann::json> placed = ParseJson("\n" + std::string(100, '['));
+  ASSERT_FALSE(placed.ok());
+  EXPECT_NE(placed.status().message().find("at line 2, column 65"), std::string::npos)
+      << placed.status().message();
+}
+
 TEST(JsonTest, ReadsWhatIsWellFormedAsNlohmannDoes) {
   const char* texts[] = {
       R"({"a": 1, "b": {"a": 2}, "c": [{"a": 3}, {"a": 4}]})",

@@ -7,6 +7,7 @@
 // changes; version-1 files still load; no checkpoint goes to an empty path or the root.
 #include <gtest/gtest.h>
 #include <spawn.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -99,7 +100,7 @@ Checkpoint TrainAndCheckpoint(const std::string& dir, const KeelConfig& config =
 // [checkpoint + 1, kSteps); every copy must then hold the reference of kSteps steps.
 void ResumeAndCheck(const std::string& dir, int checkpoint_step, int64_t epoch,
                     const KeelConfig& config = CheckpointConfig()) {
-  Result<std::string> text = ReadFile(dir + kStateFile);
+  Result<std::string> text = ReadFile(dir + kStateFile, {});
   ASSERT_TRUE(text.ok()) << text.status().ToString();
   Result<EngineState> state = EngineStateFromJson(*text);
   ASSERT_TRUE(state.ok()) << state.status().ToString();
@@ -198,7 +199,7 @@ TEST(CheckpointTest, ShardedExpertsResumeExactly) {
     return step >= 2 && engine.placement(0).num_experts > kExperts;
   });
   ASSERT_GE(taken.step, 2) << "layer 0 was never sharded";
-  const EngineState state = EngineStateFromJson(ReadFile(dir + kStateFile).value()).value();
+  const EngineState state = EngineStateFromJson(ReadFile(dir + kStateFile, {}).value()).value();
   ASSERT_EQ(state.shards.size(), static_cast<size_t>(kLayers));
   EXPECT_EQ(state.shards[0][0], 2);
   EXPECT_TRUE(std::filesystem::exists(dir + "/layer-0/expert-0.shard-1-of-2.bin"));
@@ -233,7 +234,7 @@ TEST(CheckpointTest, LoadsIntoAnotherRankCountAndPlacement) {
         options.local_group = group.get();
         KEEL_ASSIGN_OR_RETURN(auto engine, Engine::Create(options));
         // A restored state of another shape is refused by name.
-        KEEL_ASSIGN_OR_RETURN(std::string text, ReadFile(dir + kStateFile));
+        KEEL_ASSIGN_OR_RETURN(std::string text, ReadFile(dir + kStateFile, {}));
         KEEL_ASSIGN_OR_RETURN(EngineState state, EngineStateFromJson(text));
         const Status refused = engine->RestoreState(state);
         if (refused.ok() || refused.message().find("phy2log has 12 slots; this engine has 10") ==
@@ -465,7 +466,7 @@ bool HoldsSaved(const TwoRankJob& job, int r) {
   return true;
 }
 
-std::string ReadBytes(const std::string& path) { return testing::ValueOrDie(ReadFile(path)); }
+std::string ReadBytes(const std::string& path) { return testing::ValueOrDie(ReadFile(path, {})); }
 void WriteBytes(const std::string& path, const std::string& bytes) {
   ASSERT_TRUE(WriteFileAtomically(path, bytes).ok()) << path;
 }
@@ -531,11 +532,37 @@ TEST(CheckpointTest, BadExpertFilesAreRefusedBeforeAnySlotChanges) {
                     ReadBytes(d + "/layer-1/expert-4.bin").substr(0, 20));
        },
        "/layer-1/expert-4.bin", "file length: expected 824 bytes"},
+      // Read no further than a file of this engine's shape goes: refused before it is read.
       {"trailing bytes",
        [](const std::string& d) {
          WriteBytes(d + "/layer-1/expert-4.bin", ReadBytes(d + "/layer-1/expert-4.bin") + "x");
        },
-       "/layer-1/expert-4.bin", "file length: expected 824 bytes"},
+       "/layer-1/expert-4.bin",
+       "825 bytes is more than 824 bytes, the size of an expert file of this engine (56 of "
+       "header, 256 of weights, 512 of optimizer state)"},
+      {"a 2 GiB file (sparse)",
+       [](const std::string& d) {
+         std::filesystem::resize_file(d + "/layer-1/expert-4.bin", uint64_t{2} << 30);
+       },
+       "/layer-1/expert-4.bin", "2 GiB is more than 824 bytes, the size of an expert file"},
+      {"a FIFO with no writer",
+       [](const std::string& d) {
+         std::filesystem::remove(d + "/layer-1/expert-4.bin");
+         ASSERT_EQ(::mkfifo((d + "/layer-1/expert-4.bin").c_str(), 0600), 0);
+       },
+       "/layer-1/expert-4.bin", "is a FIFO (named pipe), not a regular file"},
+      {"a link to /dev/zero",
+       [](const std::string& d) {
+         std::filesystem::remove(d + "/layer-1/expert-4.bin");
+         std::filesystem::create_symlink("/dev/zero", d + "/layer-1/expert-4.bin");
+       },
+       "/layer-1/expert-4.bin", "is a character device, not a regular file"},
+      {"a folder",
+       [](const std::string& d) {
+         std::filesystem::remove(d + "/layer-1/expert-4.bin");
+         std::filesystem::create_directory(d + "/layer-1/expert-4.bin");
+       },
+       "/layer-1/expert-4.bin", "is a folder, expected a file"},
       {"expert 3's file over expert 5's", copy("/layer-1/expert-3.bin", "/layer-1/expert-5.bin"),
        "/layer-1/expert-5.bin", "expert: expected 5, found 3"},
       {"layer 1's file over layer 0's", copy("/layer-1/expert-7.bin", "/layer-0/expert-7.bin"),

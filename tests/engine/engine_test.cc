@@ -1008,7 +1008,7 @@ TEST(EngineTest, ATraceThatWouldReplaceItsConfigFileIsRefused) {
                                            path + "' name the same file"),
             std::string::npos)
       << engine.status().ToString();
-  EXPECT_EQ(testing::ValueOrDie(ReadFile(path)), yaml);
+  EXPECT_EQ(testing::ValueOrDie(ReadFile(path, {})), yaml);
   std::remove(path.c_str());
 }
 
