@@ -248,3 +248,42 @@ def test_an_unsupported_torchtitan_version_is_refused_by_name(monkeypatch: Any) 
         assert module.check_version("0.3.7+local") == "0.3.7+local"
         with pytest.raises(keel.UnimplementedError, match="torchtitan 0.2.9 is installed"):
             module.check_version("0.2.9")
+
+
+def test_use_keel_refuses_what_it_cannot_take_by_name() -> None:
+    """Each refusal comes before any collective, naming the layer (one process, no group)."""
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed")
+    import torch
+    import keel
+    import keel.integrations.torchtitan as titan
+
+    def refused(model: Any, *words: str) -> None:
+        with pytest.raises(keel.InvalidArgumentError) as error:
+            titan.use_keel(model)
+        for word in words:
+            assert word in str(error.value), str(error.value)
+
+    refused(torch.nn.Linear(2, 2), "Linear", "holds no torchtitan MoE layer")
+
+    def model_of(*layers: Any) -> Any:
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList(layers)
+        return model
+
+    on_meta = build_moe(expert_parallel=False)
+    on_meta.routed_experts.inner_experts.to("meta")
+    refused(model_of(on_meta), "layers.0.routed_experts.inner_experts.w1_EFD",
+            "meta device", "after the model's weights are initialized")
+    expert_parallel = build_moe(expert_parallel=False)
+    expert_parallel.routed_experts.token_dispatcher.ep_mesh = object()
+    refused(model_of(expert_parallel), "layers.0 runs torchtitan's expert parallelism",
+            "expert_parallel_degree = 1")
+    other_top_k = build_moe(expert_parallel=False)
+    other_top_k.router.top_k = TOP_K - 1
+    refused(model_of(build_moe(expert_parallel=False), other_top_k),
+            f"layers.1: GroupedExperts of shape [{EXPERTS}, {HIDDEN}, {DIM}], top-{TOP_K - 1}",
+            "the same experts in every layer")
+    replaced = build_moe(expert_parallel=False)
+    replaced.routed_experts = torch.nn.Identity()
+    refused(model_of(replaced), "layers.0.routed_experts is Identity",
+            "without torchtitan's GroupedExperts")
