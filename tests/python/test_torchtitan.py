@@ -218,6 +218,102 @@ def test_keel_inside_torchtitans_moe_matches_its_expert_parallelism() -> None:
     assert not any(ran for answer in by_rank for ran in answer["static"]["copies_ran"])
 
 
+def checkpoints_both_ways(rank: int, world: int, folder: str) -> Dict[str, float]:
+    """A Keel model trained 3 steps under the keel placement saves with DCP; torchtitan's layer
+    without Keel, plain and with its EP, loads it. torchtitan's EP layer, trained 3 steps on its
+    own, saves; a fresh Keel model loads it. Returns the largest differences of the weights and
+    of the outputs on a batch."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import keel.integrations.torchtitan as titan
+
+    titan.fill_torch_gaps()
+    dims = expert_parallel_dims(world)
+
+    def holding(moe: Any) -> Any:  # the layer as "moe" of a model: a model's keys
+        holder = torch.nn.Module()
+        holder.moe = moe
+        return holder
+
+    def keel_model() -> Any:
+        holder = holding(build_moe(expert_parallel=False))
+        return holder, titan.use_keel(holder, config=moe_config("keel", world),
+                                      optimizer="none", average_gradients=False)
+
+    def train(model: Any, steps: int) -> None:
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+        if isinstance(model.moe.routed_experts, titan.KeelRoutedExperts):
+            titan.attach(model.moe.routed_experts.dispatcher._moe, sgd)
+        dense = [p for n, p in model.named_parameters()
+                 if n.startswith(("moe.router.", "moe.shared_experts."))]
+        for step in range(steps):
+            x, probe = step_batch(step, rank)
+            (model.moe(x) * probe).sum().backward()
+            average_dense(dense, world)  # the same dense weights on every rank
+            sgd.step()
+            sgd.zero_grad(set_to_none=True)
+
+    def load(model: Any, path: str) -> Any:
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+        return model
+
+    def whole(model: Any) -> Dict[str, Any]:
+        """The layer's weights as whole tensors, torchtitan's keys (Keel's state dict has them)."""
+        state = model.state_dict()
+        return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+
+    def differences(a: Any, b: Any) -> Dict[str, float]:
+        x, _ = step_batch(9, rank)
+        weights_a, weights_b = whole(a), whole(b)
+        assert sorted(weights_a) == sorted(weights_b), (sorted(weights_a), sorted(weights_b))
+        with torch.no_grad():
+            out_a, out_b = a.moe(x), b.moe(x)
+        return {"weights": max(float((weights_a[k] - weights_b[k]).abs().max())
+                               for k in weights_a),
+                "outputs": float((out_a - out_b).abs().max()) / float(out_b.abs().max())}
+
+    found = {}
+    # Saved with Keel (homes moved, replicas filled), loaded by torchtitan without Keel.
+    with_keel, moe = keel_model()
+    train(with_keel, 3)
+    found["keel epochs"] = moe.stats()["epochs_committed"]
+    dcp.save({"model": with_keel.state_dict()}, checkpoint_id=f"{folder}/keel")
+    plain = load(holding(build_moe(expert_parallel=False)), f"{folder}/keel")
+    reference = build_moe(expert_parallel=True)
+    reference.parallelize(dims)
+    expert_parallel = load(holding(reference), f"{folder}/keel")
+    for name, other in (("plain", plain), ("ep", expert_parallel)):
+        for key, value in differences(other, with_keel).items():
+            found[f"keel -> {name} {key}"] = value
+    moe.close()
+    # Saved by torchtitan's EP layer, loaded with Keel.
+    train(expert_parallel, 3)
+    dcp.save({"model": expert_parallel.state_dict()}, checkpoint_id=f"{folder}/ep")
+    fresh, moe = keel_model()
+    load(fresh, f"{folder}/ep")
+    for key, value in differences(fresh, expert_parallel).items():
+        found[f"ep -> keel {key}"] = value
+    found["trained"] = max(float((a - b).abs().max()) for a, b in
+                           zip(whole(expert_parallel).values(), whole(plain).values()))
+    moe.close()
+    return found
+
+
+def test_checkpoints_load_both_ways_between_keel_and_torchtitan(tmp_path: Any) -> None:
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed")
+    for rank, found in enumerate(values(run_ranks(checkpoints_both_ways, RANKS, str(tmp_path),
+                                                  timeout=280))):
+        assert found["keel epochs"] >= 1, found
+        assert found["trained"] > 1e-3, f"the EP layer's training changed nothing: {found}"
+        for key, value in found.items():
+            if key.endswith("weights"):
+                assert value == 0.0, (rank, key, found)
+            elif key.endswith("outputs"):
+                assert value <= TOLERANCE["output"], (rank, key, found)
+
+
 def test_an_unsupported_torchtitan_version_is_refused_by_name(monkeypatch: Any) -> None:
     import keel
     sys.modules.pop("keel.integrations.torchtitan", None)

@@ -161,8 +161,16 @@ class KeelRoutedExperts(torch.nn.Module):
     - result ``[B, L, D]`` of ``x_BLD``'s dtype: ``sum_k topk_scores[b, l, k] *
       expert[topk_expert_ids[b, l, k]](x[b, l])``, the scores applied after the experts.
 
-    Collective, like the dispatcher it holds (``self.dispatcher``, whose ``state_dict`` has the
-    experts by logical id: ``dispatcher.experts.{e}.w1_FD`` ...).
+    Collective, like the dispatcher it holds (``self.dispatcher``).
+
+    Checkpoints are in torchtitan's layout: ``state_dict()`` gives ``inner_experts.w1_EFD``
+    ``[E, F, D]``, ``inner_experts.w2_EDF`` ``[E, D, F]`` and ``inner_experts.w3_EFD``, every
+    expert's weights from its home, the same whole tensors on every rank (collective over the
+    KeelMoE's group: every rank calls it, as ``torch.distributed.checkpoint.save`` does; DCP
+    writes each once). ``load_state_dict`` takes those keys, as whole tensors (DTensors are
+    gathered), and fills every copy this rank holds, under the placement in force. So a model
+    with Keel and the same model without it (or with torchtitan's expert parallelism) load each
+    other's checkpoints.
     """
 
     def __init__(self, dispatcher: MoEDispatcher) -> None:
@@ -171,6 +179,9 @@ class KeelRoutedExperts(torch.nn.Module):
             raise InvalidArgumentError(
                 f"dispatcher is {type(dispatcher).__name__}, not a keel.torch.MoEDispatcher")
         self.dispatcher = dispatcher
+        post_hook = getattr(self, "register_state_dict_post_hook", None)
+        (post_hook or self._register_state_dict_hook)(_TorchtitanLayout.save)
+        self.register_load_state_dict_pre_hook(_TorchtitanLayout.load)
 
     def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor,
                 topk_expert_ids_BLK: torch.Tensor,
@@ -181,6 +192,45 @@ class KeelRoutedExperts(torch.nn.Module):
         out_TD = self.dispatcher(x_BLD.reshape(B * L, D), topk_expert_ids_BLK.reshape(B * L, K),
                                  topk_scores_BLK.reshape(B * L, K))
         return out_TD.view(B, L, D)
+
+
+class _TorchtitanLayout:
+    """KeelRoutedExperts' state dict hooks: Keel's experts by logical id
+    (``dispatcher.experts.{e}.w1_FD``, which the dispatcher's own hooks give and take) to and
+    from torchtitan's stacked ``inner_experts.w1_EFD``."""
+
+    @staticmethod
+    def save(module: "KeelRoutedExperts", state: Dict[str, Any], prefix: str,
+             local_metadata: Any) -> None:
+        for key in [k for k in state if k.startswith(prefix + "dispatcher.")]:
+            del state[key]
+        dispatcher = module.dispatcher
+        experts = dispatcher._moe.gather_experts(dispatcher.layer)
+        for theirs, ours in _PARAMETERS.items():
+            state[prefix + "inner_experts." + theirs] = torch.stack(
+                [expert[ours] for expert in experts])
+
+    @staticmethod
+    def load(module: "KeelRoutedExperts", state: Dict[str, Any], prefix: str,
+             local_metadata: Any, strict: bool, missing_keys: List[str],
+             unexpected_keys: List[str], error_msgs: List[str]) -> None:
+        from torch.distributed.tensor import DTensor
+        dispatcher = module.dispatcher
+        spec, num_experts = dispatcher._moe.spec, dispatcher._moe.num_experts
+        for theirs, ours in _PARAMETERS.items():
+            key = prefix + "inner_experts." + theirs
+            value = state.pop(key, None)
+            if value is None:
+                continue  # the dispatcher reports its experts' entries missing
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            want = (num_experts, *spec.shapes[ours])
+            if tuple(value.shape) != want:
+                error_msgs.append(f"{key}: shape {list(value.shape)} in the checkpoint, "
+                                  f"{list(want)} in the model")
+                continue
+            for expert in range(num_experts):
+                state[f"{prefix}dispatcher.experts.{expert}.{ours}"] = value[expert]
 
 
 def moe_layers(model: torch.nn.Module) -> List[Tuple[str, MoE]]:
