@@ -605,10 +605,7 @@ def summarize(modes: Dict[str, Dict[str, Any]], args: argparse.Namespace) -> Dic
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    text = lm.load_text(args.text)
-    if len(text) < 40 * (args.seq_len + 1):
-        sys.exit(f"train_moe_pipeline: the text has {len(text)} characters; --seq-len "
-                 f"{args.seq_len} needs at least {40 * (args.seq_len + 1)}")
+    text = lm.load_text_for(args, "train_moe_pipeline")
     settings = {k: v for k, v in vars(args).items()
                 if k not in ("policy", "report", "quiet", "condense")}
     settings["blas"] = lm.blas_library()

@@ -79,14 +79,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--warmup", type=int, default=2, help="LR warmup steps (torchtitan's)")
-    p.add_argument("--eval-batches", type=int, default=8,
-                   help="held-out sequences per rank for the held-out loss")
-    p.add_argument("--seed", type=int, default=1, help="seed of weights and data (every mode)")
-    p.add_argument("--text", default="",
-                   help="train on this UTF-8 file instead of the KJV Bible from `bible`")
-    p.add_argument("--config", default="",
-                   help="Keel config (YAML) for the keel modes; default: one node of --ranks "
-                        "GPUs sized to this model on a CPU, migration over UCX")
+    lm.add_data_flags(p)  # --eval-batches, --seed, --text, --config
     p.add_argument("--report", default="", help="write the JSON report here")
     p.add_argument("--quiet", action="store_true", help="no per-step progress")
     args = p.parse_args(argv)
@@ -139,8 +132,8 @@ def keel_config(args: argparse.Namespace, world: int, config: Any) -> keel.Confi
         "topology": {"num_nodes": 1, "gpus_per_node": world,
                      "intra_node_gb_per_s": 1.0, "inter_node_gb_per_s": 1.0},
         "slots": {"persistent_per_rank": -(-experts // world) + 1, "transient_per_rank": 1},
-        # torchtitan's experts: SwiGLU in bfloat16 grouped GEMMs, about 400 GFLOP/s on one
-        # core of the development machine (AMX), float32 master weights.
+        # torchtitan's experts: SwiGLU in bfloat16 grouped GEMMs, about 430 GFLOP/s on one
+        # core of the development machine (AVX-512 bfloat16), float32 master weights.
         "cost_model": {"hidden_size": config.dim,
                        "expert_ffn_size": moe.routed_experts.inner_experts.hidden_dim,
                        "expert_matrices": 3, "expert_tflops": 0.4, "dtype_bytes": 4,
@@ -293,11 +286,7 @@ class Mode:
         maxima = torch.tensor(times.expert + dispatch + [dense, control, exposed],
                               dtype=torch.float64)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-        rows = torch.zeros(world, L, dtype=torch.float64)
-        rows[dist.get_rank()] = torch.tensor(times.rows, dtype=torch.float64)
-        sums = torch.cat([rows.reshape(-1), loss.detach().double().reshape(1)])
-        dist.all_reduce(sums)
-        rows = sums[:-1].reshape(world, L)
+        rows, summed_loss = lm.gather_rows(times.rows, loss.item(), dist.get_rank(), world)
         imbalances = (rows.max(dim=0).values * world / rows.sum(dim=0).clamp(min=1)).tolist()
         for l in range(L):
             self.layer_imbalance[l] += imbalances[l] / args.steps
@@ -306,7 +295,7 @@ class Mode:
         for key, value in (("parallel", expert + communication + dense + control + exposed),
                            ("expert", expert), ("communication", communication),
                            ("dense", dense), ("control", control), ("exposed", exposed),
-                           ("imbalance", sum(imbalances) / L), ("loss", sums[-1].item()),
+                           ("imbalance", sum(imbalances) / L), ("loss", summed_loss),
                            ("epoch", epoch)):
             self.per_step[key].append(value)
 
@@ -327,20 +316,9 @@ class Mode:
 
     def report(self, heldout: float) -> Dict[str, Any]:
         per_step, args = self.per_step, self.args
-        mean = lambda key: sum(per_step[key]) / len(per_step[key])  # noqa: E731
         out = {
             "mode": self.name,
-            "parallel_step_seconds": {"mean": mean("parallel"), "per_step": per_step["parallel"]},
-            "expert_seconds": mean("expert"),
-            "communication_seconds": mean("communication"),
-            "dense_seconds": mean("dense"),
-            "control_seconds": mean("control"),
-            "exposed_migration_seconds": mean("exposed"),
-            "per_step": {k: per_step[k] for k in ("expert", "communication", "dense", "control")},
-            "mean_imbalance": mean("imbalance"),
-            "imbalance": per_step["imbalance"],
-            "imbalance_per_layer": self.layer_imbalance,
-            "loss": per_step["loss"],
+            **lm.step_report(per_step, self.layer_imbalance),
             "heldout_loss": heldout,
             "tokens_per_second": args.batch * args.seq_len * self.world * args.steps / self.wall,
             "wall_seconds": self.wall,
@@ -434,10 +412,7 @@ def summarize(modes: Dict[str, Dict[str, Any]], comparison: Dict[str, Any]) -> N
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    text = lm.load_text(args.text)
-    if len(text) < 40 * (args.seq_len + 1):
-        sys.exit(f"train_torchtitan_moe: the text has {len(text)} characters; --seq-len "
-                 f"{args.seq_len} needs at least {40 * (args.seq_len + 1)}")
+    text = lm.load_text_for(args, "train_torchtitan_moe")
     import torchtitan
     settings = {k: v for k, v in vars(args).items() if k not in ("mode", "report", "quiet")}
     settings.update(blas=lm.blas_library(), torch=torch.__version__,
