@@ -217,6 +217,7 @@ class _TorchtitanLayout:
         from torch.distributed.tensor import DTensor
         dispatcher = module.dispatcher
         spec, num_experts = dispatcher._moe.spec, dispatcher._moe.num_experts
+        found, wrong = {}, []
         for theirs, ours in _PARAMETERS.items():
             key = prefix + "inner_experts." + theirs
             value = state.pop(key, None)
@@ -226,9 +227,13 @@ class _TorchtitanLayout:
                 value = value.full_tensor()
             want = (num_experts, *spec.shapes[ours])
             if tuple(value.shape) != want:
-                error_msgs.append(f"{key}: shape {list(value.shape)} in the checkpoint, "
-                                  f"{list(want)} in the model")
-                continue
+                wrong.append(f"{key}: shape {list(value.shape)} in the checkpoint, "
+                             f"{list(want)} in the model")
+            found[ours] = value
+        if wrong:  # no entry at all: the dispatcher leaves every slot as it is
+            error_msgs.extend(wrong)
+            return
+        for ours, value in found.items():
             for expert in range(num_experts):
                 state[f"{prefix}dispatcher.experts.{expert}.{ours}"] = value[expert]
 
@@ -314,7 +319,7 @@ def use_keel(model: torch.nn.Module, *, config: Any = None, group: Any = None,
 
     moe = KeelMoE(spec, num_layers=len(layers), num_experts=num_experts, top_k=top_k,
                   group=group, config=config, init_expert=init_expert, **keel_moe_args)
-    moe._init_expert = None  # the slots hold the values now; let the stacked weights go
+    stacked.clear()  # the slots hold the values now: the replaced weights can go
     for index, (_, layer) in enumerate(layers):
         layer.routed_experts = KeelRoutedExperts(moe.layer(index))
     return moe
