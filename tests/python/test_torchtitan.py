@@ -295,6 +295,18 @@ def checkpoints_both_ways(rank: int, world: int, folder: str) -> Dict[str, float
     load(fresh, f"{folder}/ep")
     for key, value in differences(fresh, expert_parallel).items():
         found[f"ep -> keel {key}"] = value
+    # A checkpoint of another shape is refused naming the key; no slot changes.
+    before = whole(fresh)
+    state = dict(before)
+    state["moe.routed_experts.inner_experts.w2_EDF"] = torch.zeros(EXPERTS, DIM, DIM)
+    try:
+        fresh.load_state_dict(state, strict=False)
+        found["wrong shape refused"] = 0.0
+    except RuntimeError as error:
+        found["wrong shape refused"] = float(
+            "moe.routed_experts.inner_experts.w2_EDF: shape [8, 32, 32]" in str(error))
+    found["wrong shape weights"] = max(float((after - before[k]).abs().max())
+                                       for k, after in whole(fresh).items())
     found["trained"] = max(float((a - b).abs().max()) for a, b in
                            zip(whole(expert_parallel).values(), whole(plain).values()))
     moe.close()
@@ -307,6 +319,7 @@ def test_checkpoints_load_both_ways_between_keel_and_torchtitan(tmp_path: Any) -
                                                   timeout=280))):
         assert found["keel epochs"] >= 1, found
         assert found["trained"] > 1e-3, f"the EP layer's training changed nothing: {found}"
+        assert found["wrong shape refused"] == 1.0, found
         for key, value in found.items():
             if key.endswith("weights"):
                 assert value == 0.0, (rank, key, found)
