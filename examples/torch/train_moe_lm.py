@@ -37,7 +37,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 # One BLAS thread per rank, as one GPU per rank: a rank's expert time is its thread's time.
 # (torch.set_num_threads governs torch's own pool and MKL, not a system OpenBLAS's threads.)
@@ -90,14 +90,7 @@ def make_parser(**settings: Any) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     p.add_argument("--aux-loss", type=float, default=0.01,
                    help="coefficient of the load-balancing loss (Switch/Mixtral); 0 turns it off")
-    p.add_argument("--eval-batches", type=int, default=8,
-                   help="held-out sequences per rank for the final held-out loss")
-    p.add_argument("--seed", type=int, default=1, help="seed of weights and data (every mode)")
-    p.add_argument("--text", default="",
-                   help="train on this UTF-8 file instead of the KJV Bible from `bible`")
-    p.add_argument("--config", default="",
-                   help="Keel config (YAML) for the keel modes; default: one node of --ranks "
-                        "GPUs sized to this model on a CPU, migration over UCX")
+    add_data_flags(p)
     p.add_argument("--report", default="", help="write the JSON report here")
     p.add_argument("--save", default="", metavar="DIR",
                    help="after training, save each mode's checkpoint (torch.distributed."
@@ -113,6 +106,19 @@ def make_parser(**settings: Any) -> argparse.ArgumentParser:
                         "(mode keel) and with it (mode keel+condense), rows of one expert with "
                         "cosine >= THRESHOLD in (0, 1] sent and computed once; 0 = off")
     return p
+
+
+def add_data_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the text, the held-out loss, the seed and Keel's config, which the examples
+    built on this one share."""
+    p.add_argument("--eval-batches", type=int, default=8,
+                   help="held-out sequences per rank for the final held-out loss")
+    p.add_argument("--seed", type=int, default=1, help="seed of weights and data (every mode)")
+    p.add_argument("--text", default="",
+                   help="train on this UTF-8 file instead of the KJV Bible from `bible`")
+    p.add_argument("--config", default="",
+                   help="Keel config (YAML) for the keel modes; default: one node of --ranks "
+                        "GPUs sized to this model on a CPU, migration over UCX")
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -157,6 +163,16 @@ def load_text(path: str) -> str:
                          text=True).stdout
     # "Ge1:1 In the beginning..." -> the verse text alone.
     return re.sub(r"(?m)^\S+?\d+:\d+ ", "", raw)
+
+
+def load_text_for(args: argparse.Namespace, program: str) -> str:
+    """--text (or the Bible), long enough that the held-out 5% holds a couple of sequences of
+    --seq-len; else ``program`` exits saying so."""
+    text = load_text(args.text)
+    if len(text) < 40 * (args.seq_len + 1):
+        sys.exit(f"{program}: the text has {len(text)} characters; --seq-len {args.seq_len} "
+                 f"needs at least {40 * (args.seq_len + 1)}")
+    return text
 
 
 class Corpus:
@@ -247,6 +263,17 @@ def average_gradients(params: List[torch.nn.Parameter], size: int, group: Any = 
         at += g.numel()
 
 
+def gather_rows(rows: List[int], loss: float, rank: int,
+                world: int) -> Tuple[torch.Tensor, float]:
+    """Every rank's expert rows per layer (``[world, layers]`` float64) and the ranks' losses
+    summed, in one all-reduce."""
+    every = torch.zeros(world, len(rows), dtype=torch.float64)
+    every[rank] = torch.tensor(rows, dtype=torch.float64)
+    sums = torch.cat([every.reshape(-1), torch.tensor([loss], dtype=torch.float64)])
+    dist.all_reduce(sums)
+    return sums[:-1].reshape(world, len(rows)), sums[-1].item()
+
+
 def keel_config(args: argparse.Namespace, world: int, policy: str) -> keel.Config:
     if args.config:
         return keel.Config.from_file(args.config).replace({"policy": {"name": policy}})
@@ -331,11 +358,7 @@ class Mode:
                               [dense_thread, control, exposed, times.dispatch],
                               dtype=torch.float64)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-        rows = torch.zeros(world, L, dtype=torch.float64)
-        rows[rank] = torch.tensor(times.rows, dtype=torch.float64)
-        sums = torch.cat([rows.reshape(-1), torch.tensor([loss.item()], dtype=torch.float64)])
-        dist.all_reduce(sums)
-        rows = sums[:-1].reshape(world, L)
+        rows, summed_loss = gather_rows(times.rows, loss.item(), rank, world)
         imbalances = (rows.max(dim=0).values * world / rows.sum(dim=0).clamp(min=1)).tolist()
         for l in range(L):
             self.layer_imbalance[l] += imbalances[l] / args.steps
@@ -346,7 +369,7 @@ class Mode:
                            ("communication", communication), ("dense", dense),
                            ("control", control), ("exposed", exposed), ("dispatch", dispatch),
                            ("imbalance", sum(imbalances) / L),
-                           ("loss", sums[-1].item() / world), ("epoch", stats["epoch"])):
+                           ("loss", summed_loss / world), ("epoch", stats["epoch"])):
             self.per_step[key].append(value)
         self.rank_rows = rows.sum(1).tolist()
 
@@ -389,29 +412,39 @@ class Mode:
         stats = self.moe.stats()
         return {
             "policy": self.policy,
-            "parallel_step_seconds": {"mean": mean("parallel"), "per_step": per_step["parallel"]},
-            "expert_seconds": mean("expert"),
-            "communication_seconds": mean("communication"),
-            "dense_seconds": mean("dense"),
-            "control_seconds": mean("control"),
-            "exposed_migration_seconds": mean("exposed"),
+            **step_report(per_step, self.layer_imbalance),
             "dispatch_seconds": mean("dispatch"),
             "python_overhead_fraction": mean("dispatch") / mean("parallel"),
-            "per_step": {k: per_step[k] for k in ("expert", "communication", "dense", "control")},
-            "mean_imbalance": mean("imbalance"),
-            "imbalance": per_step["imbalance"],
-            "imbalance_per_layer": self.layer_imbalance,
             "epochs": stats["epochs_committed"],
             "epochs_aborted": stats["epochs_aborted"],
             "epoch_per_step": per_step["epoch"],
             "bytes_moved": stats["bytes_moved"],
-            "loss": per_step["loss"],
             "heldout_loss": heldout,
             "tokens_per_second": args.batch * args.seq_len * self.world * args.steps / self.wall,
             "wall_seconds": self.wall,
             # This rank's forward rows dispatched, and sent after condensation (equal without).
             "condensation_rows": list(self.moe.condensation_rows),
         }
+
+
+def step_report(per_step: Dict[str, List[float]],
+                layer_imbalance: List[float]) -> Dict[str, Any]:
+    """A mode's report fields from its per-step values (parallel, expert, communication, dense,
+    control, exposed, imbalance, loss), which the examples built on this one share."""
+    mean = lambda key: sum(per_step[key]) / len(per_step[key])  # noqa: E731
+    return {
+        "parallel_step_seconds": {"mean": mean("parallel"), "per_step": per_step["parallel"]},
+        "expert_seconds": mean("expert"),
+        "communication_seconds": mean("communication"),
+        "dense_seconds": mean("dense"),
+        "control_seconds": mean("control"),
+        "exposed_migration_seconds": mean("exposed"),
+        "per_step": {k: per_step[k] for k in ("expert", "communication", "dense", "control")},
+        "mean_imbalance": mean("imbalance"),
+        "imbalance": per_step["imbalance"],
+        "imbalance_per_layer": layer_imbalance,
+        "loss": per_step["loss"],
+    }
 
 
 def train(rank: int, world: int, args: argparse.Namespace,
@@ -596,11 +629,7 @@ def summarize(modes: Dict[str, Dict[str, Any]], args: argparse.Namespace) -> Dic
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    text = load_text(args.text)
-    # The held-out 5% must hold a couple of sequences.
-    if len(text) < 40 * (args.seq_len + 1):
-        sys.exit(f"train_moe_lm: the text has {len(text)} characters; --seq-len {args.seq_len} "
-                 f"needs at least {40 * (args.seq_len + 1)}")
+    text = load_text_for(args, "train_moe_lm")
     settings = {k: v for k, v in vars(args).items()
                 if k not in ("policy", "report", "quiet", "save", "resume")}
     settings["blas"] = blas_library()

@@ -455,25 +455,17 @@ class PipelineMode:
         steps = len(self.busy)
         return {
             "policy": self.policy,
-            "parallel_step_seconds": {"mean": mean("parallel"), "per_step": per_step["parallel"]},
-            # The critical path's parts: they sum to the parallel step.
-            "expert_seconds": mean("expert"),
-            "communication_seconds": mean("communication"),
-            "dense_seconds": mean("dense"),
-            "control_seconds": mean("control"),
-            "exposed_migration_seconds": mean("exposed"),
+            # The critical path's parts (expert, communication, dense, control, exposed
+            # migration seconds): they sum to the parallel step.
+            **lm.step_report(per_step, self.layer_imbalance),
             "dispatch_seconds": mean("dispatch"),
             "python_overhead_fraction": mean("dispatch") / mean("parallel"),
             "per_step": {k: per_step[k] for k in ("expert", "communication", "dense", "control",
                                                   "transfer", "bubble")},
-            "mean_imbalance": mean("imbalance"),
-            "imbalance": per_step["imbalance"],
-            "imbalance_per_layer": self.layer_imbalance,
             "epochs": sum(s["epochs_committed"] for s in stage_stats),
             "epochs_aborted": sum(s["epochs_aborted"] for s in stage_stats),
             "epoch_per_step": per_step["epoch"],
             "bytes_moved": sum(s["bytes_moved"] for s in stage_stats),
-            "loss": per_step["loss"],
             "heldout_loss": heldout,
             "tokens_per_second": args.batch * args.seq_len * layout.ep * args.steps / self.wall,
             "wall_seconds": self.wall,
@@ -605,10 +597,7 @@ def summarize(modes: Dict[str, Dict[str, Any]], args: argparse.Namespace) -> Dic
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    text = lm.load_text(args.text)
-    if len(text) < 40 * (args.seq_len + 1):
-        sys.exit(f"train_moe_pipeline: the text has {len(text)} characters; --seq-len "
-                 f"{args.seq_len} needs at least {40 * (args.seq_len + 1)}")
+    text = lm.load_text_for(args, "train_moe_pipeline")
     settings = {k: v for k, v in vars(args).items()
                 if k not in ("policy", "report", "quiet", "condense")}
     settings["blas"] = lm.blas_library()

@@ -19,11 +19,15 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A scratch folder per process, emptied for every input.
+// A scratch folder per process, emptied for every input and removed when the run ends.
 const fs::path& Scratch() {
   static const fs::path folder = [] {
     std::string pattern = (fs::temp_directory_path() / "keel-trace-fuzz-XXXXXX").string();
     if (::mkdtemp(pattern.data()) == nullptr) std::abort();
+    std::atexit([] {
+      std::error_code ignored;
+      fs::remove_all(Scratch(), ignored);
+    });
     return fs::path(pattern);
   }();
   return folder;

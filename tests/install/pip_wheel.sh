@@ -70,6 +70,7 @@ wheel, version = sys.argv[1], sys.argv[2]
 names = zipfile.ZipFile(wheel).namelist()
 info = f"keel-{version}.dist-info/"
 for name in ("keel/__init__.py", "keel/_cli.py", "keel/torch/__init__.py", "keel/py.typed",
+             "keel/integrations/__init__.py", "keel/integrations/torchtitan.py",
              "keel/lib/libkeel.so", "keel/bin/keel", info + "METADATA", info + "entry_points.txt"):
     assert name in names, f"{name} is not in the wheel: {names}"
 assert any(n.startswith("keel/_keel.") and n.endswith(".so") for n in names), names

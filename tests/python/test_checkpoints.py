@@ -2,7 +2,8 @@
 mid-run (an epoch's migration in flight), resumed on 4 ranks and on 2 under fresh placements, the
 run goes on as the uninterrupted one; the checkpoint loads into a plain PyTorch MoE's experts and
 a plain model's experts load into KeelMoE; a checkpoint that does not fit is refused naming its
-keys, before any slot changes; the optimizer's own state dict leaves Keel's slots out.
+keys, before any slot changes; the optimizer's own state dict leaves Keel's slots out, and
+an optimizer built with parameter names keeps each name beside its parameter.
 
 The resumed runs sum the same gradients in another order (their placements differ: each plans
 from its own load estimates), so they match the uninterrupted run within a tolerance, not bit for
@@ -11,6 +12,7 @@ and 2.1e-6 (2 ranks), weights 2.4e-8."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict, List
 
 import pytest
@@ -105,9 +107,11 @@ def relative(got: Any, want: Any) -> float:
 
 
 def on_4_ranks(rank: int, world: int, directory: str) -> Dict[str, Any]:
-    """The uninterrupted run, then the refusals (on a fresh KeelMoE): one launch for both."""
+    """The uninterrupted run, then the refusals and an optimizer with parameter names (each on a
+    fresh KeelMoE): one launch for the three."""
     return {"uninterrupted": uninterrupted(rank, world, directory),
-            "refusals": refuse_bad_checkpoints(rank, world)}
+            "refusals": refuse_bad_checkpoints(rank, world),
+            "named": named_optimizer_round_trip(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +254,59 @@ def refuse_bad_checkpoints(rank: int, world: int) -> List[str]:
 def test_bad_checkpoints_are_refused_before_anything_changes(four_ranks: Dict[str, Any]) -> None:
     for rank, answer in enumerate(four_ranks["ranks"]):
         assert answer["refusals"] == [], f"rank {rank}: {answer['refusals']}"
+
+
+def named_optimizer_round_trip(rank: int, world: int) -> List[str]:
+    """An optimizer built with parameter names (torch >= 2.6; torchtitan builds its own so): its
+    state dict without Keel's slots keeps every name beside its parameter, and loading it gives
+    a dense parameter its state back and Keel's slots their views."""
+    import torch
+    import keel.torch as kt
+    moe = kt.KeelMoE(kt.ffn_expert(HIDDEN, FFN), num_layers=1, num_experts=EXPERTS, top_k=TOP_K,
+                     config=loops.moe_config("keel", world), average_gradients=False, seed=3)
+    layer = moe.layer(0)
+    before = torch.nn.Parameter(torch.ones(3))
+    after = torch.nn.Parameter(torch.ones(5))
+    named = ([("before", before)] + [(f"layers.0.{n}", p) for n, p in layer.named_parameters()]
+             + [("after", after)])
+    optimizer = torch.optim.Adam(named, lr=1e-2)
+    moe.attach(optimizer)
+    hidden, ids, weights, probe = batch(0, rank, world)
+    ((layer(hidden, ids, weights) * probe).sum() + before.sum() + 2 * after.sum()).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    problems = []
+    saved = copy.deepcopy(optimizer.state_dict())  # its per-parameter dicts are the optimizer's
+    group = saved["param_groups"][0]
+    # The persistent slots leave; transient slots stay, without state (never a home).
+    persistent = {id(p) for local in range(moe.engine.slots_per_rank)
+                  for p in layer.slots[local].values()}
+    if group["param_names"] != [n for n, p in named if id(p) not in persistent]:
+        moe.close()
+        return [f"names beside the parameters left: {group['param_names']}"]
+    shapes = {name: tuple(saved["state"][index]["exp_avg"].shape)
+              for name, index in zip(group["param_names"], group["params"])
+              if index in saved["state"]}
+    if shapes != {"before": (3,), "after": (5,)}:
+        problems.append(f"the states under the names: {shapes}")
+    kept = saved["state"][group["params"][-1]]["exp_avg"].clone()
+    optimizer.state[after]["exp_avg"].zero_()
+    optimizer.load_state_dict(saved)
+    if not torch.equal(optimizer.state[after]["exp_avg"], kept):
+        problems.append("the dense parameter's state did not come back")
+    if optimizer.param_groups[0]["param_names"] != [n for n, _ in named]:
+        problems.append(f"names after loading: {optimizer.param_groups[0]['param_names']}")
+    for local in range(moe.engine.slots_per_rank):
+        buffer = layer._optimizer[local]
+        for name, param in layer.slots[local].items():
+            at = optimizer.state[param]["exp_avg"].data_ptr()
+            if not buffer.data_ptr() <= at < buffer.data_ptr() + buffer.numel():
+                problems.append(f"slot {local} {name}: Adam state left the engine's buffer")
+    moe.close()
+    return problems
+
+
+def test_an_optimizer_with_parameter_names_keeps_them_beside_their_parameters(
+        four_ranks: Dict[str, Any]) -> None:
+    for rank, answer in enumerate(four_ranks["ranks"]):
+        assert answer["named"] == [], f"rank {rank}: {answer['named']}"

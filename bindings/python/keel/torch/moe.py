@@ -334,14 +334,20 @@ class KeelMoE:
     def _drop_slot_state(self, optimizer: torch.optim.Optimizer,
                          state_dict: Dict[str, Any]) -> Dict[str, Any]:
         """``state_dict`` (the optimizer's, packed by parameter index) without Keel's slot
-        parameters: neither their state nor their places in the param groups."""
+        parameters: neither their state nor their places in the param groups (nor their names,
+        in a group that has ``param_names``)."""
         slots = {id(p) for p in self._slot_parameters()}
         ours = set()
         groups = []
         for group, packed in zip(optimizer.param_groups, state_dict["param_groups"]):
             pairs = list(zip(group["params"], packed["params"]))
             ours.update(index for param, index in pairs if id(param) in slots)
-            groups.append({**packed, "params": [i for p, i in pairs if id(p) not in slots]})
+            kept = {**packed, "params": [i for p, i in pairs if id(p) not in slots]}
+            if "param_names" in packed:  # torch keeps them beside the params, index for index
+                kept["param_names"] = [name for p, name in zip(group["params"],
+                                                               packed["param_names"])
+                                       if id(p) not in slots]
+            groups.append(kept)
         state_dict["param_groups"] = groups
         state_dict["state"] = {index: value for index, value in state_dict["state"].items()
                                if index not in ours}
@@ -371,15 +377,22 @@ class KeelMoE:
                     f"the optimizer state dict's param group {g} has {len(packed['params'])} "
                     f"parameters besides Keel's slots; this optimizer's has {others}")
             saved = iter(packed["params"])
-            params = []
-            for param in group["params"]:
+            saved_names = iter(packed.get("param_names", ()))
+            names = group.get("param_names", [None] * len(group["params"]))
+            params, param_names = [], []
+            for param, name in zip(group["params"], names):
                 if id(param) in slots:
                     params.append(fresh)
+                    param_names.append(name)
                     ours.add(fresh)
                     fresh += 1
                 else:
                     params.append(next(saved))
-            groups.append({**packed, "params": params})
+                    param_names.append(next(saved_names, None))
+            fitted = {**packed, "params": params}
+            if "param_names" in packed:
+                fitted["param_names"] = param_names
+            groups.append(fitted)
         return {**state_dict, "param_groups": groups,
                 "state": {i: v for i, v in state_dict["state"].items() if i not in ours}}
 

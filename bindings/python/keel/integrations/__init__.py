@@ -1,0 +1,8 @@
+"""keel.integrations: Keel inside the trainers people use, one module per trainer.
+
+- :mod:`keel.integrations.torchtitan`: Keel as the routed experts of torchtitan's ``MoE``
+  (its router, shared experts and expert-bias balancing stay).
+
+Each module checks the trainer's installed version when imported and refuses one outside the
+range it was tested with. docs/integrations/README.md lists what works where.
+"""
