@@ -94,7 +94,6 @@ class KeelMoE:
         condense_window = _checks.integer("condense_window", condense_window, 1, 2 ** 31 - 1)
         average_gradients = _checks.flag("average_gradients", average_gradients)
         seed = _checks.integer("seed", seed)
-        mp_group_size = _checks.integer("mp_group_size", mp_group_size, 1, 2 ** 31 - 1)
         if init_expert is not None and not callable(init_expert):
             raise InvalidArgumentError(
                 f"init_expert must be None or a callable, got {type(init_expert).__name__}")

@@ -27,6 +27,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
+from keel import _checks
 from keel._errors import InvalidArgumentError
 from keel.torch.routing import to_device
 
@@ -126,7 +127,7 @@ def check_mp_group_size(communicator: Any, size: int, mp_group: Any) -> None:
     made over ``communicator``'s group (before any collective: the same verdict on every rank)."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise InvalidArgumentError(
-            f"mp_group_size = {size!r} is not a positive integer (1: no MP groups)")
+            f"mp_group_size = {_checks.shown(size)} is not a positive integer (1: no MP groups)")
     if mp_group is not None and size == 1:
         raise InvalidArgumentError(
             "mp_group is given but mp_group_size = 1: set mp_group_size to the MP group's size")
