@@ -44,7 +44,8 @@ std::string KnownFormatList() {
 
 }  // namespace
 
-Status CheckTraceShape(int64_t num_layers, int64_t num_experts, int64_t num_sources) {
+Status CheckTraceShape(int64_t num_layers, int64_t num_experts, int64_t num_sources,
+                       int64_t num_steps) {
   if (num_layers > kMaxLayers) {
     return InvalidArgument("num_layers " + std::to_string(num_layers) + " is more than " +
                            std::to_string(kMaxLayers));
@@ -57,10 +58,17 @@ Status CheckTraceShape(int64_t num_layers, int64_t num_experts, int64_t num_sour
     return InvalidArgument("num_sources " + std::to_string(num_sources) + " is more than " +
                            std::to_string(kMaxRanks));
   }
-  const int64_t counts = num_layers * num_experts * std::max<int64_t>(num_sources, 1);
-  if (counts > kMaxTraceCountsPerStep) {
-    return InvalidArgument("num_layers x num_sources x num_experts = " + std::to_string(counts) +
-                           " counts per step, more than 2^26");
+  // Each factor is at most 2^16 here, so the product per step fits; the steps are checked by
+  // division.
+  const int64_t per_step = num_layers * num_experts * std::max<int64_t>(num_sources, 1);
+  if (per_step > kMaxCounts || (per_step > 0 && num_steps > kMaxCounts / per_step)) {
+    const std::string shape =
+        "num_layers x num_sources x num_experts = " + std::to_string(num_layers) + " x " +
+        std::to_string(num_sources) + " x " + std::to_string(num_experts);
+    return InvalidArgument(num_steps <= 1
+                               ? shape + " counts per step, more than the 2^26 a trace holds"
+                               : std::to_string(num_steps) + " steps of " + shape +
+                                     " counts, more than the 2^26 a trace holds");
   }
   return Status::Ok();
 }
@@ -78,9 +86,21 @@ Result<int64_t> HeaderInt(const nlohmann::json& header, const char* key, const s
   return value;
 }
 
+// Adds `more` to the counts a trace being read holds (`held`); an error past kMaxCounts, before
+// they are allocated.
+Status HoldCounts(size_t more, int64_t& held, const std::string& where) {
+  held += static_cast<int64_t>(more);
+  if (held <= kMaxCounts) return Status::Ok();
+  return InvalidArgument(where +
+                         ": the trace holds more than 2^26 counts (steps x layers x sources x "
+                         "experts, and the sequences' layers x experts)");
+}
+
 // A step line's "sequences": [{"group": "law", "tokens": 64, "layers": [[E counts] x L]}, ...].
+// `held`: the counts the trace holds so far.
 Result<std::vector<TraceSequence>> ParseSequences(const nlohmann::json& list,
-                                                  const std::string& where, const Trace& trace) {
+                                                  const std::string& where, const Trace& trace,
+                                                  int64_t& held) {
   if (!list.is_array()) return InvalidArgument(where + ": \"sequences\" is not an array");
   std::vector<TraceSequence> sequences;
   sequences.reserve(list.size());
@@ -105,7 +125,9 @@ Result<std::vector<TraceSequence>> ParseSequences(const nlohmann::json& list,
       return InvalidArgument(name + ": \"layers\" must be an array of num_layers (" +
                              std::to_string(trace.num_layers) + ") rows");
     }
-    sequence.counts.reserve(static_cast<size_t>(trace.num_layers) * trace.num_experts);
+    const size_t sequence_counts = static_cast<size_t>(trace.num_layers) * trace.num_experts;
+    KEEL_RETURN_IF_ERROR(HoldCounts(sequence_counts, held, name));
+    sequence.counts.reserve(sequence_counts);
     int layer = 0;
     for (const nlohmann::json& row : *layers) {
       if (!row.is_array() || static_cast<int>(row.size()) != trace.num_experts) {
@@ -128,8 +150,9 @@ Result<std::vector<TraceSequence>> ParseSequences(const nlohmann::json& list,
   return sequences;
 }
 
-// Parses one step line into `trace`. `where` is "path:line".
-Status ParseStepLine(std::string_view line, const std::string& where, Trace& trace) {
+// Parses one step line into `trace`. `where` is "path:line"; `held`: the counts the trace holds
+// so far.
+Status ParseStepLine(std::string_view line, const std::string& where, Trace& trace, int64_t& held) {
   Result<nlohmann::json> parsed = ParseJson(line, "not a JSON object (truncated file?)");
   if (!parsed.ok()) return parsed.status().WithContext(where);
   const nlohmann::json& step = *parsed;
@@ -154,6 +177,7 @@ Status ParseStepLine(std::string_view line, const std::string& where, Trace& tra
                            " layers, header says num_layers " + std::to_string(trace.num_layers));
   }
   const size_t row_size = static_cast<size_t>(trace.row_size());
+  KEEL_RETURN_IF_ERROR(HoldCounts(row_size * trace.num_layers, held, where));
   std::vector<double> values;
   values.reserve(row_size * trace.num_layers);
   int layer = 0;
@@ -190,7 +214,7 @@ Status ParseStepLine(std::string_view line, const std::string& where, Trace& tra
                              "(a trace records sequences on every step or on none)");
     }
     KEEL_ASSIGN_OR_RETURN(std::vector<TraceSequence> parsed,
-                          ParseSequences(*sequences, where, trace));
+                          ParseSequences(*sequences, where, trace, held));
     trace.sequences.push_back(std::move(parsed));
   } else if (!trace.sequences.empty()) {
     return InvalidArgument(where +
@@ -238,7 +262,9 @@ Status Trace::Validate() const {
     return InvalidArgument("trace: num_sources " + std::to_string(num_sources) +
                            " must be 0 or positive");
   }
-  KEEL_RETURN_IF_ERROR(CheckTraceShape(num_layers, num_experts, num_sources).WithContext("trace"));
+  KEEL_RETURN_IF_ERROR(
+      CheckTraceShape(num_layers, num_experts, num_sources, static_cast<int64_t>(steps.size()))
+          .WithContext("trace"));
   if (step_ids.size() != steps.size()) {
     return InvalidArgument("trace: " + std::to_string(step_ids.size()) + " step ids for " +
                            std::to_string(steps.size()) + " steps");
@@ -266,6 +292,10 @@ Status Trace::Validate() const {
                            " steps, the trace has " + std::to_string(steps.size()));
   }
   const size_t sequence_counts = static_cast<size_t>(num_layers) * num_experts;
+  int64_t held = static_cast<int64_t>(steps.size() * expected);
+  for (const std::vector<TraceSequence>& of_step : sequences) {
+    KEEL_RETURN_IF_ERROR(HoldCounts(of_step.size() * sequence_counts, held, "trace"));
+  }
   for (size_t step = 0; step < sequences.size(); ++step) {
     for (size_t i = 0; i < sequences[step].size(); ++i) {
       const TraceSequence& sequence = sequences[step][i];
@@ -349,6 +379,7 @@ Result<Trace> ReadKeelTrace(const std::string& path) {
   std::string_view rest = text;
   int line_number = 0;
   bool have_header = false;
+  int64_t held = 0;  // counts of the steps read so far
   while (!rest.empty()) {
     size_t end = rest.find('\n');
     std::string_view line = rest.substr(0, end);
@@ -388,7 +419,7 @@ Result<Trace> ReadKeelTrace(const std::string& path) {
       have_header = true;
       continue;
     }
-    KEEL_RETURN_IF_ERROR(ParseStepLine(line, where, trace));
+    KEEL_RETURN_IF_ERROR(ParseStepLine(line, where, trace, held));
   }
   if (!have_header) return InvalidArgument(path + ": empty file, expected a Keel header line");
   return trace;

@@ -14,9 +14,11 @@
 
 namespace keel {
 
-// Within kMaxLayers, kMaxExperts, kMaxRanks (keel/limits.hpp) and kMaxTraceCountsPerStep
-// (include/keel/trace.hpp); the error names the dimension. Sizes below 1 are not checked here.
-Status CheckTraceShape(int64_t num_layers, int64_t num_experts, int64_t num_sources);
+// Within kMaxLayers, kMaxExperts, kMaxRanks, and `num_steps` steps of the shape within kMaxCounts
+// (keel/limits.hpp); the error names the dimension and the limit. Sizes below 1 are not checked
+// here. Readers and importers call it before they allocate the steps.
+Status CheckTraceShape(int64_t num_layers, int64_t num_experts, int64_t num_sources,
+                       int64_t num_steps = 1);
 
 // "read as megatron (the format guessed ...)": the context of an error in a trace whose format
 // was guessed, so that a wrong guess is seen as one.

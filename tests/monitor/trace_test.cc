@@ -157,7 +157,9 @@ TEST(KeelTraceTest, ReaderErrorsNameLineAndProblem) {
        "\"num_sources\": 1000000}\n",
        ":1:", "num_layers 1000000 is more than 65536"},
       {"{\"keel_trace\": 1, \"num_layers\": 64, \"num_experts\": 2048, \"num_sources\": 1024}\n",
-       ":1:", "num_layers x num_sources x num_experts = 134217728 counts per step, more than 2^26"},
+       ":1:",
+       "num_layers x num_sources x num_experts = 64 x 1024 x 2048 counts per step, more than the "
+       "2^26 a trace holds"},
       {"", "", "empty file"},
       {"{\"keel_trace\": 7}\n", ":1:", "version 7"},
       {"\n\n{\"keel_trace\": 1,\n", ":3:", "header is not JSON"},
@@ -245,6 +247,28 @@ TEST(TraceTest, ExpertCountsSumsSources) {
   EXPECT_EQ(trace.ExpertCounts(0, 1), (std::vector<double>{15, 17, 19}));
   Trace flat = SmallTrace(0);
   EXPECT_EQ(flat.ExpertCounts(0, 1), (std::vector<double>{3, 4, 5}));
+}
+
+// The steps multiply a step's counts: a trace of many small steps is bounded as one of few large
+// ones, before a reader allocates them.
+TEST(TraceTest, TheWholeTraceIsBoundedNotOnlyAStep) {
+  EXPECT_TRUE(CheckTraceShape(1, 65536, 0, 1024).ok());
+  const Status status = CheckTraceShape(1, 65536, 0, 1025);
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("1025 steps of num_layers x num_sources x num_experts = 1 x 0 x "
+                                  "65536 counts, more than the 2^26 a trace holds"),
+            std::string::npos)
+      << status.message();
+  EXPECT_NE(CheckTraceShape(1, 1, 4097, 1).message().find("num_sources 4097 is more than 4096"),
+            std::string::npos);
+  // Validate checks the shape before it looks at any step.
+  Trace trace;
+  trace.num_layers = 1;
+  trace.num_experts = 65536;
+  trace.steps.resize(1025);
+  trace.step_ids.resize(1025);
+  EXPECT_NE(trace.Validate().message().find("1025 steps of"), std::string::npos)
+      << trace.Validate().message();
 }
 
 TEST(TraceTest, ValidateNamesStepAndLayer) {
