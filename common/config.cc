@@ -545,7 +545,7 @@ Status Validate(const KeelConfig& config, const ParseOrigin& origin) {
   if (num_ranks > kMaxRanks) {
     return cross_error("topology.num_nodes", "topology.gpus_per_node",
                        "topology.num_nodes x topology.gpus_per_node: " + std::to_string(num_ranks) +
-                           " ranks, more than the 65536 Keel supports");
+                           " ranks, more than the " + std::to_string(kMaxRanks) + " Keel supports");
   }
   const int64_t slots_per_layer =
       num_ranks * (int64_t{config.slots.persistent_per_rank} + config.slots.transient_per_rank);
@@ -849,6 +849,49 @@ Result<KeelConfig> LoadConfigFile(const std::string& path) {
 
 Status ValidateConfig(const KeelConfig& config) { return Validate(config, ParseOrigin{}); }
 
+namespace {
+
+// The sizes of a job and their products, each checked before anything of it is allocated
+// (include/keel/limits.hpp): the last section of the reference.
+std::string ConfigLimitsMarkdown() {
+  const auto power = [](int64_t value) {
+    int bits = 0;
+    while ((int64_t{1} << bits) < value) ++bits;
+    return (int64_t{1} << bits) == value ? "2^" + std::to_string(bits) : std::to_string(value);
+  };
+  const std::pair<std::string, std::string> rows[] = {
+      {"MoE layers", std::to_string(kMaxLayers)},
+      {"logical experts per layer", std::to_string(kMaxExperts)},
+      {"ranks: `topology.num_nodes` x `topology.gpus_per_node`, a trace's sources, `keel trace "
+       "info --ranks`; each layer's step has a ranks x ranks all-to-all matrix",
+       std::to_string(kMaxRanks)},
+      {"slots of one layer: ranks x (`slots.persistent_per_rank` + "
+       "`slots.transient_per_rank`)",
+       power(kMaxSlotsPerLayer)},
+      {"slots of all layers: layers x slots of one layer (the engine's placements, `keel plan`'s "
+       "phy2log)",
+       power(kMaxSlots)},
+      {"tokens in one count of a trace, a traffic matrix or a load", "1e15"},
+      {"token counts a job holds: a trace's steps x layers x sources x experts (plus each "
+       "sequence's layers x experts; `KEEL_MAX_TRACE_COUNT_BYTES` raises it for traces, below); "
+       "the load estimates of the engine, and of each policy `keel replay` runs, layers x ranks "
+       "x experts, times `estimator.window_steps` + 1 with the window estimator",
+       power(kMaxCounts)},
+      {"threads of one call (`keel replay --threads`)", std::to_string(kMaxThreads)},
+  };
+  std::string out =
+      "\n## Limits\n\nThe largest job Keel takes. Every size above, and every product of sizes "
+      "that Keel keeps a table of, is checked against these before anything is allocated, by "
+      "the engine, `keel config --check`, the commands, the C API and the Python package alike; "
+      "a larger job is refused with the sizes and the limit named (include/keel/limits.hpp). "
+      "`keel plan` and each command's flags add their own, in docs/replay.md and the flags' "
+      "`--help`.\n\n| what | at most |\n|---|---|\n";
+  for (const auto& [what, most] : rows) out += "| " + what + " | " + most + " |\n";
+  return out;
+}
+
+}  // namespace
+
 std::string ConfigReferenceMarkdown() {
   const KeelConfig defaults;
   std::string out;
@@ -888,6 +931,7 @@ std::string ConfigReferenceMarkdown() {
              " | " + default_text + " | " + EscapeMarkdownCell(key.doc) + " |\n";
     }
   }
+  out += ConfigLimitsMarkdown();
   out += "\n## Input limits\n\n";
   out += InputLimitsText();
   out += "\n\n| environment variable | default | what it bounds |\n|---|---|---|\n";

@@ -38,7 +38,7 @@ constexpr ConfigKey kConfigKeys[] = {
      .doc = "Nodes (hosts) in the job; the ranks of one node share a fast link (NVLink)."},
     {KEEL_CONFIG_FIELD(topology.gpus_per_node), .min = 1, .max = kMaxRanks,
      .doc = "Ranks (GPUs) per node; the job has num_nodes x gpus_per_node ranks, at most "
-            "65536."},
+            "4096."},
     {KEEL_CONFIG_FIELD(topology.intra_node_gb_per_s), .min = kMinRate, .max = kMaxRate,
      .unit = "GB/s",
      .doc = "Bandwidth between two ranks of one node, per GPU and direction (NVLink)."},
@@ -288,6 +288,7 @@ constexpr bool TablesAreConsistent() {
   return true;
 }
 static_assert(TablesAreConsistent(), "kConfigSections must be in preorder and contain every key");
+static_assert(kMaxRanks == 4096, "topology.gpus_per_node's doc names the largest job");
 
 }  // namespace
 

@@ -19,6 +19,8 @@
 #include <thread>
 #include <utility>
 
+#include "keel/limits.hpp"
+
 namespace keel {
 
 namespace {
@@ -45,6 +47,11 @@ constexpr InputLimitInfo kInputLimits[] = {
      "is removed."},
     {InputLimit::kTraceLineBytes, "KEEL_MAX_LINE_BYTES", 64 * kMiB, "a trace line",
      "One line of a line-based trace (Keel, Megatron, SmartMoE, ESFT)."},
+    {InputLimit::kTraceCountBytes, "KEEL_MAX_TRACE_COUNT_BYTES", 8 * uint64_t{kMaxCounts},
+     "the counts of a trace",
+     "The counts a trace holds in memory, 8 bytes each: steps x layers x sources x experts, and "
+     "the sequences' layers x experts (the default is 2^26 counts), checked by every reader, "
+     "importer and the generator before they allocate them."},
 };
 
 std::string Reason(int error) { return std::generic_category().message(error); }

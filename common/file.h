@@ -43,6 +43,7 @@ enum class InputLimit {
   kTraceFileBytes,     // one file of a trace: a Keel trace, each importer's file, a .tar.xz
   kArchiveBytes,       // what one .tar.xz trace expands to
   kTraceLineBytes,     // one line of a line-based trace (Keel, Megatron, SmartMoE, ESFT)
+  kTraceCountBytes,    // the counts a trace holds in memory, 8 bytes each
 };
 
 struct InputLimitInfo {

@@ -325,9 +325,6 @@ keel_status_t keel_group_create(int num_ranks, keel_group_t** group_out) {
   return Guard("keel_group_create", [&]() -> Status {
     if (group_out == nullptr) return Null("group_out");
     *group_out = nullptr;
-    if (num_ranks < 1) {
-      return InvalidArgument("num_ranks = " + std::to_string(num_ranks) + " must be >= 1");
-    }
     auto group = std::make_unique<keel_group>();
     KEEL_ASSIGN_OR_RETURN(group->ranks, keel::LocalGroup::Create(num_ranks));
     *group_out = group.release();

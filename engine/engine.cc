@@ -105,7 +105,7 @@ Status Engine::Impl::Init() {
     return InvalidArgument(std::string(field) + " = " + std::to_string(value) + " must be > 0");
   };
   // Upper bounds, so that a wrong size fails here rather than exhausting memory.
-  const auto at_most = [](const char* field, long long value, long long most) -> Status {
+  const auto at_most = [](const std::string& field, long long value, long long most) -> Status {
     if (value <= most) return Status::Ok();
     return InvalidArgument(std::string(field) + " = " + std::to_string(value) + " is more than " +
                            std::to_string(most));
@@ -133,6 +133,15 @@ Status Engine::Impl::Init() {
     return InvalidArgument("top_k = " + std::to_string(options_.top_k) +
                            " exceeds num_experts = " + std::to_string(options_.num_experts));
   }
+  // Products of sizes the engine keeps tables of: every layer's placement, and every layer's
+  // load estimates by source rank.
+  const int64_t slots_per_layer =
+      int64_t{num_ranks_} * (config.slots.persistent_per_rank + config.slots.transient_per_rank);
+  KEEL_RETURN_IF_ERROR(
+      at_most("num_layers x slots per layer (" + std::to_string(slots_per_layer) + ")",
+              options_.num_layers * slots_per_layer, kMaxSlots));
+  KEEL_RETURN_IF_ERROR(CheckEstimatorCounts(config.estimator, options_.num_layers, num_ranks_,
+                                            options_.num_experts, config.estimator.window_steps));
   KEEL_RETURN_IF_ERROR(ChooseMemory());
   communicator_.set_timeout_seconds(config.engine.collective_timeout_seconds);
 

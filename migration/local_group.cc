@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "keel/limits.hpp"
 #include "migration/transport_local.h"
 
 namespace keel {
@@ -55,8 +56,9 @@ LocalGroup::LocalGroup(int num_ranks) : members_(std::make_unique<Members>(num_r
 LocalGroup::~LocalGroup() = default;
 
 Result<std::unique_ptr<LocalGroup>> LocalGroup::Create(int num_ranks) {
-  if (num_ranks < 1) {
-    return InvalidArgument("num_ranks = " + std::to_string(num_ranks) + " must be >= 1");
+  if (num_ranks < 1 || num_ranks > kMaxRanks) {
+    return InvalidArgument("num_ranks = " + std::to_string(num_ranks) + " is not in [1, " +
+                           std::to_string(kMaxRanks) + "]");
   }
   return std::unique_ptr<LocalGroup>(new LocalGroup(num_ranks));
 }

@@ -54,6 +54,17 @@ Result<std::unique_ptr<LoadMonitor>> LoadMonitor::Create(const LoadMonitorOption
     return InvalidArgument("monitor.queue_capacity " +
                            std::to_string(options.monitor.queue_capacity) + " must be >= 1");
   }
+  // The counts it preallocates: the queue's batches of one traffic row each, and every layer's
+  // step rows and estimates.
+  const int64_t sources = options.monitor.per_source_rank ? options.num_ranks : 1;
+  const int64_t row = sources * options.num_experts;
+  if (options.monitor.queue_capacity * row > kMaxCounts) {
+    return InvalidArgument(
+        "monitor.queue_capacity " + std::to_string(options.monitor.queue_capacity) + " x " +
+        std::to_string(row) + " counts per batch is more than the 2^26 " + "counts a job holds");
+  }
+  KEEL_RETURN_IF_ERROR(CheckEstimatorCounts(options.estimator, options.num_layers, sources,
+                                            options.num_experts, options.estimator.window_steps));
   if (metrics != nullptr && (metrics->layout().num_layers != options.num_layers ||
                              metrics->layout().num_ranks != options.num_ranks ||
                              metrics->layout().num_experts != options.num_experts)) {

@@ -183,11 +183,13 @@ Status ValidateOptions(const SyntheticTraceOptions& o) {
   };
   if (o.num_steps < 1) return bad("num_steps", std::to_string(o.num_steps), "must be >= 1");
   if (o.num_layers < 1) return bad("num_layers", std::to_string(o.num_layers), "must be >= 1");
-  if (o.num_experts < 1 || o.num_experts > 65536) {
-    return bad("num_experts", std::to_string(o.num_experts), "must be in 1..65536");
+  if (o.num_experts < 1 || o.num_experts > kMaxExperts) {
+    return bad("num_experts", std::to_string(o.num_experts),
+               "must be in 1.." + std::to_string(kMaxExperts));
   }
-  if (o.num_sources < 0 || o.num_sources > 65536) {
-    return bad("num_sources", std::to_string(o.num_sources), "must be in 0..65536");
+  if (o.num_sources < 0 || o.num_sources > kMaxRanks) {
+    return bad("num_sources", std::to_string(o.num_sources),
+               "must be in 0.." + std::to_string(kMaxRanks));
   }
   if (o.tokens_per_source < 1) {
     return bad("tokens_per_source", std::to_string(o.tokens_per_source), "must be >= 1");
@@ -210,18 +212,37 @@ Status ValidateOptions(const SyntheticTraceOptions& o) {
     return bad("burst_factor", NumberText(o.burst_factor), "must be in (0, 1e6]");
   }
   if (o.burst_steps < 1) return bad("burst_steps", std::to_string(o.burst_steps), "must be >= 1");
-  const double row = static_cast<double>(o.num_experts) * std::max(o.num_sources, 1);
-  if (static_cast<double>(o.num_steps) * o.num_layers * row > 2e9) {
-    return InvalidArgument("synthetic trace: num_steps * num_layers * num_sources * num_experts " +
-                           NumberText(static_cast<double>(o.num_steps) * o.num_layers * row) +
-                           " counts is more than 2e9");
+  if (o.num_layers > kMaxLayers) {
+    return bad("num_layers", std::to_string(o.num_layers),
+               "must be in 1.." + std::to_string(kMaxLayers));
   }
-  const double selections = static_cast<double>(o.num_steps) * o.num_layers *
-                            std::max(o.num_sources, 1) * o.tokens_per_source * o.top_k;
-  if (selections > 1e11) {
+  const double row = static_cast<double>(o.num_experts) * std::max(o.num_sources, 1);
+  const double step_layers = static_cast<double>(o.num_steps) * o.num_layers;
+  KEEL_ASSIGN_OR_RETURN(const TraceCountLimit limit, TraceCounts());
+  if (step_layers * row > static_cast<double>(limit.counts)) {
+    return InvalidArgument("synthetic trace: num_steps * num_layers * num_sources * num_experts " +
+                           NumberText(step_layers * row) + " counts is more than " + limit.text);
+  }
+  // The generator's work, bounded to about half a minute: every selection is a draw, every swap
+  // and every running burst a step of its own per layer and step.
+  constexpr double kMaxDraws = 1 << 30;
+  const double selections =
+      step_layers * std::max(o.num_sources, 1) * o.tokens_per_source * o.top_k;
+  if (selections > kMaxDraws) {
     return InvalidArgument("synthetic trace: " + NumberText(selections) +
                            " token selections (steps * layers * sources * tokens * top_k) is "
-                           "more than 1e11");
+                           "more than 2^30");
+  }
+  if (step_layers * o.drift_swaps_per_step > kMaxDraws) {
+    return InvalidArgument("synthetic trace: " + NumberText(step_layers * o.drift_swaps_per_step) +
+                           " popularity swaps (steps * layers * drift_swaps_per_step) is more "
+                           "than 2^30");
+  }
+  const double running = std::min(o.num_steps, o.burst_steps) * o.burst_probability;
+  if (step_layers * running > kMaxDraws) {
+    return InvalidArgument("synthetic trace: about " + NumberText(step_layers * running) +
+                           " burst updates (steps * layers * min(steps, burst_steps) * "
+                           "burst_probability) is more than 2^30");
   }
   return Status::Ok();
 }

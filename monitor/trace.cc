@@ -45,7 +45,18 @@ std::string KnownFormatList() {
 
 }  // namespace
 
-Status CheckTraceShape(int64_t num_layers, int64_t num_experts, int64_t num_sources) {
+Result<TraceCountLimit> TraceCounts() {
+  KEEL_ASSIGN_OR_RETURN(const uint64_t bytes, InputLimitBytes(InputLimit::kTraceCountBytes));
+  const InputLimitInfo& info = InputLimitOf(InputLimit::kTraceCountBytes);
+  TraceCountLimit limit;
+  limit.counts = static_cast<int64_t>(std::min<uint64_t>(bytes / 8, uint64_t{1} << 62));
+  limit.text = "the " + std::to_string(limit.counts) + " counts (" + DescribeBytes(bytes) +
+               ") a trace may hold (set " + std::string(info.variable) + " to raise it)";
+  return limit;
+}
+
+Status CheckTraceShape(int64_t num_layers, int64_t num_experts, int64_t num_sources,
+                       int64_t num_steps) {
   if (num_layers > kMaxLayers) {
     return InvalidArgument("num_layers " + std::to_string(num_layers) + " is more than " +
                            std::to_string(kMaxLayers));
@@ -58,10 +69,17 @@ Status CheckTraceShape(int64_t num_layers, int64_t num_experts, int64_t num_sour
     return InvalidArgument("num_sources " + std::to_string(num_sources) + " is more than " +
                            std::to_string(kMaxRanks));
   }
-  const int64_t counts = num_layers * num_experts * std::max<int64_t>(num_sources, 1);
-  if (counts > kMaxTraceCountsPerStep) {
-    return InvalidArgument("num_layers x num_sources x num_experts = " + std::to_string(counts) +
-                           " counts per step, more than 2^26");
+  // Each factor is at most 2^16 here, so the product per step fits; the steps are checked by
+  // division.
+  const int64_t per_step = num_layers * num_experts * std::max<int64_t>(num_sources, 1);
+  KEEL_ASSIGN_OR_RETURN(const TraceCountLimit limit, TraceCounts());
+  if (per_step > limit.counts || (per_step > 0 && num_steps > limit.counts / per_step)) {
+    const std::string shape =
+        "num_layers x num_sources x num_experts = " + std::to_string(num_layers) + " x " +
+        std::to_string(num_sources) + " x " + std::to_string(num_experts);
+    return InvalidArgument(num_steps <= 1 ? shape + " counts per step, more than " + limit.text
+                                          : std::to_string(num_steps) + " steps of " + shape +
+                                                " counts, more than " + limit.text);
   }
   return Status::Ok();
 }
@@ -79,9 +97,32 @@ Result<int64_t> HeaderInt(const nlohmann::json& header, const char* key, const s
   return value;
 }
 
+// The counts a trace being read holds so far, and the most it may hold.
+struct HeldCounts {
+  int64_t counts = 0;
+  TraceCountLimit limit;
+};
+
+Result<HeldCounts> StartHolding(int64_t counts) {
+  KEEL_ASSIGN_OR_RETURN(TraceCountLimit limit, TraceCounts());
+  return HeldCounts{counts, std::move(limit)};
+}
+
+// Adds `more` to the counts `held`; an error past the limit, before they are allocated.
+Status HoldCounts(size_t more, HeldCounts& held, const std::string& where) {
+  held.counts += static_cast<int64_t>(more);
+  if (held.counts <= held.limit.counts) return Status::Ok();
+  return InvalidArgument(where +
+                         ": the trace holds more counts (steps x layers x sources x experts, and "
+                         "the sequences' layers x experts) than " +
+                         held.limit.text);
+}
+
 // A step line's "sequences": [{"group": "law", "tokens": 64, "layers": [[E counts] x L]}, ...].
+// `held`: the counts the trace holds so far.
 Result<std::vector<TraceSequence>> ParseSequences(const nlohmann::json& list,
-                                                  const std::string& where, const Trace& trace) {
+                                                  const std::string& where, const Trace& trace,
+                                                  HeldCounts& held) {
   if (!list.is_array()) return InvalidArgument(where + ": \"sequences\" is not an array");
   std::vector<TraceSequence> sequences;
   sequences.reserve(list.size());
@@ -106,7 +147,9 @@ Result<std::vector<TraceSequence>> ParseSequences(const nlohmann::json& list,
       return InvalidArgument(name + ": \"layers\" must be an array of num_layers (" +
                              std::to_string(trace.num_layers) + ") rows");
     }
-    sequence.counts.reserve(static_cast<size_t>(trace.num_layers) * trace.num_experts);
+    const size_t sequence_counts = static_cast<size_t>(trace.num_layers) * trace.num_experts;
+    KEEL_RETURN_IF_ERROR(HoldCounts(sequence_counts, held, name));
+    sequence.counts.reserve(sequence_counts);
     int layer = 0;
     for (const nlohmann::json& row : *layers) {
       if (!row.is_array() || static_cast<int>(row.size()) != trace.num_experts) {
@@ -129,8 +172,10 @@ Result<std::vector<TraceSequence>> ParseSequences(const nlohmann::json& list,
   return sequences;
 }
 
-// Parses one step line into `trace`. `where` is "path:line".
-Status ParseStepLine(std::string_view line, const std::string& where, Trace& trace) {
+// Parses one step line into `trace`. `where` is "path:line"; `held`: the counts the trace holds
+// so far.
+Status ParseStepLine(std::string_view line, const std::string& where, Trace& trace,
+                     HeldCounts& held) {
   Result<nlohmann::json> parsed = ParseJson(line, "not a JSON object (truncated file?)");
   if (!parsed.ok()) return parsed.status().WithContext(where);
   const nlohmann::json& step = *parsed;
@@ -155,6 +200,7 @@ Status ParseStepLine(std::string_view line, const std::string& where, Trace& tra
                            " layers, header says num_layers " + std::to_string(trace.num_layers));
   }
   const size_t row_size = static_cast<size_t>(trace.row_size());
+  KEEL_RETURN_IF_ERROR(HoldCounts(row_size * trace.num_layers, held, where));
   std::vector<double> values;
   values.reserve(row_size * trace.num_layers);
   int layer = 0;
@@ -191,7 +237,7 @@ Status ParseStepLine(std::string_view line, const std::string& where, Trace& tra
                              "(a trace records sequences on every step or on none)");
     }
     KEEL_ASSIGN_OR_RETURN(std::vector<TraceSequence> parsed,
-                          ParseSequences(*sequences, where, trace));
+                          ParseSequences(*sequences, where, trace, held));
     trace.sequences.push_back(std::move(parsed));
   } else if (!trace.sequences.empty()) {
     return InvalidArgument(where +
@@ -239,7 +285,9 @@ Status Trace::Validate() const {
     return InvalidArgument("trace: num_sources " + std::to_string(num_sources) +
                            " must be 0 or positive");
   }
-  KEEL_RETURN_IF_ERROR(CheckTraceShape(num_layers, num_experts, num_sources).WithContext("trace"));
+  KEEL_RETURN_IF_ERROR(
+      CheckTraceShape(num_layers, num_experts, num_sources, static_cast<int64_t>(steps.size()))
+          .WithContext("trace"));
   if (step_ids.size() != steps.size()) {
     return InvalidArgument("trace: " + std::to_string(step_ids.size()) + " step ids for " +
                            std::to_string(steps.size()) + " steps");
@@ -267,6 +315,11 @@ Status Trace::Validate() const {
                            " steps, the trace has " + std::to_string(steps.size()));
   }
   const size_t sequence_counts = static_cast<size_t>(num_layers) * num_experts;
+  KEEL_ASSIGN_OR_RETURN(HeldCounts held,
+                        StartHolding(static_cast<int64_t>(steps.size() * expected)));
+  for (const std::vector<TraceSequence>& of_step : sequences) {
+    KEEL_RETURN_IF_ERROR(HoldCounts(of_step.size() * sequence_counts, held, "trace"));
+  }
   for (size_t step = 0; step < sequences.size(); ++step) {
     for (size_t i = 0; i < sequences[step].size(); ++i) {
       const TraceSequence& sequence = sequences[step][i];
@@ -351,6 +404,7 @@ Result<Trace> ReadKeelTrace(const std::string& path) {
   std::string_view rest = text;
   int line_number = 0;
   bool have_header = false;
+  KEEL_ASSIGN_OR_RETURN(HeldCounts held, StartHolding(0));  // the steps read so far
   while (!rest.empty()) {
     size_t end = rest.find('\n');
     std::string_view line = rest.substr(0, end);
@@ -391,7 +445,7 @@ Result<Trace> ReadKeelTrace(const std::string& path) {
       have_header = true;
       continue;
     }
-    KEEL_RETURN_IF_ERROR(ParseStepLine(line, where, trace));
+    KEEL_RETURN_IF_ERROR(ParseStepLine(line, where, trace, held));
   }
   if (!have_header) return InvalidArgument(path + ": empty file, expected a Keel header line");
   return trace;

@@ -14,9 +14,20 @@
 
 namespace keel {
 
-// Within kMaxLayers, kMaxExperts, kMaxRanks (keel/limits.hpp) and kMaxTraceCountsPerStep
-// (include/keel/trace.hpp); the error names the dimension. Sizes below 1 are not checked here.
-Status CheckTraceShape(int64_t num_layers, int64_t num_experts, int64_t num_sources);
+// The most counts a trace may hold (steps x layers x sources x experts, and the sequences' layers
+// x experts): KEEL_MAX_TRACE_COUNT_BYTES over 8, by default kMaxCounts (keel/limits.hpp). An
+// error names the variable when its value is not a size.
+struct TraceCountLimit {
+  int64_t counts = 0;
+  std::string text;  // "the 67108864 counts (512 MiB) a trace may hold (set ... to raise it)"
+};
+Result<TraceCountLimit> TraceCounts();
+
+// Within kMaxLayers, kMaxExperts, kMaxRanks, and `num_steps` steps of the shape within
+// TraceCounts(); the error names the dimension and the limit. Sizes below 1 are not checked
+// here. Readers and importers call it before they allocate the steps.
+Status CheckTraceShape(int64_t num_layers, int64_t num_experts, int64_t num_sources,
+                       int64_t num_steps = 1);
 
 // "read as megatron (the format guessed ...)": the context of an error in a trace whose format
 // was guessed, so that a wrong guess is seen as one.

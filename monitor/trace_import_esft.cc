@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/random.h"
+#include "monitor/trace.h"
 #include "monitor/trace_files.h"
 
 namespace keel {
@@ -95,9 +96,25 @@ std::vector<FolderEntry> EsftTaskFolders(const std::string& path) {
   return tasks;
 }
 
-// One ESFT task: every sequence with its counts per (layer, expert) and its tokens.
+// Whether `sequences` sequences and `steps` steps of `layers` x `num_experts` counts each stay
+// within the counts a trace may hold (TraceCounts); checked before they are allocated.
+Status CheckEsftCounts(size_t sequences, size_t steps, int layers, int num_experts,
+                       const std::string& where) {
+  const auto rows = static_cast<double>(sequences + steps);
+  KEEL_ASSIGN_OR_RETURN(const TraceCountLimit limit, TraceCounts());
+  if (rows * layers * num_experts <= static_cast<double>(limit.counts)) return Status::Ok();
+  return InvalidArgument(where + ": " + std::to_string(sequences) + " sequences" +
+                         (steps > 0 ? " in " + std::to_string(steps) + " steps" : std::string()) +
+                         " of " + std::to_string(layers) + " layers x " +
+                         std::to_string(num_experts) + " experts hold more counts than " +
+                         limit.text);
+}
+
+// One ESFT task: every sequence with its counts per (layer, expert) and its tokens. `held`: the
+// sequences of the tasks before.
 Result<std::vector<TraceSequence>> ReadEsftTask(const std::string& path, const std::string& group,
-                                                const EsftImportOptions& options, int* num_layers) {
+                                                const EsftImportOptions& options, int* num_layers,
+                                                size_t held) {
   std::map<int64_t, std::string> layer_files;
   for (const FolderEntry& entry : ListFolder(path)) {
     KEEL_ASSIGN_OR_RETURN(std::optional<int64_t> layer,
@@ -128,6 +145,8 @@ Result<std::vector<TraceSequence>> ReadEsftTask(const std::string& path, const s
     if (layer == 1) {
       first_file = file;
       if (lines.empty()) return InvalidArgument(file + ": no sequences");
+      KEEL_RETURN_IF_ERROR(
+          CheckEsftCounts(held + lines.size(), 0, layers, options.num_experts, file));
       sequences.resize(lines.size());
       for (TraceSequence& sequence : sequences) {
         sequence.group = group;
@@ -193,8 +212,9 @@ Result<Trace> ImportEsftTrace(const std::string& path, const EsftImportOptions& 
   std::vector<TraceSequence> sequences;
   std::string names;
   for (const FolderEntry& task : tasks) {
-    KEEL_ASSIGN_OR_RETURN(std::vector<TraceSequence> read,
-                          ReadEsftTask(task.path, task.name, options, &trace.num_layers));
+    KEEL_ASSIGN_OR_RETURN(
+        std::vector<TraceSequence> read,
+        ReadEsftTask(task.path, task.name, options, &trace.num_layers, sequences.size()));
     names += (names.empty() ? "" : ", ") + task.name + " " + std::to_string(read.size());
     for (TraceSequence& sequence : read) sequences.push_back(std::move(sequence));
   }
@@ -206,6 +226,9 @@ Result<Trace> ImportEsftTrace(const std::string& path, const EsftImportOptions& 
     }
   }
   const size_t per_step = static_cast<size_t>(options.sequences_per_step);
+  KEEL_RETURN_IF_ERROR(CheckEsftCounts(sequences.size(),
+                                       (sequences.size() + per_step - 1) / per_step,
+                                       trace.num_layers, trace.num_experts, path));
   const size_t row = static_cast<size_t>(trace.num_layers) * trace.num_experts;
   for (size_t first = 0; first < sequences.size(); first += per_step) {
     std::vector<double> counts(row, 0.0);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/json.h"
+#include "monitor/trace.h"
 #include "monitor/trace_files.h"
 
 namespace keel {
@@ -57,13 +58,24 @@ Result<int64_t> RecordInt(const nlohmann::json& record, const char* key, const s
   return value;
 }
 
-// Adds one record's selections into `counts`, growing it to the largest expert id seen.
+// Adds one record's selections into `counts`, growing it to the largest expert id seen. `held`
+// is the counts of all records so far: sparse ids cannot make them more than `limit`.
 Status AddMegatronRecord(const nlohmann::json& record, const std::string& where,
-                         std::vector<double>& counts) {
+                         std::vector<double>& counts, int64_t& held, const TraceCountLimit& limit) {
   // `expert` is in [0, kMaxExperts).
-  auto add = [&](int64_t expert, double value) {
-    if (static_cast<size_t>(expert) >= counts.size()) counts.resize(expert + 1, 0.0);
+  auto add = [&](int64_t expert, double value) -> Status {
+    if (static_cast<size_t>(expert) >= counts.size()) {
+      held += expert + 1 - static_cast<int64_t>(counts.size());
+      if (held > limit.counts) {
+        return InvalidArgument(where + ": expert id " + std::to_string(expert) +
+                               " takes the records' counts (a row up to the largest id per "
+                               "step, layer and rank) past " +
+                               limit.text);
+      }
+      counts.resize(expert + 1, 0.0);
+    }
     counts[expert] += value;
+    return Status::Ok();
   };
   auto top_indices = record.find("top_indices");
   if (top_indices != record.end()) {
@@ -80,7 +92,7 @@ Status AddMegatronRecord(const nlohmann::json& record, const std::string& where,
         Result<int64_t> id = JsonInteger(
             expert, "top_indices[" + std::to_string(token) + "]: expert id", 0, kMaxExperts - 1);
         if (!id.ok()) return id.status().WithContext(where);
-        add(*id, 1.0);
+        KEEL_RETURN_IF_ERROR(add(*id, 1.0));
       }
       ++token;
     }
@@ -102,7 +114,7 @@ Status AddMegatronRecord(const nlohmann::json& record, const std::string& where,
         return InvalidArgument(where + ": expert_counts has more than " +
                                std::to_string(kMaxExperts) + " entries");
       }
-      add(expert, count.get<double>());
+      KEEL_RETURN_IF_ERROR(add(expert, count.get<double>()));
       ++expert;
     }
     return Status::Ok();
@@ -131,6 +143,8 @@ Result<Trace> ImportMegatronTrace(const std::string& path, const MegatronImportO
   }
 
   std::map<MegatronRecordKey, std::vector<double>> records;
+  int64_t held = 0;  // counts in `records`
+  KEEL_ASSIGN_OR_RETURN(const TraceCountLimit limit, TraceCounts());
   int records_read = 0;
   // Records of counts must all count the same experts; where the first of them is.
   std::optional<std::pair<size_t, std::string>> counts_length;
@@ -172,7 +186,7 @@ Result<Trace> ImportMegatronTrace(const std::string& path, const MegatronImportO
                                  std::to_string(counts_length->first));
         }
       }
-      KEEL_RETURN_IF_ERROR(AddMegatronRecord(record, where, records[key]));
+      KEEL_RETURN_IF_ERROR(AddMegatronRecord(record, where, records[key], held, limit));
       ++records_read;
       if (options.progress && records_read % 1000 == 0) options.progress(records_read, 0);
     }
@@ -205,6 +219,11 @@ Result<Trace> ImportMegatronTrace(const std::string& path, const MegatronImportO
   trace.num_layers = static_cast<int>(layer_index.size());
   trace.num_experts = options.num_experts > 0 ? options.num_experts : static_cast<int>(max_experts);
   trace.num_sources = options.per_source ? static_cast<int>(rank_index.size()) : 0;
+  // Every (step, layer, rank) the records name gets a row, recorded or not: sparse ids of steps,
+  // layers and ranks multiply.
+  KEEL_RETURN_IF_ERROR(CheckTraceShape(trace.num_layers, trace.num_experts, trace.num_sources,
+                                       static_cast<int64_t>(step_index.size()))
+                           .WithContext(path));
   for (const auto& [step, index] : step_index) trace.step_ids.push_back(step);
   const size_t row_size = static_cast<size_t>(trace.row_size());
   trace.steps.assign(step_index.size(), std::vector<double>(row_size * trace.num_layers, 0.0));

@@ -219,6 +219,11 @@ Result<Trace> ImportSmartMoeFolder(const std::string& folder, const std::string&
   if (first_lines.empty()) return InvalidArgument(files[0].path + ": empty table");
   KEEL_ASSIGN_OR_RETURN(int num_experts, SmartMoeExpertsOf(first_lines[0], files[0].path + ":1"));
 
+  // Every table holds the first one's layers (lines, blank ones too) and experts, for every
+  // rank and iteration: checked before the steps are allocated.
+  KEEL_RETURN_IF_ERROR(CheckTraceShape(static_cast<int64_t>(first_lines.size()), num_experts,
+                                       num_sources, static_cast<int64_t>(iterations.size()))
+                           .WithContext(files[0].path));
   Trace trace;
   trace.num_layers = static_cast<int>(first_lines.size());
   trace.num_experts = num_experts;

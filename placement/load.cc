@@ -57,6 +57,22 @@ double StepLoad::TotalTokens() const {
   return std::accumulate(traffic.begin(), traffic.end(), 0.0);
 }
 
+Status CheckEstimatorCounts(const EstimatorConfig& config, int64_t num_layers, int64_t num_ranks,
+                            int64_t num_experts, int64_t num_steps) {
+  // The estimate, plus the window's rows.
+  const int64_t rows = 1 + (config.kind == EstimatorKind::kSlidingWindow
+                                ? std::min<int64_t>(config.window_steps, num_steps)
+                                : 0);
+  const double counts = static_cast<double>(num_layers) * num_ranks * num_experts * rows;
+  if (counts <= static_cast<double>(kMaxCounts)) return Status::Ok();
+  return InvalidArgument("num_layers x ranks x num_experts" +
+                         std::string(rows > 1 ? " x (estimator.window_steps + 1)" : "") + " = " +
+                         std::to_string(num_layers) + " x " + std::to_string(num_ranks) + " x " +
+                         std::to_string(num_experts) +
+                         (rows > 1 ? " x " + std::to_string(rows) : std::string()) +
+                         " load counts, more than the 2^26 the estimators of a job hold");
+}
+
 LoadEstimator::LoadEstimator(const EstimatorConfig& config, int size)
     : config_(config), estimate_(size, 0.0) {}
 

@@ -3,6 +3,7 @@
 // estimates can be fractional; observed step counts are whole numbers.
 #pragma once
 
+#include <cstdint>
 #include <deque>
 #include <span>
 #include <vector>
@@ -40,6 +41,12 @@ double Imbalance(std::span<const double> rank_tokens);
 // `expert_tokens` [num_experts] holds the loads (T their sum), G = num_ranks and r_max =
 // max_copies, the most ranks one expert's tokens can be spread over. 0 for no experts.
 double LoadLowerBound(std::span<const double> expert_tokens, int num_ranks, int max_copies);
+
+// Whether the traffic estimators of `num_layers` layers, each [num_ranks * num_experts] and
+// keeping up to `num_steps` past steps when `config` is a window, stay within kMaxCounts
+// (keel/limits.hpp). An error names the sizes and the limit.
+Status CheckEstimatorCounts(const EstimatorConfig& config, int64_t num_layers, int64_t num_ranks,
+                            int64_t num_experts, int64_t num_steps);
 
 // Per-step observations in, expected next-step values out. Works on any fixed-length vector
 // (per-expert loads [E] or traffic matrices [G*E]).

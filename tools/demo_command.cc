@@ -409,7 +409,9 @@ int RunDemo(int argc, char** argv) {
   parser.Add("ffn", "N", &flags.ffn,
              "expert FFN size, at most 65536; all sizes together are refused when the model "
              "and activations of all ranks would take more than about 16 GiB");
-  parser.Add("steps", "N", &flags.steps, "training steps per run, at most 10^6");
+  parser.Add("steps", "N", &flags.steps,
+             "training steps per run, at most 10^6; the rows a run routes in all, --steps x "
+             "--ranks x --tokens x --top-k x --layers, at most 2^28");
   parser.Add("seed", "N", &flags.seed,
              "seed of the gate, inputs, teacher and initial weights (both runs use it)");
   parser.Add("zipf", "S", &flags.zipf,
@@ -504,7 +506,7 @@ int RunDemo(int argc, char** argv) {
   }
   // Condensation needs repeated tokens to find; a quarter unless --token-repeat says otherwise.
   if (flags.condense > 0 && !parser.IsSet("token-repeat")) flags.repeat = 0.25;
-  Status checked = CheckFlags(flags);
+  Status checked = CheckFlags(flags, parser);
   if (checked.ok()) checked = CheckDemoPaths(flags);
   if (!checked.ok()) return Fail(checked);
   if (flags.comm == "mpi") return RunDemoOverMpi(argc, argv, flags, parser);

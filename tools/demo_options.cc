@@ -19,19 +19,28 @@ namespace {
 constexpr double kDemoExpertTflops = 0.002;   // about what one CPU thread achieves on the experts
 constexpr double kDemoLinkGbPerSecond = 4.0;  // about a memcpy between threads
 
+// Rows every rank routes in one step of one run: tokens x top_k per layer.
+double RoutedRows(const DemoFlags& f) {
+  return static_cast<double>(f.ranks) * f.tokens * f.top_k * f.layers;
+}
+
 // Memory the demo's model would take in all ranks, roughly: every slot's weights, gradients and
 // Adam state (about 48 bytes per parameter), the teacher, and per layer the activations that
-// backward keeps (four rows of hidden + ffn int64 or double values per routed token).
+// backward keeps: float rows of hidden + ffn per routed row, measured at 10 to 12 bytes per
+// element (--ranks 8 to 64, --hidden 16 to 64); 16 leaves room.
 double DemoBytes(const DemoFlags& f) {
   const double parameters_per_expert = 2.0 * f.hidden * f.ffn;
   const double slots = f.ranks * (std::ceil(static_cast<double>(f.experts) / f.ranks) + 2.0);
   const double model = (slots * 48.0 + f.experts * 8.0) * parameters_per_expert * f.layers;
-  const double activations =
-      32.0 * f.ranks * static_cast<double>(f.tokens) * f.top_k * f.layers * (f.hidden + f.ffn);
+  const double activations = 16.0 * RoutedRows(f) * (f.hidden + f.ffn);
   return model + activations;
 }
 
 constexpr double kMaxDemoBytes = 16.0 * (1 << 30);
+// Routed rows of one run over all its steps: the ranks are threads that share this machine's
+// cores, and a default demo (8 ranks, 30 steps: 2^23 rows) trains for a minute or two on two
+// cores, so 2^28 is about an hour there.
+constexpr double kMaxDemoRows = 1 << 28;
 
 }  // namespace
 
@@ -70,7 +79,7 @@ bool ShardExperts(const DemoFlags& flags, const KeelConfig& config) {
   return flags.shard_experts || config.policy.keel.shard_experts;
 }
 
-Status CheckFlags(const DemoFlags& f) {
+Status CheckFlags(const DemoFlags& f, const FlagParser& parser) {
   // Each size between its least and largest value; the largest keep a typo from exhausting memory.
   auto in_range = [](const char* flag, long long value, long long least, long long most) -> Status {
     if (value >= least && value <= most) return Status::Ok();
@@ -98,6 +107,13 @@ Status CheckFlags(const DemoFlags& f) {
                            std::to_string(f.top_k) + ", --hidden " + std::to_string(f.hidden) +
                            " and --ffn " + std::to_string(f.ffn) + " need about " + gib +
                            " GiB, more than the demo's 16 GiB limit");
+  }
+  if (const double rows = RoutedRows(f) * f.steps; rows > kMaxDemoRows) {
+    return InvalidArgument(
+        "--steps " + std::to_string(f.steps) + " x --ranks " + std::to_string(f.ranks) +
+        " x --tokens " + std::to_string(f.tokens) + " x --top-k " + std::to_string(f.top_k) +
+        " x --layers " + std::to_string(f.layers) + " = " + NumberText(rows) +
+        " routed rows per run, more than the demo's 2^28 (" + NumberText(kMaxDemoRows) + ")");
   }
   if (f.comm != "local" && f.comm != "mpi") {
     return InvalidArgument("--comm '" + f.comm + "' is not local or mpi");
@@ -175,6 +191,22 @@ Status CheckFlags(const DemoFlags& f) {
   if (!(f.learning_rate > 0.0 && f.learning_rate < 1.0)) {
     return InvalidArgument("--learning-rate " + NumberText(f.learning_rate) + " must be in (0, 1)");
   }
+  // Flags the runs asked for do not read: refused by name rather than ignored.
+  const auto refuse_unless = [&](bool applies, const char* flag, const char* which) -> Status {
+    if (applies || !parser.IsSet(flag)) return Status::Ok();
+    return InvalidArgument(std::string("--") + flag + " applies only " + which);
+  };
+  KEEL_RETURN_IF_ERROR(
+      refuse_unless(f.sequence_migration, "sequence-objective", "with --sequence-migration"));
+  for (const char* flag : {"sequence-tokens", "sequence-affinity", "token-repeat"}) {
+    KEEL_RETURN_IF_ERROR(
+        refuse_unless(SequenceMode(f), flag, "with --sequence-migration or --condense"));
+  }
+  KEEL_RETURN_IF_ERROR(refuse_unless(f.strategy == "esp" || f.shard_hot > 0, "shard-degree",
+                                     "with --strategy esp or --shard-hot (parm's shards are its "
+                                     "MP groups: --mp, or strategy.mp_degree)"));
+  KEEL_RETURN_IF_ERROR(refuse_unless(f.trace_path.empty(), "zipf",
+                                     "to the synthetic gate; with --trace the trace routes"));
   return Status::Ok();
 }
 

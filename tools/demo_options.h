@@ -90,8 +90,9 @@ std::pair<std::string, int> ShardsOf(const DemoFlags& f, const KeelConfig& confi
 // The keel policy shards or replicates per expert: by the flag, or by the config.
 bool ShardExperts(const DemoFlags& flags, const KeelConfig& config);
 
-// Each flag in its range and the flags' combinations; errors name the flag and its value.
-Status CheckFlags(const DemoFlags& f);
+// Each flag in its range, the flags' combinations, and no flag given that the runs they ask for
+// would not read; errors name the flag and its value. `parser` says which flags were given.
+Status CheckFlags(const DemoFlags& f, const FlagParser& parser);
 
 // The files a demo reads (--trace, --config) against those it writes (--report, and the trace
 // the engine records at the config's monitor.trace_path): none may replace another

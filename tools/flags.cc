@@ -141,7 +141,10 @@ Status FlagParser::Assign(Flag& flag, std::string_view value) {
         }
       },
       flag.target);
-  if (status.ok()) flag.set = true;
+  if (status.ok()) {
+    flag.set = true;
+    flag.given = std::string(value);
+  }
   return status;
 }
 
@@ -164,6 +167,14 @@ Status FlagParser::Parse(int argc, char** argv) {
       return InvalidArgument("unknown flag --" + std::string(name) + help_hint);
     }
     const bool is_bool = std::holds_alternative<bool*>(flag->target);
+    if (flag->set) {
+      const std::string_view again = equals != std::string_view::npos ? arg.substr(equals + 1)
+                                     : is_bool                        ? "true"
+                                     : i + 1 < argc                   ? argv[i + 1]
+                                                                      : "";
+      return InvalidArgument("flag --" + flag->name + " given twice ('" + flag->given +
+                             "', then '" + std::string(again) + "'); give it once" + help_hint);
+    }
     if (equals != std::string_view::npos) {
       KEEL_RETURN_IF_ERROR(Assign(*flag, arg.substr(equals + 1)));
     } else if (is_bool) {
@@ -244,7 +255,7 @@ std::string FlagParser::HelpText() const {
   return text;
 }
 
-std::vector<std::string> SplitCommaList(std::string_view text) {
+Result<std::vector<std::string>> SplitCommaList(std::string_view text, std::string_view flag) {
   std::vector<std::string> items;
   size_t begin = 0;
   while (begin <= text.size()) {
@@ -253,7 +264,12 @@ std::vector<std::string> SplitCommaList(std::string_view text) {
     std::string_view item = text.substr(begin, end - begin);
     while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
     while (!item.empty() && item.back() == ' ') item.remove_suffix(1);
-    if (!item.empty()) items.emplace_back(item);
+    if (item.empty()) {
+      return InvalidArgument("--" + std::string(flag) + " '" + std::string(text) + "': item " +
+                             std::to_string(items.size() + 1) +
+                             " is empty (a comma-separated list of names)");
+    }
+    items.emplace_back(item);
     begin = end + 1;
   }
   return items;

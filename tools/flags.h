@@ -40,7 +40,8 @@ class FlagParser {
 
   // Parses argv[1..argc) (argv[0] is the subcommand's name). `--help` / `-h` stops parsing and
   // sets help_requested(); required flags are then not checked. Errors name the flag and value:
-  // an unknown flag, a missing or malformed value, a positional argument, a missing required flag.
+  // an unknown flag, a missing or malformed value, a flag given twice (the second would silently
+  // win), a positional argument, a missing required flag.
   Status Parse(int argc, char** argv);
 
   bool help_requested() const { return help_requested_; }
@@ -59,6 +60,7 @@ class FlagParser {
     bool required = false;
     std::string default_text;
     bool set = false;
+    std::string given;  // the value as written, once set
   };
 
   void AddFlag(std::string name, std::string metavar, Target target, std::string meaning,
@@ -74,7 +76,9 @@ class FlagParser {
   bool help_requested_ = false;
 };
 
-// Splits "a,b,,c" into {"a", "b", "c"} (empty items dropped, surrounding spaces trimmed).
-std::vector<std::string> SplitCommaList(std::string_view text);
+// Splits "a, b,c" into {"a", "b", "c"} (surrounding spaces trimmed). An empty item ("a,,b",
+// "keel,") is an error naming `flag` and the list as written: it names nothing, and is most likely
+// a name left out.
+Result<std::vector<std::string>> SplitCommaList(std::string_view text, std::string_view flag);
 
 }  // namespace keel::tools

@@ -19,8 +19,8 @@
 namespace keel {
 namespace {
 
-// Beyond keel/limits.hpp: the slots of all layers, the size of the answer.
-constexpr long long kMaxPlanSlots = 1 << 24;
+// Beyond keel/limits.hpp: log2phy's cells, the largest part of the answer.
+constexpr long long kMaxPlanCells = 1 << 24;
 
 Status CheckRequest(const PlanRequest& in) {
   const auto positive = [](const char* field, int value) -> Status {
@@ -46,8 +46,7 @@ Status CheckRequest(const PlanRequest& in) {
   KEEL_RETURN_IF_ERROR(at_most("num_nodes", in.num_nodes, kMaxRanks));
   KEEL_RETURN_IF_ERROR(at_most("num_groups", in.num_groups, kMaxExperts));
   KEEL_RETURN_IF_ERROR(at_most("num_layers x num_replicas",
-                               static_cast<long long>(in.num_layers) * in.num_replicas,
-                               kMaxPlanSlots));
+                               static_cast<long long>(in.num_layers) * in.num_replicas, kMaxSlots));
   const size_t cells = static_cast<size_t>(in.num_layers) * static_cast<size_t>(in.num_experts);
   if (in.weight.size() != cells) {
     return InvalidArgument("weight has " + std::to_string(in.weight.size()) +
@@ -73,6 +72,13 @@ Status CheckRequest(const PlanRequest& in) {
                            std::to_string(in.num_experts) +
                            " experts per row of weight (every expert needs a slot)");
   }
+  // log2phy is [layers, experts, max_copies], and one hot expert may take every slot the others
+  // leave: its largest width is bounded before anything is planned.
+  KEEL_RETURN_IF_ERROR(
+      at_most("num_layers x num_experts x (num_replicas - num_experts + 1), the cells of log2phy",
+              static_cast<long long>(in.num_layers) * in.num_experts *
+                  (in.num_replicas - in.num_experts + 1),
+              kMaxPlanCells));
   // EPLB applies DeepSeek's rule itself: the shapes below matter only when it is hierarchical.
   // Every other policy places ranks as num_nodes x gpus_per_node and has no groups.
   if (in.policy != "eplb" && in.num_gpus % in.num_nodes != 0) {

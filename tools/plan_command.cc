@@ -29,6 +29,11 @@ namespace {
 
 using Json = nlohmann::json;
 
+// --repeat times a plan to report its median: beyond a thousand the median does not move, and the
+// slots planned in all repeats are bounded as one plan's are (include/keel/plan.hpp).
+constexpr int kMaxRepeat = 1000;
+constexpr double kMaxRepeatedSlots = 1 << 24;
+
 // Prints {"error": ...} on stdout, the message on stderr, and returns the exit code.
 int Fail(const Status& status) {
   const bool bad_input =
@@ -77,19 +82,27 @@ int RunPlan(int argc, char** argv) {
   flags.Add("output", "FILE", &output_path, "write the output JSON here instead of stdout");
   flags.Add("config", "FILE", &config_path,
             "Keel config for policy parameters and the cost model (its topology and slots are "
-            "replaced by the input's)");
+            "replaced by the input's); not with eplb, which is DeepSeek's algorithm as published");
   flags.Add("repeat", "N", &repeat,
-            "plan N times and report the median wall time of the whole planning call");
+            "plan N times and report the median wall time of the whole planning call; at most " +
+                std::to_string(kMaxRepeat) + ", and N x layers x num_replicas at most 2^24");
   flags.SetEpilogue("Config keys: keel config --markdown");
   if (Status status = flags.Parse(argc, argv); !status.ok()) return Fail(status);
   if (flags.help_requested()) {
     std::fputs(flags.HelpText().c_str(), stdout);
     return 0;
   }
-  if (repeat < 1)
-    return Fail(InvalidArgument("--repeat must be >= 1, got " + std::to_string(repeat)));
+  if (repeat < 1 || repeat > kMaxRepeat) {
+    return Fail(InvalidArgument("--repeat " + std::to_string(repeat) + " is not in [1, " +
+                                std::to_string(kMaxRepeat) + "]"));
+  }
   if (Status status = CheckPolicyName(policy_name); !status.ok()) {
     return Fail(status.WithContext("--policy"));
+  }
+  if (policy_name == "eplb" && flags.IsSet("config")) {
+    return Fail(InvalidArgument("--config " + config_path +
+                                ": eplb is DeepSeek's algorithm as published and reads no config "
+                                "(give another --policy, or leave --config out)"));
   }
   if (Status status = CheckOutputsApart({{"--input", input_path}, {"--config", config_path}},
                                         {{"--output", output_path}});
@@ -110,6 +123,15 @@ int RunPlan(int argc, char** argv) {
 
   input->policy = policy_name;
   input->config = &config;
+  // The planner's work grows with the slots of all layers (one plan's are bounded by
+  // PlanPlacement); repeating it multiplies them.
+  if (const double slots = static_cast<double>(repeat) * input->num_layers * input->num_replicas;
+      repeat > 1 && slots > kMaxRepeatedSlots) {
+    return Fail(InvalidArgument("--repeat " + std::to_string(repeat) + " x " +
+                                std::to_string(input->num_layers) + " layers x num_replicas " +
+                                std::to_string(input->num_replicas) +
+                                " is more than the 2^24 slots keel plan plans in one call"));
+  }
   std::vector<double> seconds;
   std::optional<PlanResult> plan;
   for (int i = 0; i < repeat; ++i) {

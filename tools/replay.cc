@@ -373,6 +373,13 @@ Result<ReplayReport> ReplayTrace(const Trace& trace, const KeelConfig& config,
   KEEL_ASSIGN_OR_RETURN(const PolicyContext context,
                         PolicyContext::FromConfig(config, trace.num_layers, trace.num_experts));
   const int num_ranks = context.topology.num_ranks();
+  // Each policy estimates every layer's traffic matrix, [ranks x experts], from the steps before.
+  KEEL_RETURN_IF_ERROR(CheckEstimatorCounts(config.estimator, trace.num_layers, num_ranks,
+                                            trace.num_experts, trace.num_steps()));
+  if (options.max_threads < 0 || options.max_threads > kMaxThreads) {
+    return InvalidArgument("threads " + std::to_string(options.max_threads) + " is not in [0, " +
+                           std::to_string(kMaxThreads) + "] (0: one per hardware thread)");
+  }
   if (options.heatmap_layer < -1 || options.heatmap_layer >= trace.num_layers) {
     return InvalidArgument("heatmap layer " + std::to_string(options.heatmap_layer) +
                            " is not -1 or a layer of the trace (0.." +

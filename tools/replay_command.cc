@@ -17,6 +17,7 @@
 #include "common/file.h"
 #include "common/listen_address.h"
 #include "common/number_text.h"
+#include "keel/limits.hpp"
 #include "monitor/metrics.h"
 #include "monitor/trace.h"
 #include "placement/policy.h"
@@ -295,10 +296,11 @@ int RunReplay(int argc, char** argv) {
   flags.Add("report", "FILE", &report_path, "write the JSON report here");
   flags.Add("plot", "FILE", &plot_path,
             "write an SVG: imbalance per step per policy, and the per-expert load heatmap");
-  flags.Add("heatmap-layer", "N", &heatmap_layer, "layer the heatmap shows; -1 sums all layers");
+  flags.Add("heatmap-layer", "N", &heatmap_layer,
+            "with --plot: layer the heatmap shows; -1 sums all layers");
   flags.Add("threads", "N", &threads,
-            "threads the replay runs on (policies, and the layers of each, in parallel); 0 = one "
-            "per hardware thread");
+            "threads the replay runs on (policies, and the layers of each, in parallel), at most " +
+                std::to_string(kMaxThreads) + "; 0 = one per hardware thread");
   flags.AddBool("quiet", &quiet, "no progress bar and no notes on stderr");
   flags.Add("serve-metrics", "ADDR", &serve_address,
             "export Prometheus metrics on host:port or [v6addr]:port (a bare port listens on "
@@ -344,6 +346,10 @@ int RunReplay(int argc, char** argv) {
     std::fputs(flags.HelpText().c_str(), stdout);
     return 0;
   }
+  if (flags.IsSet("synthetic") && flags.IsSet("trace") && trace_path != "synthetic") {
+    return Fail(InvalidArgument("--synthetic replays a generated trace, but --trace " + trace_path +
+                                " names a file; give one of them"));
+  }
   if (trace_path == "synthetic") synthetic = true;
   if (!synthetic && trace_path.empty()) {
     return Fail(InvalidArgument("missing required flag --trace PATH (or --trace synthetic)"));
@@ -361,8 +367,14 @@ int RunReplay(int argc, char** argv) {
   }
   const Result<TraceFormat> format = ParseTraceFormat(format_name);
   if (!format.ok()) return Fail(format.status().WithContext("--format"));
-  if (threads < 0)
-    return Fail(InvalidArgument("--threads must be >= 0, got " + std::to_string(threads)));
+  if (threads < 0 || threads > kMaxThreads) {
+    return Fail(InvalidArgument("--threads " + std::to_string(threads) + " is not in [0, " +
+                                std::to_string(kMaxThreads) + "] (0: one per hardware thread)"));
+  }
+  if (flags.IsSet("heatmap-layer") && plot_path.empty()) {
+    return Fail(InvalidArgument("--heatmap-layer " + std::to_string(heatmap_layer) +
+                                " chooses what --plot draws; there is no --plot"));
+  }
   const bool serve = flags.IsSet("serve-metrics");
   // Durations up to 1e9 s (31 years): beyond about 9.2e9 s a clock's nanoseconds overflow.
   constexpr double kMaxSeconds = 1e9;
@@ -377,6 +389,11 @@ int RunReplay(int argc, char** argv) {
   if (!serve && (loop || flags.IsSet("serve-seconds"))) {
     return Fail(InvalidArgument(std::string(loop ? "--loop" : "--serve-seconds") +
                                 " is only meaningful with --serve-metrics ADDR"));
+  }
+  if (serve && flags.IsSet("threads")) {
+    return Fail(
+        InvalidArgument("--threads: --serve-metrics replays one policy on one thread, "
+                        "step by step"));
   }
   if (serve && serve_address.empty()) {
     return Fail(
@@ -446,11 +463,18 @@ int RunReplay(int argc, char** argv) {
   }
 
   ReplayOptions options;
-  options.policies = SplitCommaList(policy_list);
+  Result<std::vector<std::string>> policies = SplitCommaList(policy_list, "policy");
+  if (!policies.ok()) return Fail(policies.status());
+  options.policies = std::move(policies).value();
   options.oracle = oracle;
   options.max_threads = threads;
   options.heatmap_layer = heatmap_layer;
-  if (options.policies.empty()) return Fail(InvalidArgument("--policy lists no policy"));
+  std::vector<std::string> strategy_names;
+  if (strategies && strategy_list != "all") {
+    Result<std::vector<std::string>> split = SplitCommaList(strategy_list, "strategy");
+    if (!split.ok()) return Fail(split.status());
+    strategy_names = std::move(split).value();
+  }
   // Names and the config are checked before the trace is read, which can take seconds.
   for (const std::string& name : options.policies) {
     if (Status status = CheckPolicyName(name); !status.ok()) {
@@ -498,7 +522,7 @@ int RunReplay(int argc, char** argv) {
       config.policy.name = options.policies[0];
     }
     StrategyReplayOptions strategy_options;
-    if (strategy_list != "all") strategy_options.strategies = SplitCommaList(strategy_list);
+    if (strategy_list != "all") strategy_options.strategies = std::move(strategy_names);
     strategy_options.oracle = oracle;
     strategy_options.heatmap_layer = heatmap_layer;
     return RunStrategyReplay(*trace, config, std::move(strategy_options), pool_path, report_path,

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/file.h"
+#include "keel/limits.hpp"
 #include "keel/status.hpp"
 #include "monitor/trace.h"
 #include "monitor/trace_import.h"
@@ -132,6 +133,32 @@ Result<Trace> ImportTrace(const std::string& path, TraceFormat format, const Imp
   return trace;
 }
 
+// Convert's importer flags, each read by one format's importer only.
+struct ImporterFlag {
+  const char* name;
+  TraceFormat format;
+};
+constexpr ImporterFlag kImporterFlags[] = {
+    {"esft-group", TraceFormat::kEsft},           {"esft-experts", TraceFormat::kEsft},
+    {"esft-top-k", TraceFormat::kEsft},           {"esft-mix-seed", TraceFormat::kEsft},
+    {"olmoe-model", TraceFormat::kOlmoe},         {"olmoe-kind", TraceFormat::kOlmoe},
+    {"megatron-experts", TraceFormat::kMegatron}, {"megatron-sum-ranks", TraceFormat::kMegatron},
+    {"megatron-mtp", TraceFormat::kMegatron},
+};
+
+// An importer flag given for a trace another importer reads would do nothing: refused by name.
+Status CheckImporterFlags(const FlagParser& parser, const std::string& input, TraceFormat format,
+                          bool guessed) {
+  for (const ImporterFlag& flag : kImporterFlags) {
+    if (!parser.IsSet(flag.name) || flag.format == format) continue;
+    return InvalidArgument("--" + std::string(flag.name) + " is for " +
+                           std::string(TraceFormatName(flag.format)) + " traces, but " + input +
+                           " is read as " + std::string(TraceFormatName(format)) +
+                           (guessed ? " (guessed from the path; --format chooses another)" : ""));
+  }
+  return Status::Ok();
+}
+
 int RunConvert(int argc, char** argv) {
   std::string input;
   std::string output;
@@ -189,10 +216,21 @@ int RunConvert(int argc, char** argv) {
   if (Status apart = CheckOutputsApart({{"--input", input}}, {{"--output", output}}); !apart.ok()) {
     return Usage("convert", apart);
   }
+  const bool guessed = *format == TraceFormat::kAuto;
+  if (guessed) {
+    format = DetectTraceFormat(input);
+    if (!format.ok()) return Fail("convert", format.status());
+  }
+  if (Status applies = CheckImporterFlags(parser, input, *format, guessed); !applies.ok()) {
+    return Usage("convert", applies);
+  }
 
   auto start = std::chrono::steady_clock::now();
   Result<Trace> trace = ImportTrace(input, *format, import);
-  if (!trace.ok()) return Fail("convert", trace.status());
+  if (!trace.ok()) {
+    return Fail("convert", guessed ? trace.status().WithContext(GuessedFormatContext(*format))
+                                   : trace.status());
+  }
   double read_seconds = SecondsSince(start);
   start = std::chrono::steady_clock::now();
   if (Status written = WriteKeelTrace(*trace, output); !written.ok()) {
@@ -256,28 +294,26 @@ int RunGenerate(int argc, char** argv) {
 }
 
 // Imbalance (max rank load / mean rank load) of each (step, layer) with experts placed
-// contiguously: rank g holds experts [g*E/G, (g+1)*E/G), the first E % G ranks one more.
+// contiguously: rank g holds experts [g*E/G, (g+1)*E/G), the first E % G ranks one more. Ranks
+// beyond the experts hold none and load nothing, so the work is the experts', whatever the ranks.
 std::vector<double> StaticImbalances(const Trace& trace, int num_ranks) {
-  std::vector<int> rank_of(trace.num_experts);
   const int base = trace.num_experts / num_ranks;
   const int extra = trace.num_experts % num_ranks;
-  int expert = 0;
-  for (int rank = 0; rank < num_ranks; ++rank) {
-    for (int i = 0; i < base + (rank < extra ? 1 : 0); ++i) rank_of[expert++] = rank;
-  }
   std::vector<double> imbalances;
-  std::vector<double> loads(num_ranks);
   for (int step = 0; step < trace.num_steps(); ++step) {
     for (int layer = 0; layer < trace.num_layers; ++layer) {
-      std::vector<double> counts = trace.ExpertCounts(step, layer);
-      std::fill(loads.begin(), loads.end(), 0.0);
+      const std::vector<double> counts = trace.ExpertCounts(step, layer);
       double total = 0.0;
-      for (int e = 0; e < trace.num_experts; ++e) {
-        loads[rank_of[e]] += counts[e];
-        total += counts[e];
+      double most = 0.0;
+      int expert = 0;
+      for (int rank = 0; rank < num_ranks && expert < trace.num_experts; ++rank) {
+        double load = 0.0;
+        for (int i = 0; i < base + (rank < extra ? 1 : 0); ++i) load += counts[expert++];
+        most = std::max(most, load);
+        total += load;
       }
       if (total <= 0.0) continue;
-      imbalances.push_back(*std::max_element(loads.begin(), loads.end()) / (total / num_ranks));
+      imbalances.push_back(most / (total / num_ranks));
     }
   }
   return imbalances;
@@ -308,7 +344,8 @@ int RunInfo(int argc, char** argv) {
   parser.Add("input", "PATH", &input, "the trace (instead of the plain PATH argument)");
   parser.Add("format", "F", &format_name, "auto, keel, smartmoe, esft, olmoe or megatron");
   parser.Add("ranks", "N", &ranks,
-             "ranks for the imbalance line; 0 = the trace's sources, or 8 without sources");
+             "ranks for the imbalance line, at most " + std::to_string(kMaxRanks) +
+                 "; 0 = the trace's sources, or 8 without sources");
   parser.SetEpilogue(kFormatsEpilogue);
   if (std::optional<int> exit_code =
           ParseOrExit(parser, "info", static_cast<int>(flag_args.size()), flag_args.data())) {
@@ -322,9 +359,10 @@ int RunInfo(int argc, char** argv) {
   Result<TraceFormat> parsed_format = FormatFlag(format_name);
   if (!parsed_format.ok()) return Usage("info", parsed_format.status());
   TraceFormat format = *parsed_format;
-  if (ranks < 0) {
+  if (ranks < 0 || ranks > kMaxRanks) {
     return Usage("info", InvalidArgument("flag --ranks: " + std::to_string(ranks) +
-                                         " must be 0 (default) or positive"));
+                                         " must be 0 (default) or in [1, " +
+                                         std::to_string(kMaxRanks) + "]"));
   }
   ImportFlags import;
   import.quiet = true;

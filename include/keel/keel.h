@@ -63,7 +63,7 @@ typedef struct keel_comm keel_comm_t;
 typedef struct keel_engine keel_engine_t;
 
 /* Creates a group of `num_ranks` ranks (threads of this process).
- * Errors: KEEL_INVALID_ARGUMENT when num_ranks < 1 or group_out is NULL. */
+ * Errors: KEEL_INVALID_ARGUMENT when num_ranks is not in [1, 4096] or group_out is NULL. */
 keel_status_t keel_group_create(int num_ranks, keel_group_t** group_out);
 
 /* Destroys `group`. Every comm created from it must be destroyed first.

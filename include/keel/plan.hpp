@@ -19,8 +19,10 @@ std::vector<std::string> PolicyNames();
 
 struct PlanRequest {
   std::string policy = "eplb";  // one of PolicyNames()
-  int num_layers = 0;           // >= 1; num_layers x num_replicas <= 2^24
-  int num_experts = 0;          // in [1, 65536]
+  // >= 1; num_layers x num_replicas <= 2^24, and log2phy's largest size, num_layers x num_experts
+  // x (num_replicas - num_experts + 1), <= 2^24
+  int num_layers = 0;
+  int num_experts = 0;  // in [1, 65536]
   // [num_layers, num_experts] float64, row-major: each expert's load; finite and >= 0.
   std::vector<double> weight;
   int num_replicas = 0;  // physical slots per layer: >= num_experts, divisible by num_gpus, <= 2^20
@@ -28,8 +30,8 @@ struct PlanRequest {
   // and num_nodes divides num_gpus; otherwise global, with no such rule (DeepSeek's reference).
   // Every other policy: num_nodes divides num_gpus, and num_groups is not read.
   int num_groups = 1;  // <= 65536
-  int num_nodes = 1;   // <= 65536
-  int num_gpus = 1;    // <= 65536
+  int num_nodes = 1;   // <= 4096
+  int num_gpus = 1;    // <= 4096
   // Policy parameters and cost model (its topology and slots are replaced by the fields above);
   // null: the defaults. Not read by eplb, which is DeepSeek's algorithm as published.
   const Config* config = nullptr;

@@ -15,9 +15,10 @@
 namespace keel {
 
 // A trace Keel reads, imports or generates has at most kMaxLayers layers, kMaxExperts experts
-// and kMaxRanks sources (keel/limits.hpp), at most this many counts per step (layers x sources x
-// experts), and counts of at most kMaxTokenCount tokens.
-inline constexpr int64_t kMaxTraceCountsPerStep = int64_t{1} << 26;
+// and kMaxRanks sources, at most kMaxCounts counts in all (steps x layers x sources x experts,
+// plus each sequence's layers x experts; KEEL_MAX_TRACE_COUNT_BYTES, 8 bytes a count, raises
+// it), and counts of at most kMaxTokenCount tokens (keel/limits.hpp). Readers and importers check
+// the shape before they allocate the steps.
 
 // One sequence of a step, for traces that record routing per sequence (Luffy's sequence
 // migration needs it): its tokens and the (token, k) rows it sent to each expert.

@@ -58,17 +58,22 @@ check_shards "$work/hot.json" 1 0 || fail "--shard-hot report is wrong"
   --report "$work/auto.json" >"$work/out" 2>"$work/err" || fail "--shard-experts: $(cat "$work/err")"
 check_shards "$work/auto.json" 0 1 || fail "--shard-experts report is wrong: $(cat "$work/out")"
 
+model=("${small[@]}")
 expect_usage_error() {
   local words="$1"
   shift
   local got=0
-  "$keel" demo "${small[@]}" "$@" >/dev/null 2>"$work/err" || got=$?
+  "$keel" demo "${model[@]}" "$@" >/dev/null 2>"$work/err" || got=$?
   [[ "$got" == 2 ]] || fail "$* exited $got, expected 2: $(cat "$work/err")"
   grep -q -- "$words" "$work/err" || fail "$*: $(cat "$work/err")"
 }
 expect_usage_error "--shard-hot 9 is not in \[0, 8\]" --shard-hot 9
 expect_usage_error "do not combine with --strategy" --shard-hot 1 --strategy esp
-expect_usage_error "--shard-hot: --ffn 18 does not split into 4 shards" --shard-hot 1 --ffn 18
+# The small model with --ffn 18, which 4 shards do not divide (each flag is given once).
+model=("${small[@]}")
+for i in "${!model[@]}"; do [[ "${model[i]}" != --ffn ]] || model[i + 1]=18; done
+expect_usage_error "--shard-hot: --ffn 18 does not split into 4 shards" --shard-hot 1
+model=("${small[@]}")
 "$keel" demo --help >"$work/help" || fail "demo --help failed"
 for flag in --shard-hot --shard-experts; do
   grep -q -- "$flag" "$work/help" || fail "help lacks $flag"

@@ -162,7 +162,7 @@ config_case second_doc 'topology:\n  num_nodes: 2\n---\ntopology:\n  num_nodes: 
 config_case after_end 'topology:\n  num_nodes: 2\n...\nslots:\n  persistent_per_rank: 9\n' \
   '4: a second YAML document starts here'
 config_case int_u64 'topology:\n  gpus_per_node: 18446744073709551615\n' \
-  '2: topology.gpus_per_node: 18446744073709551615 is out of range (must be in [1, 65536])'
+  '2: topology.gpus_per_node: 18446744073709551615 is out of range (must be in [1, 4096])'
 config_case int_bound 'policy:\n  replan_interval_steps: 3000000000\n' \
   '2: policy.replan_interval_steps: 3000000000 is out of range (must be in [1, 2147483647])'
 

@@ -65,7 +65,7 @@ expect_usage_error "plan --input folder" "is a folder, expected a file" \
 expect_usage_error "replay --config folder" "is a folder, expected a file" \
   "$keel" replay --trace synthetic --config "$work/folder.yaml" --quiet
 expect_usage_error "plan --config folder" "is a folder, expected a file" \
-  "$keel" plan --policy eplb --input "$work/folder.json" --config "$work/folder.yaml"
+  "$keel" plan --policy keel --input "$work/folder.json" --config "$work/folder.yaml"
 expect_usage_error "config --check folder" "is a folder, expected a file" \
   "$keel" config --check "$work/folder.yaml"
 

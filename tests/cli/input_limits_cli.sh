@@ -90,7 +90,7 @@ for kind in "${bad_kinds[@]}"; do
   refused "$kind: plan --input" "--input '$d/in.json': $text" \
     "$keel" plan --policy eplb --input "$d/in.json"
   refused "$kind: plan --config" "$d/c.yaml: $text" \
-    "$keel" plan --policy eplb --input "$d/in.json" --config "$d/c.yaml"
+    "$keel" plan --policy keel --input "$d/in.json" --config "$d/c.yaml"
   refused "$kind: replay --pool" "$d/pool.json: $text" \
     "$keel" replay --trace "$root/trace.jsonl" --strategy auto --pool "$d/pool.json" --quiet
   refused "$kind: trace info --format keel" "$d/t.jsonl: $text" \

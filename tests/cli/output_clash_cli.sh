@@ -103,7 +103,7 @@ expect_clash "replay --serve-metrics --report over --trace" --report --trace t.j
 expect_clash "plan --output over --input" --output --input in.json \
   "$keel" plan --input in.json --output in.json
 expect_clash "plan --output over --config" --output --config c.yaml \
-  "$keel" plan --input in.json --config c.yaml --output c.yaml
+  "$keel" plan --policy keel --input in.json --config c.yaml --output c.yaml
 
 # keel pool build
 expect_clash "pool build --out over --trace" --out --trace t.jsonl \

@@ -86,17 +86,22 @@ grep -q "engine-mp final weights: *bitwise those of keel without MP groups" "$wo
   fail "--mp 2: $(cat "$work/out")"
 check_mp "$work/mp.json" || fail "--mp 2 report is wrong"
 
+model=("${small[@]}")
 expect_usage_error() {
   local words="$1"
   shift
   local got=0
-  "$keel" demo "${small[@]}" "$@" >/dev/null 2>"$work/err" || got=$?
+  "$keel" demo "${model[@]}" "$@" >/dev/null 2>"$work/err" || got=$?
   [[ "$got" == 2 ]] || fail "$* exited $got, expected 2: $(cat "$work/err")"
   grep -q -- "$words" "$work/err" || fail "$*: $(cat "$work/err")"
 }
 expect_usage_error "--strategy 'tp' is not ep, esp, parm or ppmoe" --strategy tp
 expect_usage_error "strategy.mp_degree: 3 does not divide topology.gpus_per_node (4)" --mp 3
-expect_usage_error "esp: --ffn 18 does not split into 4 shards" --strategy esp --ffn 18
+# The small model with --ffn 18, which 4 shards do not divide (each flag is given once).
+model=("${small[@]}")
+for i in "${!model[@]}"; do [[ "${model[i]}" != --ffn ]] || model[i + 1]=18; done
+expect_usage_error "esp: --ffn 18 does not split into 4 shards" --strategy esp
+model=("${small[@]}")
 expect_usage_error "in host memory" --strategy esp --memory guarded-host
 expect_usage_error "does not combine with --strategy esp" --mp 2 --strategy esp
 "$keel" demo --help >"$work/help" || fail "demo --help failed"

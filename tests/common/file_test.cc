@@ -232,7 +232,7 @@ TEST_F(FileTest, ReadStopsAtTheLimitForAFileThatGrows) {
 // The limits in force: a default per kind, an environment variable that overrides it, and a
 // value that is not a size refused by name rather than ignored.
 TEST_F(FileTest, LimitsComeFromTheEnvironment) {
-  EXPECT_EQ(InputLimits().size(), 6u);
+  EXPECT_EQ(InputLimits().size(), 7u);
   for (const InputLimitInfo& info : InputLimits()) {
     EXPECT_EQ(&InputLimitOf(info.limit), &info) << info.variable;
     ScopedEnvironment unset(std::string(info.variable), std::nullopt);

@@ -91,7 +91,7 @@ TEST(CApiTest, LastErrorIsPerThreadAndClearedBySuccess) {
   other.join();
   EXPECT_EQ(other_thread_error, "");
   // The other thread's failure does not show here.
-  EXPECT_STREQ(keel_last_error(), "keel_group_create: num_ranks = 0 must be >= 1");
+  EXPECT_STREQ(keel_last_error(), "keel_group_create: num_ranks = 0 is not in [1, 4096]");
 
   ASSERT_TRUE(Succeeds(keel_group_create(1, &group)));
   EXPECT_STREQ(keel_last_error(), "");
@@ -355,6 +355,41 @@ class CApiEngineTest : public ::testing::Test {
   keel_engine_options_t options_;
   std::unique_ptr<RankBuffers> buffers_;
 };
+
+// Shapes within each size's own bound whose products are beyond the limits of a job
+// (docs/config.md, "Limits"): refused by keel_engine_create before it allocates, naming the product
+// and the limit.
+TEST_F(CApiEngineTest, CreateRefusesProductsOfSizesBeyondTheLimits) {
+  struct Case {
+    const char* config_yaml;
+    int num_layers;
+    int num_experts;
+    const char* part;
+  };
+  const Case cases[] = {
+      {"topology:\n  num_nodes: 1\n  gpus_per_node: 1\nslots:\n  persistent_per_rank: 512\n", 65536,
+       256, "num_layers x slots per layer (513) = 33619968 is more than 16777216"},
+      {"topology:\n  num_nodes: 1\n  gpus_per_node: 1\nslots:\n  persistent_per_rank: 4096\n"
+       "estimator:\n  kind: window\n  window_steps: 1000\n",
+       64, 4096,
+       "num_layers x ranks x num_experts x (estimator.window_steps + 1) = 64 x 1 x 4096 x 1001 "
+       "load counts, more than the 2^26"},
+      {"topology:\n  num_nodes: 256\n  gpus_per_node: 256\n", 1, 1,
+       "65536 ranks, more than the 4096 Keel supports"},
+  };
+  for (const Case& c : cases) {
+    options_.config_yaml = c.config_yaml;
+    options_.num_layers = c.num_layers;
+    options_.num_experts = c.num_experts;
+    EXPECT_TRUE(CreateFails(KEEL_INVALID_ARGUMENT, {c.part})) << c.config_yaml;
+  }
+  keel_group_t* group = nullptr;
+  for (const int ranks : {4097, 2147483647}) {
+    EXPECT_TRUE(Fails(
+        keel_group_create(ranks, &group), KEEL_INVALID_ARGUMENT,
+        {"keel_group_create: num_ranks = " + std::to_string(ranks) + " is not in [1, 4096]"}));
+  }
+}
 
 TEST_F(CApiEngineTest, CreateRejectsNullsAndStructSizes) {
   keel_engine_t* engine = nullptr;

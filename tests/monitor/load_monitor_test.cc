@@ -225,5 +225,25 @@ TEST(LoadMonitorTest, CreateRejectsBadOptions) {
   EXPECT_NE(monitor.status().message().find("/nonexistent-dir/x.jsonl"), std::string::npos);
 }
 
+// What it would preallocate, beyond the counts a job holds: refused before any of it.
+TEST(LoadMonitorTest, CreateRefusesTablesBeyondTheLimits) {
+  LoadMonitorOptions queue = Options(1, 65536, 64, 65536);
+  queue.monitor.per_source_rank = true;
+  LoadMonitorOptions window = Options(64, 4096, 1, 16);
+  window.estimator.kind = EstimatorKind::kSlidingWindow;
+  window.estimator.window_steps = 1000;
+  const std::pair<LoadMonitorOptions, std::string> cases[] = {
+      {queue, "monitor.queue_capacity 65536 x 4194304 counts per batch is more than the 2^26"},
+      {window, "= 64 x 1 x 4096 x 1001 load counts, more than the 2^26"},
+  };
+  for (const auto& [options, expected] : cases) {
+    Result<std::unique_ptr<LoadMonitor>> monitor = LoadMonitor::Create(options);
+    ASSERT_FALSE(monitor.ok()) << expected;
+    EXPECT_EQ(monitor.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(monitor.status().message().find(expected), std::string::npos)
+        << monitor.status().message();
+  }
+}
+
 }  // namespace
 }  // namespace keel

@@ -287,6 +287,29 @@ TEST(SyntheticTraceTest, InvalidOptionsNameTheField) {
       {[](SyntheticTraceOptions& o) { o.burst_probability = 1.5; }, "burst_probability"},
       {[](SyntheticTraceOptions& o) { o.burst_factor = 0; }, "burst_factor"},
       {[](SyntheticTraceOptions& o) { o.burst_steps = 0; }, "burst_steps 0"},
+      // Sizes and the work they multiply into, bounded before anything is allocated or drawn.
+      {[](SyntheticTraceOptions& o) { o.num_sources = 4097; },
+       "num_sources 4097 must be in 0..4096"},
+      {[](SyntheticTraceOptions& o) { o.num_layers = 65537; }, "num_layers 65537"},
+      {[](SyntheticTraceOptions& o) { o.num_steps = 1000000; },
+       "counts is more than the 67108864 counts (512 MiB) a trace may hold"},
+      {[](SyntheticTraceOptions& o) { o.tokens_per_source = 1 << 30; }, "token selections"},
+      {[](SyntheticTraceOptions& o) {
+         o.num_steps = 100000;
+         o.num_sources = 0;
+         o.tokens_per_source = 1;
+         o.drift_swaps_per_step = 1e6;
+       },
+       "popularity swaps"},
+      {[](SyntheticTraceOptions& o) {
+         o.num_steps = 100000;
+         o.num_experts = 2;
+         o.num_sources = 0;
+         o.tokens_per_source = 1;
+         o.burst_probability = 1;
+         o.burst_steps = 1 << 30;
+       },
+       "burst updates"},
   };
   for (const Case& c : cases) {
     SyntheticTraceOptions options;

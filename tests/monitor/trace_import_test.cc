@@ -399,6 +399,67 @@ TEST(MegatronImportTest, ErrorsNameFileAndLine) {
   EXPECT_NE(ImportMegatronTrace(path).status().message().find("t.jsonl:1"), std::string::npos);
 }
 
+// Importers that expand their input into dense counts check the expansion before they allocate
+// it: sparse ids of steps, layers, ranks and experts (Megatron), blank lines that count as layers
+// (SmartMoE) or sequences (ESFT). Each input is a few kilobytes; each used to take gigabytes.
+TEST(TraceImportBoundsTest, ExpansionsBeyondTheCountsATraceHoldsAreRefused) {
+  ScratchFolder folder;
+  std::string sparse;
+  for (int i = 0; i < 20; ++i) {
+    sparse += "{\"step\": " + std::to_string(1000000 * i) +
+              ", \"layer\": " + std::to_string(1000 * i) +
+              ", \"rank\": " + std::to_string(100 * i) + ", \"top_indices\": [[65535]]}\n";
+  }
+  std::string experts = "1";  // a first layer of 16,384 experts
+  for (int e = 1; e < 16384; ++e) experts += ",1";
+  struct Case {
+    std::string name;
+    Result<Trace> (*import)(const std::string&);
+    std::string path;
+    std::string expected;
+  };
+  const Case cases[] = {
+      {"megatron sparse ids", [](const std::string& path) { return ImportMegatronTrace(path); },
+       folder.Write("sparse.jsonl", sparse),
+       "sparse.jsonl: 20 steps of num_layers x num_sources x num_experts = 20 x 20 x 65536 counts, "
+       "more than the 67108864 counts (512 MiB) a trace may hold"},
+      {"smartmoe blank layers", [](const std::string& path) { return ImportSmartMoeTrace(path); },
+       (folder.Write("blank/table_iter0_rank0.log",
+                     "0:[[" + experts + "]]\n" + std::string(60000, '\n') + "1:[[1]]\n"),
+        folder.File("blank")),
+       "table_iter0_rank0.log: num_layers x num_sources x num_experts = 60002 x 1 x "},
+      {"esft blank sequences",
+       [](const std::string& path) {
+         EsftImportOptions options;
+         options.num_experts = 65536;
+         return ImportEsftTrace(path, options);
+       },
+       (folder.Write("task/expert_weights_1.txt", std::string(40000, '\n') + "1\t2\t3\t4\t5\t6\n"),
+        folder.File("task")),
+       "40001 sequences of 1 layers x 65536 experts hold more counts than the 67108864 counts (512 "
+       "MiB) a trace may hold"},
+  };
+  for (const Case& c : cases) {
+    Result<Trace> trace = c.import(c.path);
+    ASSERT_FALSE(trace.ok()) << c.name;
+    EXPECT_EQ(trace.status().code(), StatusCode::kInvalidArgument) << c.name;
+    EXPECT_NE(trace.status().message().find(c.expected), std::string::npos)
+        << c.name << ": " << trace.status().message();
+  }
+  // Records of distinct steps, each a row up to expert 65535: refused at the record that takes
+  // them past the limit, before the rows of the rest are allocated.
+  std::string rows;
+  for (int step = 0; step < 1100; ++step) {
+    rows += "{\"step\": " + std::to_string(step) + ", \"layer\": 0, \"top_indices\": [[65535]]}\n";
+  }
+  Result<Trace> trace = ImportMegatronTrace(folder.Write("rows.jsonl", rows));
+  ASSERT_FALSE(trace.ok());
+  EXPECT_NE(trace.status().message().find("rows.jsonl:1025: expert id 65535 takes the records' "
+                                          "counts"),
+            std::string::npos)
+      << trace.status().message();
+}
+
 // Every reader reads numbers exactly: an integer beyond its field's range is named with the value
 // as written (never wrapped to a negative one), a repeated JSON key is refused with its place
 // (nlohmann kept the last), a quoted number is a string. One case per reader and field.

@@ -8,12 +8,14 @@
 #include <string>
 
 #include "monitor/trace_import.h"
+#include "tests/common/test_util.h"
 #include "tests/monitor/trace_test_util.h"
 
 namespace keel {
 namespace {
 
 using ::keel::testing::ReadText;
+using ::keel::testing::ScopedEnvironment;
 using ::keel::testing::ScratchFolder;
 
 Trace SmallTrace(int num_sources) {
@@ -157,7 +159,9 @@ TEST(KeelTraceTest, ReaderErrorsNameLineAndProblem) {
        "\"num_sources\": 1000000}\n",
        ":1:", "num_layers 1000000 is more than 65536"},
       {"{\"keel_trace\": 1, \"num_layers\": 64, \"num_experts\": 2048, \"num_sources\": 1024}\n",
-       ":1:", "num_layers x num_sources x num_experts = 134217728 counts per step, more than 2^26"},
+       ":1:",
+       "num_layers x num_sources x num_experts = 64 x 1024 x 2048 counts per step, more than the "
+       "67108864 counts (512 MiB) a trace may hold"},
       {"", "", "empty file"},
       {"{\"keel_trace\": 7}\n", ":1:", "version 7"},
       {"\n\n{\"keel_trace\": 1,\n", ":3:", "header is not JSON"},
@@ -245,6 +249,67 @@ TEST(TraceTest, ExpertCountsSumsSources) {
   EXPECT_EQ(trace.ExpertCounts(0, 1), (std::vector<double>{15, 17, 19}));
   Trace flat = SmallTrace(0);
   EXPECT_EQ(flat.ExpertCounts(0, 1), (std::vector<double>{3, 4, 5}));
+}
+
+// The steps multiply a step's counts: a trace of many small steps is bounded as one of few large
+// ones, before a reader allocates them.
+TEST(TraceTest, TheWholeTraceIsBoundedNotOnlyAStep) {
+  EXPECT_TRUE(CheckTraceShape(1, 65536, 0, 1024).ok());
+  const Status status = CheckTraceShape(1, 65536, 0, 1025);
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find(
+                "1025 steps of num_layers x num_sources x num_experts = 1 x 0 x "
+                "65536 counts, more than the 67108864 counts (512 MiB) a trace may hold"),
+            std::string::npos)
+      << status.message();
+  EXPECT_NE(CheckTraceShape(1, 1, 4097, 1).message().find("num_sources 4097 is more than 4096"),
+            std::string::npos);
+  // Validate checks the shape before it looks at any step.
+  Trace trace;
+  trace.num_layers = 1;
+  trace.num_experts = 65536;
+  trace.steps.resize(1025);
+  trace.step_ids.resize(1025);
+  EXPECT_NE(trace.Validate().message().find("1025 steps of"), std::string::npos)
+      << trace.Validate().message();
+}
+
+// KEEL_MAX_TRACE_COUNT_BYTES moves the bound (8 bytes a count) for every reader; a value that is
+// not a size is refused by name, never ignored.
+TEST(TraceTest, TheCountsLimitFollowsItsVariable) {
+  {
+    ScopedEnvironment limit("KEEL_MAX_TRACE_COUNT_BYTES", "1K");
+    const Status status = CheckTraceShape(1, 100, 0, 2);
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(status.message().find("2 steps of num_layers x num_sources x num_experts = 1 x 0 x "
+                                    "100 counts, more than the 128 counts (1 KiB) a trace may "
+                                    "hold (set KEEL_MAX_TRACE_COUNT_BYTES to raise it)"),
+              std::string::npos)
+        << status.message();
+    ScratchFolder folder;
+    std::string text =
+        "{\"keel_trace\": 1, \"num_layers\": 1, \"num_experts\": 100, \"num_sources\": 0}\n";
+    for (int step = 0; step < 2; ++step) {
+      text += "{\"step\": " + std::to_string(step) + ", \"layers\": [[";
+      for (int e = 0; e < 100; ++e) text += (e > 0 ? ",1" : "1");
+      text += "]]}\n";
+    }
+    const std::string path = folder.Write("t.jsonl", text);
+    Result<Trace> read = ReadKeelTrace(path);
+    ASSERT_FALSE(read.ok());
+    EXPECT_NE(read.status().message().find("a trace may hold (set KEEL_MAX_TRACE_COUNT_BYTES"),
+              std::string::npos)
+        << read.status().message();
+  }
+  {
+    ScopedEnvironment limit("KEEL_MAX_TRACE_COUNT_BYTES", "4G");
+    EXPECT_TRUE(CheckTraceShape(1, 65536, 0, 4096).ok());  // 2^28 counts: beyond the default
+  }
+  ScopedEnvironment bad("KEEL_MAX_TRACE_COUNT_BYTES", "lots");
+  const Status status = CheckTraceShape(1, 1, 0, 1);
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("KEEL_MAX_TRACE_COUNT_BYTES='lots'"), std::string::npos)
+      << status.message();
 }
 
 TEST(TraceTest, ValidateNamesStepAndLayer) {

@@ -95,6 +95,12 @@ TEST(FlagParserTest, ErrorsNameTheFlagAndValue) {
       {{"--path", "x", "--ratio=abc"}, "flag --ratio: 'abc' is not a finite number"},
       {{"--path", "x", "--quiet=maybe"}, "flag --quiet: 'maybe' is not a boolean"},
       {{"--path", "x", "stray"}, "unexpected argument 'stray'"},
+      // A second value would silently win over the first.
+      {{"--path", "x", "--name", "esp", "--name=parm"},
+       "flag --name given twice ('esp', then 'parm'); give it once"},
+      {{"--path", "x", "--quiet", "--quiet=false"},
+       "flag --quiet given twice ('true', then 'false')"},
+      {{"--path", "x", "--path", "y"}, "flag --path given twice ('x', then 'y')"},
   };
   for (const Case& c : cases) {
     Values v;
@@ -150,11 +156,28 @@ TEST(FlagParserTest, HelpWrapsLongMeaningsAtOneHundredColumns) {
   EXPECT_NE(help.find("word39 last"), std::string::npos) << "words lost or reordered";
 }
 
-TEST(SplitCommaListTest, TrimsAndDropsEmptyItems) {
-  EXPECT_EQ(SplitCommaList("static, eplb,,keel "),
+TEST(SplitCommaListTest, TrimsItems) {
+  EXPECT_EQ(SplitCommaList("static, eplb ,keel ", "policy").value(),
             (std::vector<std::string>{"static", "eplb", "keel"}));
-  EXPECT_TRUE(SplitCommaList("").empty());
-  EXPECT_EQ(SplitCommaList("keel"), (std::vector<std::string>{"keel"}));
+  EXPECT_EQ(SplitCommaList("keel", "policy").value(), (std::vector<std::string>{"keel"}));
+}
+
+// An empty item names nothing: most likely a name left out, never silently dropped.
+TEST(SplitCommaListTest, RefusesEmptyItemsByFlag) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"keel,", "--policy 'keel,': item 2 is empty"},
+      {"static,,keel", "--policy 'static,,keel': item 2 is empty"},
+      {",keel", "--policy ',keel': item 1 is empty"},
+      {" , ", "--policy ' , ': item 1 is empty"},
+      {"", "--policy '': item 1 is empty"},
+  };
+  for (const auto& [text, expected] : cases) {
+    const Result<std::vector<std::string>> items = SplitCommaList(text, "policy");
+    ASSERT_FALSE(items.ok()) << text;
+    EXPECT_EQ(items.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(items.status().message().find(expected), std::string::npos)
+        << items.status().message();
+  }
 }
 
 TEST(ProgressBarTest, PlainLinesAboutEveryTenPercent) {
