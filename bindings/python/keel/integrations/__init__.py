@@ -1,0 +1,8 @@
+"""keel.integrations: Keel inside the trainers people use, one module per trainer.
+
+- :mod:`keel.integrations.deepspeed`: Keel as the experts and both all-to-alls of DeepSpeed's
+  ``MOELayer`` (its ``TopKGate`` stays, with and without ``drop_tokens``).
+
+Each module checks the trainer's installed version when imported and refuses one outside the
+range it was tested with. docs/integrations/README.md lists what works where.
+"""
