@@ -47,6 +47,7 @@ def check_version(version: Optional[str] = None) -> str:
 DEEPSPEED_VERSION = check_version()
 
 # Only after the version check: another release may not have these modules at all.
+import deepspeed.comm  # noqa: E402
 from deepspeed.moe.experts import Experts  # noqa: E402
 from deepspeed.moe.layer import MoE  # noqa: E402
 from deepspeed.moe.sharded_moe import MOELayer, TopKGate  # noqa: E402
@@ -172,16 +173,9 @@ def _all_experts(name: str, layer: MoE, spec: ExpertSpec) -> List[Dict[str, torc
     ``0 .. L - 1`` (MOELayer's all-to-all sends block r of the ``[E, C, M]`` buffer to rank r).
     Collective over the layer's expert-parallel group, which this makes where DeepSpeed has not
     yet (``MoE.set_deepspeed_parallelism``)."""
-    local = []
-    for expert in layer.deepspeed_moe.experts.deepspeed_experts:
-        params = [p.detach() for p in expert.parameters()]
-        if any(p.is_meta for p in params):
-            raise InvalidArgumentError(
-                f"{name}.deepspeed_moe.experts has parameters on the meta device: call use_keel "
-                f"after the model's weights are initialized or loaded; the experts start from them")
-        local.append(params)
+    local = [[p.detach() for p in expert.parameters()]
+             for expert in layer.deepspeed_moe.experts.deepspeed_experts]
     if layer.ep_size > 1:
-        import deepspeed.comm
         if layer.deepspeed_moe.ep_group is None:
             if not deepspeed.comm.is_initialized():
                 raise FailedPreconditionError(
@@ -234,16 +228,21 @@ def use_keel(model: torch.nn.Module, *, config: Any = None, group: Any = None,
     shape = None
     for name, layer in layers:
         moe_layer = layer.deepspeed_moe
-        if not isinstance(moe_layer, MOELayer) or not isinstance(moe_layer.experts, Experts):
+        if not (isinstance(moe_layer, MOELayer) and isinstance(moe_layer.gate, TopKGate)
+                and isinstance(moe_layer.experts, Experts)):
             raise InvalidArgumentError(
                 f"{name}.deepspeed_moe is {type(moe_layer).__name__}, not DeepSpeed's MOELayer "
-                f"with its Experts (already Keel's?)")
+                f"with its TopKGate and Experts (already Keel's?)")
         if layer.ep_size != ranks:
             raise InvalidArgumentError(
                 f"{name}: ep_size = {layer.ep_size}, but Keel's group has {ranks} ranks: build "
                 f"DeepSpeed's MoE with ep_size = {ranks}; Keel places the experts over every "
                 f"rank of the group")
         _check_no_tensor_parallelism(name)
+        if any(p.is_meta for p in moe_layer.experts.parameters()):
+            raise InvalidArgumentError(
+                f"{name}.deepspeed_moe.experts has parameters on the meta device: call use_keel "
+                f"after the model's weights are initialized or loaded; the experts start from them")
         expert = moe_layer.experts.deepspeed_experts[0]
         mine = (type(expert), tuple((n, tuple(p.shape), p.dtype)
                                     for n, p in expert.named_parameters()),
