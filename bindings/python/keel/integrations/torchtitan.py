@@ -20,13 +20,12 @@ shows the lines a training script changes.
 
 from __future__ import annotations
 
-import importlib.metadata
-import re
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from keel._errors import InvalidArgumentError, UnimplementedError
+from keel.integrations._versions import require
 from keel.torch import KeelMoE, MoEDispatcher
 from keel.torch.experts import ExpertSpec
 
@@ -34,35 +33,13 @@ from keel.torch.experts import ExpertSpec
 SUPPORTED_VERSIONS = ("0.3.0", "0.4.0")
 
 
-def _release(version: str) -> Tuple[int, int, int]:
-    """``"0.3.0"``, ``"0.3.0.dev20261101"``, ``"0.3"`` -> (0, 3, 0)."""
-    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
-    if match is None:
-        raise UnimplementedError(f"torchtitan version {version!r} is not a release number")
-    major, minor, patch = match.groups()
-    return int(major), int(minor), int(patch or 0)
-
-
 def check_version(version: Optional[str] = None) -> str:
     """Returns ``version`` (default: the installed torchtitan's, from its package metadata) when
     this module supports it; raises :class:`keel.UnimplementedError` naming the version and the
     supported range otherwise (a pre-release of the upper bound is outside it)."""
-    if version is None:
-        try:
-            version = importlib.metadata.version("torchtitan")
-        except importlib.metadata.PackageNotFoundError:
-            raise UnimplementedError(
-                "keel.integrations.torchtitan needs torchtitan, which is not installed "
-                f"(supported: >= {SUPPORTED_VERSIONS[0]}, < {SUPPORTED_VERSIONS[1]})") from None
-    low, high = (_release(v) for v in SUPPORTED_VERSIONS)
-    if not low <= _release(version) < high:
-        raise UnimplementedError(
-            f"keel.integrations.torchtitan supports torchtitan >= {SUPPORTED_VERSIONS[0]}, "
-            f"< {SUPPORTED_VERSIONS[1]}; torchtitan {version} is installed. Its MoE layer's "
-            f"interface (MoE.routed_experts, GroupedExperts.w1_EFD/w2_EDF/w3_EFD) is what this "
-            f"module replaces, so another release needs a Keel tested with it "
-            f"(docs/integrations/README.md)")
-    return version
+    return require("keel.integrations.torchtitan", "torchtitan", SUPPORTED_VERSIONS,
+                   "MoE layer's interface (MoE.routed_experts, GroupedExperts.w1_EFD/w2_EDF/"
+                   "w3_EFD)", version)
 
 
 TORCHTITAN_VERSION = check_version()

@@ -602,7 +602,14 @@ class MoEDispatcher(torch.nn.Module):
                                     f"{local} of rank {self._moe.engine.rank}, which holds no "
                                     f"expert")
             outputs.append(spec.forward(self._params[local], part))
-        return torch.cat(outputs) if outputs else inputs.new_zeros((0, spec.output_size))
+        if not outputs:
+            # No rows for this rank, but its empty output must still depend on the received
+            # rows and on slot parameters, as every other rank's does, so that backward runs
+            # this rank's part of both all-to-alls, which every rank must join. (Not the expert
+            # on no rows: some grouped GEMMs refuse empty inputs in backward.)
+            anchor = sum(p.sum() for p in self._params[0].values()).to(inputs.dtype)
+            return inputs.sum(1, keepdim=True).expand(-1, spec.output_size) + anchor
+        return torch.cat(outputs)
 
     def _combine(self, returned: torch.Tensor, dispatch: Any, topk_weights: torch.Tensor,
                  tokens: int) -> torch.Tensor:
