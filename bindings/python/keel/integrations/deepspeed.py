@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from keel._errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError
 from keel.integrations._versions import require
+from keel.torch import KeelMoE, MoEDispatcher
 from keel.torch.experts import ExpertSpec
-from keel.torch.moe import KeelMoE, MoEDispatcher
 
 #: The deepspeed releases this module supports: at least the first, below the second.
 SUPPORTED_VERSIONS = ("0.19.8", "0.20.0")
