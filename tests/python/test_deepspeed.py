@@ -31,13 +31,12 @@ gloo group as it is.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import os
-import sys
 from typing import Any, Dict, List
 
 import pytest
 
+from integration_versions import assert_versions_refused
 from ranks import run_ranks, values
 from test_training_loops import moe_config
 
@@ -306,29 +305,12 @@ def test_keel_trains_inside_deepspeeds_engine_as_its_own_layer_does() -> None:
 
 def test_an_unsupported_deepspeed_version_is_refused_by_name(monkeypatch: Any) -> None:
     import keel
-    sys.modules.pop("keel.integrations.deepspeed", None)
-
-    def installed(version: str) -> Any:
-        def answer(name: str) -> str:
-            if name != "deepspeed":
-                return real(name)
-            if version == "":
-                raise importlib.metadata.PackageNotFoundError(name)
-            return version
-        return answer
-
-    real = importlib.metadata.version
-    for version, expected in (("0.18.4", "deepspeed 0.18.4 is installed"),
-                              ("0.19.7", "deepspeed 0.19.7 is installed"),
-                              ("0.20.0rc1", "deepspeed 0.20.0rc1 is installed"),
-                              ("", "needs deepspeed, which is not installed")):
-        monkeypatch.setattr(importlib.metadata, "version", installed(version))
-        with pytest.raises(keel.UnimplementedError) as error:
-            importlib.import_module("keel.integrations.deepspeed")
-        assert expected in str(error.value), str(error.value)
-        assert ">= 0.19.8, < 0.20.0" in str(error.value), str(error.value)
-        sys.modules.pop("keel.integrations.deepspeed", None)
-    monkeypatch.undo()
+    assert_versions_refused(monkeypatch, "keel.integrations.deepspeed", "deepspeed",
+                            (("0.18.4", "deepspeed 0.18.4 is installed"),
+                             ("0.19.7", "deepspeed 0.19.7 is installed"),
+                             ("0.20.0rc1", "deepspeed 0.20.0rc1 is installed"),
+                             ("", "needs deepspeed, which is not installed")),
+                            ">= 0.19.8, < 0.20.0")
     if importlib.util.find_spec("deepspeed") is not None:
         module = importlib.import_module("keel.integrations.deepspeed")
         assert module.check_version("0.19.8") == "0.19.8"

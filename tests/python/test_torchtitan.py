@@ -27,13 +27,12 @@ torchtitan 0.3.0 on torch 2.11 needs ``fill_torch_gaps`` (its EP dispatcher asks
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
-import sys
 from functools import partial
 from typing import Any, Dict, List
 
 import pytest
 
+from integration_versions import assert_versions_refused
 from ranks import run_ranks, values
 from test_training_loops import moe_config
 
@@ -329,28 +328,11 @@ def test_checkpoints_load_both_ways_between_keel_and_torchtitan(tmp_path: Any) -
 
 def test_an_unsupported_torchtitan_version_is_refused_by_name(monkeypatch: Any) -> None:
     import keel
-    sys.modules.pop("keel.integrations.torchtitan", None)
-
-    def installed(version: str) -> Any:
-        def answer(name: str) -> str:
-            if name != "torchtitan":
-                return real(name)
-            if version == "":
-                raise importlib.metadata.PackageNotFoundError(name)
-            return version
-        return answer
-
-    real = importlib.metadata.version
-    for version, expected in (("0.2.2", "torchtitan 0.2.2 is installed"),
-                              ("0.4.0.dev20261101", "torchtitan 0.4.0.dev20261101 is installed"),
-                              ("", "needs torchtitan, which is not installed")):
-        monkeypatch.setattr(importlib.metadata, "version", installed(version))
-        with pytest.raises(keel.UnimplementedError) as error:
-            importlib.import_module("keel.integrations.torchtitan")
-        assert expected in str(error.value), str(error.value)
-        assert ">= 0.3.0, < 0.4.0" in str(error.value), str(error.value)
-        sys.modules.pop("keel.integrations.torchtitan", None)
-    monkeypatch.undo()
+    assert_versions_refused(monkeypatch, "keel.integrations.torchtitan", "torchtitan",
+                            (("0.2.2", "torchtitan 0.2.2 is installed"),
+                             ("0.4.0.dev20261101", "torchtitan 0.4.0.dev20261101 is installed"),
+                             ("", "needs torchtitan, which is not installed")),
+                            ">= 0.3.0, < 0.4.0")
     if importlib.util.find_spec("torchtitan") is not None:
         module = importlib.import_module("keel.integrations.torchtitan")
         assert module.check_version("0.3.0") == "0.3.0"
