@@ -608,6 +608,24 @@ bool StepPlanner::Impl::RoundWholeTotals() {
   return in_range;
 }
 
+void StepPlanner::Impl::ResetReceived(Draft& draft) {
+  const size_t num_ranks = static_cast<size_t>(num_ranks_);
+  const size_t cells = keep_rows_ ? num_ranks * num_ranks : 0;
+  // The base: what single-rank experts send (Scan) off the fast path, nothing on it.
+  if (draft.received_stale || draft.received.size() != cells) {
+    if (fast_) {
+      draft.received.assign(cells, 0.0);
+    } else {
+      draft.received.assign(scanned_.begin(), scanned_.end());
+    }
+    draft.received_stale = false;
+  } else {
+    double* received = draft.received.data();
+    for (const std::uint32_t cell : draft.written) received[cell] = fast_ ? 0.0 : scanned_[cell];
+  }
+  draft.written.clear();
+}
+
 void StepPlanner::Impl::Assign(size_t num_extras, const QuotaSplit& split, Draft& draft) {
   const int num_ranks = num_ranks_;
   draft.rank_tokens.assign(num_ranks, 0.0);
@@ -615,11 +633,11 @@ void StepPlanner::Impl::Assign(size_t num_extras, const QuotaSplit& split, Draft
   draft.transient_tokens.assign(num_extras, 0.0);
   draft.shares.clear();
   remaining_.resize(num_sources_);
+  ResetReceived(draft);
   if (fast_) {
     // Scan has the link sums of every single-rank expert. One that has a transient now is spread
     // over two ranks: its sums come out here, exactly (the fast path's sums are exact in any
     // order), and AddExpert below adds its spread routing.
-    draft.received.assign(keep_rows_ ? static_cast<size_t>(num_ranks) * num_ranks : 0, 0.0);
     draft.links.assign(single_links_.begin(), single_links_.end());
     gained_.assign(num_experts_, 0);
     for (size_t i = 0; i < num_extras; ++i) {
@@ -628,8 +646,6 @@ void StepPlanner::Impl::Assign(size_t num_extras, const QuotaSplit& split, Draft
       gained_[e] = 1;
       AddSingleLinks(e, experts_[e].rank, -1.0, draft.links.data());
     }
-  } else {
-    draft.received.assign(scanned_.begin(), scanned_.end());
   }
 
   // Off the fast path, Scan sent every single-rank expert's tokens to its rank. Redo the rows of
@@ -641,8 +657,10 @@ void StepPlanner::Impl::Assign(size_t num_extras, const QuotaSplit& split, Draft
       changed |= RankCount(rank_single_[i]) != 1;
     }
     if (!changed) continue;
-    double* row = draft.received.data() + static_cast<size_t>(rank) * num_ranks;
+    const size_t first = static_cast<size_t>(rank) * num_ranks;
+    double* row = draft.received.data() + first;
     std::fill(row, row + num_ranks, 0.0);
+    for (int s = 0; s < num_ranks; ++s) draft.Wrote(first + s);
     AddSingles(rank, row, [&](int e) { return RankCount(e) == 1; });
   }
   if (!whole_) {
@@ -694,7 +712,7 @@ bool StepPlanner::Impl::KeepCandidate(const TransientReplica& candidate, double&
     PatchBest(candidate.expert);
     seconds = Seconds(best_, transients_);
     if (!(seconds < best_seconds)) {
-      RestoreBest();
+      RestoreBest(candidate.expert);
       return false;
     }
     KeepPatchedShares();
@@ -815,6 +833,10 @@ Status StepPlanner::Impl::Route(const Placement& placement, const QuotaPlanOptio
   record_shares_ = options.record_shares;
   shares_of_rank_ = options.shares_of_rank;
   keep_rows_ = !fast_ || options.sent_tokens;
+  // This step's scan gave a new base for the rows of received tokens: each draft starts from
+  // it once, and from then on restores only the rows it wrote (ResetReceived).
+  best_.received_stale = true;
+  trial_.received_stale = true;
   KEEL_RETURN_IF_ERROR(ValidateTopologyAndOptions(placement, topology_, cost_, options));
   const std::span<const long long> tokens = rounded_;
   const size_t fixed = options.fixed_transients.size();

@@ -132,22 +132,32 @@ class StepPlanner::Impl {
   // takes a single-rank expert's sources as one contiguous addition. On the fast path `received`
   // holds only the tokens of experts spread over several ranks (Publish adds the rest when the
   // caller wants the matrix), and `links` the link sums that price it.
+  //
+  // A step's search rebuilds or patches drafts once per candidate, and each writes only the
+  // cells its routing sends tokens through: the draft notes them, so that the next rebuild
+  // restores those cells alone rather than num_ranks^2 of them.
   struct Draft {
     std::vector<double> rank_tokens;  // [num_ranks]
     std::vector<double> received;     // [num_ranks * num_ranks]
+    // Cells of `received` written since it last held the step's base (ResetReceived), repeats
+    // included; every cell when `received_stale` (a new step, whose base is new). Past a quarter
+    // of the cells the draft turns stale instead: restoring the whole base then costs no more
+    // than the writes did, and the list stays within num_ranks^2 bytes.
+    std::vector<std::uint32_t> written;
+    bool received_stale = true;
+    void Wrote(size_t cell) {
+      if (received_stale) return;
+      if (written.size() * 4 >= received.size()) {
+        received_stale = true;
+        written.clear();
+        return;
+      }
+      written.push_back(static_cast<std::uint32_t>(cell));
+    }
     std::vector<double> slot_tokens;  // [num_slots]
     std::vector<double> transient_tokens;
     ShareList shares;
     std::vector<double> links;  // [kLinkSums * num_ranks], fast path only
-  };
-  // What PatchBest overwrote in best_.
-  struct Undo {
-    std::vector<int> rows;         // ranks whose rows of received tokens changed
-    std::vector<double> received;  // those rows before, one after another
-    std::vector<double> rank_tokens;
-    std::vector<double> slot_tokens;
-    std::vector<double> transient_tokens;
-    std::vector<double> links;
   };
 
   // What depends on the placement and the number of sources alone; kept while they stay.
@@ -165,6 +175,9 @@ class StepPlanner::Impl {
   bool RoundWholeTotals();
   // What follows the scan: the quotas, the transients and the routing.
   Status Route(const Placement& placement, const QuotaPlanOptions& options, StepRouting& routing);
+  // `draft.received` back to the step's base: scanned_ off the fast path, zeros on it (empty
+  // without keep_rows_). Restores the cells written since the last reset, or all when stale.
+  void ResetReceived(Draft& draft);
   // Source s's tokens of `expert`, from by_expert_ or counts_.
   double Entry(int expert, int source) const {
     const size_t at = static_cast<size_t>(expert) * num_sources_ + source;
@@ -233,14 +246,18 @@ class StepPlanner::Impl {
   double FloorSeconds() const;
   // On the fast path, after ListPatched: turns best_ into the routing for the candidate
   // transient of `expert` in place, taking out and putting back the routing of each patched
-  // expert: the same bits as a fresh Assign. What it overwrites goes to undo_; the patched
-  // experts' new shares wait in moved_shares_ until the candidate is kept.
+  // expert: the same bits as a fresh Assign. The patched experts' new shares wait in
+  // moved_shares_ until the candidate is kept.
   void PatchBest(int expert);
   // Once the candidate is kept: the new shares of the experts PatchBest patched replace theirs
   // in best_.
   void KeepPatchedShares();
-  // Takes best_ back to what it was before PatchBest.
-  void RestoreBest();
+  // Takes best_ back to what it was before PatchBest(expert) by the reverse patch: on the fast
+  // path every sum is exact and no sum is -0.0, so taking the candidate's routing out and the
+  // kept one back in restores every bit, at the cost of the patch itself. A copy of what the
+  // patch overwrote would cost a row of num_ranks per rank holding a patched expert: with many
+  // transients, num_ranks^2 per candidate.
+  void RestoreBest(int expert);
   // Shares of an expert whose copies sit on one rank: sources in ascending order fill the copies
   // in copy order up to the quotas in room_.
   void ShareInSourceOrder(int expert, Draft& draft);
@@ -347,7 +364,6 @@ class StepPlanner::Impl {
   // The candidate's routing where best_ is not patched in place; else the shares that
   // KeepPatchedShares builds.
   Draft trial_;
-  Undo undo_;
   std::vector<int> patched_;   // see ListPatched
   Draft moved_shares_;         // scratch of PatchBest: their new shares, until kept
   std::vector<char> touched_;  // [num_ranks] see ListPatched

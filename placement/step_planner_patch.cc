@@ -3,7 +3,6 @@
 // patched in place (the same bits as a fresh Assign), priced, and undone if it does not pay; a
 // floor under its price skips the patch when it cannot.
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "placement/step_planner_impl.h"
@@ -72,24 +71,7 @@ double StepPlanner::Impl::FloorSeconds() const {
 
 void StepPlanner::Impl::PatchBest(int expert) {
   const bool record_shares = record_shares_;
-  // Only the rows of ranks that hold a patched expert change (on the fast path the rows hold
-  // only experts spread over several ranks, and the link sums the others).
-  const size_t num_ranks = static_cast<size_t>(num_ranks_);
-  undo_.rows.clear();
-  for (size_t r = 0; r < num_ranks && keep_rows_; ++r) {
-    if (touched_[r]) undo_.rows.push_back(static_cast<int>(r));
-  }
-  undo_.received.resize(undo_.rows.size() * num_ranks);
-  for (size_t i = 0; i < undo_.rows.size(); ++i) {
-    std::memcpy(undo_.received.data() + i * num_ranks,
-                best_.received.data() + undo_.rows[i] * num_ranks, sizeof(double) * num_ranks);
-  }
-  undo_.rank_tokens.assign(best_.rank_tokens.begin(), best_.rank_tokens.end());
-  undo_.slot_tokens.assign(best_.slot_tokens.begin(), best_.slot_tokens.end());
-  undo_.transient_tokens.assign(best_.transient_tokens.begin(), best_.transient_tokens.end());
-  undo_.links.assign(best_.links.begin(), best_.links.end());
   best_.transient_tokens.push_back(0.0);
-
   // The new shares of the experts patched, by expert: Assign's order.
   moved_shares_.shares.clear();
   for (int e : patched_) {
@@ -127,16 +109,19 @@ void StepPlanner::Impl::KeepPatchedShares() {
   best_.shares.swap(trial_.shares);
 }
 
-void StepPlanner::Impl::RestoreBest() {
-  const size_t num_ranks = static_cast<size_t>(num_ranks_);
-  for (size_t i = 0; i < undo_.rows.size(); ++i) {
-    std::memcpy(best_.received.data() + undo_.rows[i] * num_ranks,
-                undo_.received.data() + i * num_ranks, sizeof(double) * num_ranks);
+void StepPlanner::Impl::RestoreBest(int expert) {
+  // PatchBest backwards: out under the candidate's split, back in under the kept one without
+  // the candidate. best_'s shares were never touched.
+  const bool record_shares = record_shares_;
+  record_shares_ = false;
+  for (int e : patched_) {
+    AddExpert(e, trial_split_, -1.0, /*single_row=*/true, best_);
+    excluded_expert_ = e == expert ? e : -1;
+    AddExpert(e, split_, 1.0, /*single_row=*/true, best_);
+    excluded_expert_ = -1;
   }
-  best_.rank_tokens.swap(undo_.rank_tokens);
-  best_.slot_tokens.swap(undo_.slot_tokens);
-  best_.transient_tokens.swap(undo_.transient_tokens);
-  best_.links.swap(undo_.links);
+  record_shares_ = record_shares;
+  best_.transient_tokens.pop_back();
 }
 
 }  // namespace keel

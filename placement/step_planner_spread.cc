@@ -158,7 +158,12 @@ void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double
   int open_copy = -1;
   int id = 0;
   int rank = 0;
-  double* rank_row = received;  // the open copy's rank's row of received tokens
+  size_t rank_row = 0;  // where the open copy's rank's row of received tokens starts
+  // Source rank `column` sends the open copy's rank `tokens` more.
+  auto add_received = [&](int column, double tokens) {
+    received[rank_row + column] += tokens;
+    draft.Wrote(rank_row + column);
+  };
   double room = 0;
   double slot_sum = 0;
   double rank_sum = 0;
@@ -176,7 +181,7 @@ void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double
     open_copy = i;
     id = solver.copy_id(begin + i);
     rank = solver.copy_rank(begin + i);
-    rank_row = received + static_cast<size_t>(rank) * num_ranks;
+    rank_row = static_cast<size_t>(rank) * num_ranks;
     room = copy_room[i];
     slot_sum = slot_cell();
     rank_sum = rank_tokens[rank];
@@ -193,7 +198,7 @@ void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double
     // sign is 1 except where PatchTrial takes a routing out, and x * 1.0 is x.
     slot_sum += sign * tokens;
     rank_sum += sign * tokens;
-    rank_row[source_rank[s]] += sign * tokens;
+    add_received(source_rank[s], sign * tokens);
   };
   auto take = [&](int s) {
     const double tokens = std::min(remaining[s], room);
@@ -229,10 +234,10 @@ void StepPlanner::Impl::AssignSpread(int expert, const QuotaSplit& split, double
     remaining[s] = remaining[s + 1] = remaining[s + 2] = remaining[s + 3] = 0;
     slot_sum += sign * sum;
     rank_sum += sign * sum;
-    rank_row[s] += sign * l0;
-    rank_row[s + 1] += sign * l1;
-    rank_row[s + 2] += sign * l2;
-    rank_row[s + 3] += sign * l3;
+    add_received(s, sign * l0);
+    add_received(s + 1, sign * l1);
+    add_received(s + 2, sign * l2);
+    add_received(s + 3, sign * l3);
   };
   // Local: sources on the copy's own rank. A copy without room takes nothing (quotas and what
   // sources have left are never negative), so it is not opened.
@@ -349,20 +354,23 @@ void StepPlanner::Impl::AssignSpreadWholeRows(int expert, const QuotaSplit& spli
   const bool record_shares = record_shares_;
   if (record_shares) draft.shares.Reserve(MaxShares(count));
   // One copy at a time: `rank` and `id` are the copy's, `open` its quota still open (a local, so
-  // that it stays in a register), `row` its rank's row of received tokens (with kRows). Source
-  // (= rank) s sends it `tokens` > 0.
+  // that it stays in a register), `row` where its rank's row of received tokens starts (with
+  // kRows). Source (= rank) s sends it `tokens` > 0.
   int rank = 0;
   int id = 0;
   double open = 0;
-  double* row = received;
+  size_t row = 0;
   auto select = [&](int i) KEEL_INLINE {
     rank = solver.copy_rank(begin + i);
     id = solver.copy_id(begin + i);
     open = room[i];
-    if constexpr (kRows) row = received + static_cast<size_t>(rank) * num_ranks;
+    if constexpr (kRows) row = static_cast<size_t>(rank) * num_ranks;
   };
   auto add_row = [&](int s, double tokens) KEEL_INLINE {
-    if constexpr (kRows) row[s] += sign * tokens;
+    if constexpr (kRows) {
+      received[row + s] += sign * tokens;
+      draft.Wrote(row + s);
+    }
   };
   auto share = [&](int s, double tokens) KEEL_INLINE {
     if (record_shares && Recorded(s, rank)) draft.shares.Append({s, expert, id, tokens});
@@ -529,9 +537,12 @@ void StepPlanner::Impl::AddExpert(int expert, const QuotaSplit& split, double si
   if (single_row && fast_) {
     AddSingleLinks(expert, rank, sign, draft.links.data());
   } else if (single_row) {
-    double* row = draft.received.data() + static_cast<size_t>(rank) * num_ranks_;
+    const size_t row = static_cast<size_t>(rank) * num_ranks_;
     const double* column = by_expert_ + static_cast<size_t>(expert) * num_sources_;
-    for (int s = 0; s < num_sources_; ++s) row[source_rank_[s]] += sign * column[s];
+    for (int s = 0; s < num_sources_; ++s) {
+      draft.received[row + source_rank_[s]] += sign * column[s];
+      draft.Wrote(row + source_rank_[s]);
+    }
   }
   if (record_shares_) ShareInSourceOrder(expert, draft);
 }

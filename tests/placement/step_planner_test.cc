@@ -447,6 +447,81 @@ TEST(StepPlannerTest, MatrixIsOptional) {
   EXPECT_GT(with_transients, 10);
 }
 
+// Many ranks and a few hot experts, the case where the search tries a transient per rank: the
+// candidates that do not pay are taken back out of the kept routing, and each rebuild restores
+// only the cells of the all-to-all matrix that the last one wrote. The matrix must still add
+// up, source by source, to the traffic and, rank by rank, to the rank loads; the quotas to each
+// expert's total; and a planner kept over steps whose traffic changes (rebuilding in buffers
+// that held another step) must give what fresh plans give, bit for bit. Whole counts take the
+// fast path (patched in place), fractional ones and more sources than ranks the general one.
+TEST(StepPlannerTest, ManyRanksWithHotExpertsAddUp) {
+  constexpr int kNodes = 64, kPerNode = 8, kRanks = kNodes * kPerNode;
+  constexpr int kExperts = 64, kSlotsPerRank = 3;
+  const Topology topology = MakeTopology(kNodes, kPerNode);
+  const CostModel cost(topology, SmallExperts());
+  // The static placement: expert e in slot e, every other slot empty.
+  std::vector<int> phy2log(kRanks * kSlotsPerRank, kEmptySlot);
+  for (int e = 0; e < kExperts; ++e) phy2log[e] = e;
+  const Placement placement = Placement::Create(kExperts, kRanks, phy2log).value();
+  QuotaPlanOptions options;
+  options.transient_per_rank = 1;
+  std::mt19937 rng(45);
+  for (const bool fractional : {false, true}) {
+    for (const int num_sources : {kRanks, kRanks + 3}) {
+      StepPlanner planner(topology, cost);
+      StepRouting routing;
+      for (int step = 0; step < 3; ++step) {
+        SCOPED_TRACE("fractional " + std::to_string(fractional) + " sources " +
+                     std::to_string(num_sources) + " step " + std::to_string(step));
+        std::vector<double> traffic(static_cast<size_t>(num_sources) * kExperts, 0.0);
+        for (int s = 0; s < num_sources; ++s) {
+          for (const int hot : {3, 17, 40}) traffic[s * kExperts + hot] = 800 + rng() % 300;
+          traffic[s * kExperts + rng() % kExperts] += fractional ? 0.25 : 1;
+        }
+        const StepLoad load = StepLoad::FromTraffic(num_sources, kExperts, traffic).value();
+        const auto fresh = PlanStepQuotas(placement, load, topology, cost, options);
+        ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
+        ASSERT_TRUE(planner.Plan(placement, num_sources, ByExpert(load), options, routing).ok());
+        ExpectSameRouting(routing, fresh.value());
+        EXPECT_GT(routing.transients.size(), 100u);
+
+        // Whole counts add up exactly; fractional ones within rounding.
+        const double tolerance = fractional ? 1e-6 : 0.0;
+        std::vector<double> sent(kRanks, 0.0), received(kRanks, 0.0);
+        for (int s = 0; s < num_sources; ++s) {
+          for (int e = 0; e < kExperts; ++e) sent[s % kRanks] += load.at(s, e);
+        }
+        for (int from = 0; from < kRanks; ++from) {
+          double row = 0;
+          for (int to = 0; to < kRanks; ++to) {
+            const double tokens = routing.sent_tokens[static_cast<size_t>(from) * kRanks + to];
+            ASSERT_GE(tokens, 0.0);
+            row += tokens;
+            received[to] += tokens;
+          }
+          ASSERT_NEAR(row, sent[from], tolerance) << "source rank " << from;
+        }
+        for (int rank = 0; rank < kRanks; ++rank) {
+          ASSERT_NEAR(received[rank], routing.rank_tokens[rank], tolerance) << "rank " << rank;
+        }
+        std::vector<double> quotas(kExperts, 0.0);
+        for (int slot = 0; slot < placement.num_slots(); ++slot) {
+          if (placement.expert_at(slot) != kEmptySlot) {
+            quotas[placement.expert_at(slot)] += routing.slot_tokens[slot];
+          }
+        }
+        for (size_t i = 0; i < routing.transients.size(); ++i) {
+          quotas[routing.transients[i].expert] += routing.transient_tokens[i];
+        }
+        const std::vector<double> totals = load.ExpertTotals();
+        for (int e = 0; e < kExperts; ++e) {
+          ASSERT_NEAR(quotas[e], totals[e], tolerance) << "expert " << e;
+        }
+      }
+    }
+  }
+}
+
 // Plan with 32-bit counts gives what Plan gives for the same values as doubles, bit for bit,
 // whichever way it takes: its own pass (one source per rank, ranks a multiple of 8, no matrix;
 // nodes of 8, 4, 6 and 12 ranks, 64 ranks and more for a block of 64), or the doubles (more
