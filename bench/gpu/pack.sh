@@ -5,7 +5,9 @@
 # bench/gpu/torch_check.sh build the Python extension there. The GPU machine has CUDA but none of the project's Debian dependencies
 # (yaml-cpp, UCX, Open MPI, TBB, GLPK, prometheus-cpp, ...), so bench/gpu/run.sh runs these programs
 # there instead of building the whole project. Left out of lib/: the C and C++ runtimes, the CUDA
-# driver and NCCL (218 MB; run.sh finds the one installed on the GPU machine).
+# driver and NCCL (218 MB; run.sh finds the one installed on the GPU machine). It also downloads
+# megatron-core's wheel into .gpu-deps/wheels for bench/gpu/megatron_check.py (the GPU machine has
+# no network).
 # Usage: bench/gpu/pack.sh   (KEEL_GPU_PACK_BUILD sets the build folder, default build-gpu; the
 #                             kernels' standalone build of run.sh needs bench/gpu/prepare.sh instead)
 set -euo pipefail
@@ -48,5 +50,16 @@ done
 mkdir -p "$pack/include/keel"
 cp "$build/generated/keel/version.hpp" "$pack/include/keel/"
 ln -sf libkeel.so.0 "$pack/lib/libkeel.so"  # the link name -lkeel looks for
+# megatron-core's wheel for bench/gpu/megatron_check.py, for the GPU machine's python3 (3.12; set
+# KEEL_GPU_PYTHON_VERSION for another): pinned as in scripts/requirements-dev.txt, without its
+# dependencies (torch, numpy and packaging are there already).
+megatron=$(grep -E '^megatron-core==' "$root/scripts/requirements-dev.txt")
+rm -rf "$root/.gpu-deps/wheels"
+pip_python=$root/.venv/bin/python3
+[ -x "$pip_python" ] || pip_python=python3
+"$pip_python" -m pip download "$megatron" --no-deps --only-binary=:all: \
+  --python-version "${KEEL_GPU_PYTHON_VERSION:-3.12}" --platform manylinux_2_28_x86_64 \
+  -d "$root/.gpu-deps/wheels" >/dev/null
+echo "pack.sh: $(ls "$root/.gpu-deps/wheels") in $root/.gpu-deps/wheels"
 echo "pack.sh: $(du -sh "$pack" | cut -f1) in $pack (bin: ${#programs[@]} programs," \
   "lib: $(ls "$pack/lib" | wc -l) libraries)"

@@ -2,7 +2,9 @@
 # keel.torch on a lent GPU machine, in one call: builds the keel Python package there against the
 # machine's own python3 (torch with CUDA), runs the Python test suite's CUDA cases
 # (KEEL_TEST_DEVICE=cuda: 4 gloo ranks sharing the GPU, and a one-rank NCCL group), then
-# benchmarks one MoE layer through keel.torch against plain torch (bench/gpu/torch_layer_bench.py).
+# benchmarks one MoE layer through keel.torch against plain torch (bench/gpu/torch_layer_bench.py),
+# then checks keel.integrations.megatron against Megatron-Core's own MoELayer on the GPU
+# (bench/gpu/megatron_check.py; megatron-core from the wheel bench/gpu/pack.sh carries).
 # Logs, JUnit XML and the benchmark's JSON go to $OUT when it is set, else to bench/gpu/out/.
 #
 # The GPU machine has python3 with torch, pybind11, pytest and a C++ compiler, but none of the
@@ -76,6 +78,26 @@ timeout 240 "$python" "$root/bench/gpu/torch_layer_bench.py" --json "$out/torch_
 rc=$?
 tail -n 40 "$out/torch_layer.log"
 [ $rc -eq 0 ] || { echo "bench: exit $rc"; status=1; }
+
+echo "== keel.integrations.megatron against Megatron-Core's MoELayer on the GPU"
+# megatron-core's wheel for this python3 (bench/gpu/pack.sh downloads it: no network here),
+# unpacked onto PYTHONPATH for this step only; it depends on nothing but torch, numpy, packaging.
+tag=$("$python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+wheel=$(ls "$root"/.gpu-deps/wheels/megatron_core-*-"$tag"-*.whl 2>/dev/null | head -n 1)
+if [ -z "$wheel" ]; then
+  echo "no megatron-core wheel for $tag in .gpu-deps/wheels: run bench/gpu/pack.sh here first"
+  status=1
+else
+  site=/tmp/keel-megatron-core
+  rm -rf "$site"
+  "$python" -m zipfile -e "$wheel" "$site"
+  (cd "$root/tests/python" && PYTHONPATH="$site:$PYTHONPATH" UCX_TLS=tcp,self UCX_NET_DEVICES=lo \
+    timeout 420 "$python" "$root/bench/gpu/megatron_check.py" --json "$out/megatron_check.json" \
+    >"$out/megatron_check.log" 2>&1)
+  rc=$?
+  tail -n 30 "$out/megatron_check.log"
+  [ $rc -eq 0 ] || { echo "megatron check: exit $rc"; status=1; }
+fi
 
 echo "torch_check.sh: exit $status (logs in $out)"
 exit $status
