@@ -32,7 +32,7 @@ from typing import Any, Dict, List
 
 import pytest
 
-from integration_versions import assert_versions_refused
+from integration_checks import assert_versions_refused
 from ranks import run_ranks, values
 from test_training_loops import moe_config
 

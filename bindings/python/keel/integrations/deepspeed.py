@@ -20,13 +20,13 @@ shows the lines a training script changes.
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from keel._errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError
+from keel.integrations._modules import module_on_slots
 from keel.integrations._versions import require
 from keel.torch import KeelMoE, MoEDispatcher
 from keel.torch.experts import ExpertSpec
@@ -63,29 +63,15 @@ def expert_module_spec(expert: torch.nn.Module, hidden_size: int) -> ExpertSpec:
     ``named_parameters()`` with ``.`` made ``_`` (``0.weight`` -> ``0_weight``: a slot's
     parameter names have no dots). ``forward(params, x_RM)`` (``x_RM`` ``[R, hidden_size]``)
     is the module's own forward on the slot's parameters (``torch.func.functional_call`` on a
-    copy of the module whose parameters are on the meta device; its buffers are the module's),
+    copy of the module whose parameters are on the meta device: :func:`module_on_slots`),
     and a tuple result gives its first element, as ``Experts`` takes it. The module must treat
     each row on its own, as MOELayer's capacity buffers already require. The initial values
     come from the model (:func:`use_keel`), not from ``init``.
     """
-    if not isinstance(expert, torch.nn.Module):
-        raise InvalidArgumentError(f"expert is {type(expert).__name__}, not a torch.nn.Module")
-    params = dict(expert.named_parameters())
-    if not params:
-        raise InvalidArgumentError(f"expert ({type(expert).__name__}) has no parameters")
-    ours = {name: name.replace(".", "_") for name in params}
-    if len(set(ours.values())) < len(ours):
-        raise InvalidArgumentError(
-            f"expert ({type(expert).__name__}): parameters {sorted(params)} give the same name "
-            f"once '.' is '_'")
-    # deepcopy takes what the memo holds for an object: the parameters become meta tensors.
-    memo = {id(p): torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                      requires_grad=p.requires_grad) for p in params.values()}
-    template = copy.deepcopy(expert, memo)
+    shapes, call = module_on_slots(expert)
 
     def forward(slot: Dict[str, torch.Tensor], x_RM: torch.Tensor) -> torch.Tensor:
-        out = torch.func.functional_call(
-            template, {theirs: slot[mine] for theirs, mine in ours.items()}, (x_RM,))
+        out = call(slot, x_RM)
         return out[0] if isinstance(out, tuple) else out
 
     def init(generator: torch.Generator) -> Dict[str, torch.Tensor]:
@@ -93,7 +79,6 @@ def expert_module_spec(expert: torch.nn.Module, hidden_size: int) -> ExpertSpec:
             "a DeepSpeed expert's initial values come from the model's Experts "
             "(keel.integrations.deepspeed.use_keel passes them as init_expert)")
 
-    shapes = {ours[name]: tuple(p.shape) for name, p in params.items()}
     return ExpertSpec(shapes, forward, init, hidden_size, hidden_size)
 
 

@@ -37,13 +37,13 @@ shows the lines a training script changes and what has run where.
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from keel._errors import InvalidArgumentError, UnimplementedError
+from keel.integrations._modules import module_on_slots
 from keel.integrations._versions import require
 from keel.torch import KeelMoE, MoEDispatcher
 from keel.torch.experts import ExpertSpec
@@ -153,38 +153,17 @@ def expert_module_spec(expert: torch.nn.Module, hidden_size: int) -> ExpertSpec:
     Parameters: the module's own, of their shapes and in their order, named as in
     ``named_parameters()`` with ``.`` made ``_`` (``linear_fc1.weight`` ->
     ``linear_fc1_weight``). ``forward(params, x_RH)`` (``x_RH`` ``[R, hidden_size]``) is the
-    module's own forward on the slot's parameters (``torch.func.functional_call`` on a copy whose
-    parameters are on the meta device; the copy shares the module's config and process groups)
-    with its bias added: ``MLP`` returns ``(output, output_bias)`` and, without the router's
+    module's own forward on the slot's parameters (:func:`module_on_slots`: the copy it runs
+    shares the module's config and process groups) with its bias added: ``MLP`` returns ``(output, output_bias)`` and, without the router's
     weights (``per_token_scale``), leaves fc2's bias to the caller. Keel multiplies each output
     row by its weight afterwards; Megatron multiplies the activation before fc2 and its bias by
     the weight, which is the same linear map. The initial values come from the model
     (:func:`use_keel`), not from ``init``.
     """
-    if not isinstance(expert, torch.nn.Module):
-        raise InvalidArgumentError(f"expert is {type(expert).__name__}, not a torch.nn.Module")
-    params = dict(expert.named_parameters())
-    if not params:
-        raise InvalidArgumentError(f"expert ({type(expert).__name__}) has no parameters")
-    ours = {name: name.replace(".", "_") for name in params}
-    if len(set(ours.values())) < len(ours):
-        raise InvalidArgumentError(
-            f"expert ({type(expert).__name__}): parameters {sorted(params)} give the same name "
-            f"once '.' is '_'")
-    # deepcopy takes what the memo holds: the parameters become meta tensors, and what is not a
-    # tensor or a module (the config, process groups, functions) is shared, not copied.
-    memo: Dict[int, Any] = {
-        id(p): torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                  requires_grad=p.requires_grad) for p in params.values()}
-    for module in expert.modules():
-        for value in vars(module).values():
-            if not isinstance(value, (torch.Tensor, torch.nn.Module, dict, list, tuple, set)):
-                memo[id(value)] = value
-    template = copy.deepcopy(expert, memo)
+    shapes, call = module_on_slots(expert)
 
     def forward(slot: Dict[str, torch.Tensor], x_RH: torch.Tensor) -> torch.Tensor:
-        out = torch.func.functional_call(
-            template, {theirs: slot[mine] for theirs, mine in ours.items()}, (x_RH,))
+        out = call(slot, x_RH)
         if isinstance(out, tuple):
             out, bias = out[0], (out[1] if len(out) > 1 else None)
             if bias is not None:
@@ -196,7 +175,6 @@ def expert_module_spec(expert: torch.nn.Module, hidden_size: int) -> ExpertSpec:
             "a Megatron expert's initial values come from the model's SequentialMLP "
             "(keel.integrations.megatron.use_keel passes them as init_expert)")
 
-    shapes = {ours[name]: tuple(p.shape) for name, p in params.items()}
     return ExpertSpec(shapes, forward, init, hidden_size, hidden_size)
 
 
