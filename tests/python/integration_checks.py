@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import sys
 from typing import Any, Dict, Sequence, Tuple
 
@@ -38,6 +39,20 @@ def assert_versions_refused(monkeypatch: Any, module: str, distribution: str,
         assert supported in str(error.value), str(error.value)
         sys.modules.pop(module, None)
     monkeypatch.undo()
+
+
+def assert_check_version(module: str, trainer_package: str, distribution: str,
+                         accepted: Sequence[str], refused: str) -> None:
+    """Where the trainer (``trainer_package``) is installed: ``module.check_version`` returns
+    each of ``accepted`` as it is and raises keel.UnimplementedError naming ``refused``."""
+    import keel
+    if importlib.util.find_spec(trainer_package) is None:
+        return
+    checked = importlib.import_module(module)
+    for version in accepted:
+        assert checked.check_version(version) == version
+    with pytest.raises(keel.UnimplementedError, match=f"{distribution} {refused} is installed"):
+        checked.check_version(refused)
 
 
 def relative(got: Any, want: Any) -> float:

@@ -26,13 +26,12 @@ torchtitan 0.3.0 on torch 2.11 needs ``fill_torch_gaps`` (its EP dispatcher asks
 
 from __future__ import annotations
 
-import importlib
 from functools import partial
 from typing import Any, Dict, List
 
 import pytest
 
-from integration_checks import assert_versions_refused
+from integration_checks import assert_check_version, assert_versions_refused
 from ranks import run_ranks, values
 from test_training_loops import moe_config
 
@@ -327,18 +326,13 @@ def test_checkpoints_load_both_ways_between_keel_and_torchtitan(tmp_path: Any) -
 
 
 def test_an_unsupported_torchtitan_version_is_refused_by_name(monkeypatch: Any) -> None:
-    import keel
     assert_versions_refused(monkeypatch, "keel.integrations.torchtitan", "torchtitan",
                             (("0.2.2", "torchtitan 0.2.2 is installed"),
                              ("0.4.0.dev20261101", "torchtitan 0.4.0.dev20261101 is installed"),
                              ("", "needs torchtitan, which is not installed")),
                             ">= 0.3.0, < 0.4.0")
-    if importlib.util.find_spec("torchtitan") is not None:
-        module = importlib.import_module("keel.integrations.torchtitan")
-        assert module.check_version("0.3.0") == "0.3.0"
-        assert module.check_version("0.3.7+local") == "0.3.7+local"
-        with pytest.raises(keel.UnimplementedError, match="torchtitan 0.2.9 is installed"):
-            module.check_version("0.2.9")
+    assert_check_version("keel.integrations.torchtitan", "torchtitan", "torchtitan",
+                         ("0.3.0", "0.3.7+local"), "0.2.9")
 
 
 def test_use_keel_refuses_what_it_cannot_take_by_name() -> None:
