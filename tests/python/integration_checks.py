@@ -62,6 +62,30 @@ def relative(got: Any, want: Any) -> float:
     return float((got - want).abs().max()) / (scale if scale > 0 else 1.0)
 
 
+def expert_gradients(rank: int, reference_experts: Sequence[Any],
+                     dispatcher: Any) -> Dict[str, Dict[int, Dict[str, Any]]]:
+    """This rank's expert gradients of one step, on the host, in the shape assert_layers_agree
+    reads: the trainer's (``reference_experts``, this expert-parallel rank's local experts, as
+    experts ``rank * len(reference_experts) + local``, Keel's parameter names) and Keel's
+    homes on this rank (``dispatcher``, a keel.torch.MoEDispatcher, after reduce_gradients)."""
+    per_rank = len(reference_experts)
+    theirs = {rank * per_rank + local: {n.replace(".", "_"): p.grad.to("cpu", copy=True)
+                                        for n, p in expert.named_parameters()}
+              for local, expert in enumerate(reference_experts)}
+    ours = {e: {n: p.grad.to("cpu", copy=True) for n, p in params.items()}
+            for e, params in dispatcher.home_parameters().items()}
+    return {"reference": theirs, "keel": ours}
+
+
+def copies_ran(moe: Any, dispatcher: Any) -> bool:
+    """Whether layer 0 of ``moe`` (a keel.torch.KeelMoE) has an expert on more than one slot,
+    or this rank's last route (``dispatcher``'s) used a transient replica."""
+    persistent = int(moe.engine.placement(0)["logcnt"].max()) > 1
+    route = dispatcher.last_route
+    return persistent or any(int(e) >= 0
+                             for e in route.local_experts[moe.engine.slots_per_rank:])
+
+
 def assert_layers_agree(by_rank: Sequence[Dict[Any, Any]], cases: Sequence[Any], steps: int,
                         num_experts: int, tolerance: Dict[str, float]) -> Dict[str, float]:
     """Asserts that the trainer's layer and Keel's agreed in every case, on every rank and step,

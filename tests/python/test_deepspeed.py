@@ -36,7 +36,7 @@ from typing import Any, Dict, List
 import pytest
 
 from integration_checks import (assert_check_version, assert_layers_agree,
-                                assert_versions_refused, relative)
+                                assert_versions_refused, copies_ran, expert_gradients, relative)
 from ranks import run_ranks, values
 from test_training_loops import moe_config
 
@@ -139,8 +139,7 @@ def compare_layers(rank: int, world: int, policy: str, drop_tokens: bool,
            "keel": torch.optim.SGD(keel_layer.parameters(), lr=0.1)}
     moe.attach(sgd["keel"])
     dispatcher = keel_layer.deepspeed_moe.dispatcher
-    per_rank = EXPERTS // world
-    differences, gradients, dropped, copies_ran = [], [], [], []
+    differences, gradients, dropped, ran = [], [], [], []
     for step in range(STEPS):
         x, probe = step_batch(step, rank)
         found = {}
@@ -158,18 +157,11 @@ def compare_layers(rank: int, world: int, policy: str, drop_tokens: bool,
         routes = reference.deepspeed_moe.gate(x.reshape(-1, DIM), None, True)[3]
         dropped.append(int((routes < 0).sum()))
         moe.reduce_gradients()
-        theirs = {rank * per_rank + local: {n.replace(".", "_"): p.grad.clone()
-                                            for n, p in module.named_parameters()}
-                  for local, module in enumerate(reference.deepspeed_moe.experts.deepspeed_experts)}
-        ours = {e: {n: p.grad.clone() for n, p in params.items()}
-                for e, params in dispatcher.home_parameters().items()}
-        gradients.append({"reference": theirs, "keel": ours})
+        gradients.append(expert_gradients(
+            rank, reference.deepspeed_moe.experts.deepspeed_experts, dispatcher))
         differences.append({key: relative(found["keel"][key], found["reference"][key])
                             for key in ("output", "input", "gate")})
-        persistent = int(moe.engine.placement(0)["logcnt"].max()) > 1
-        route = dispatcher.last_route
-        transient = any(int(e) >= 0 for e in route.local_experts[moe.engine.slots_per_rank:])
-        copies_ran.append(persistent or transient)
+        ran.append(copies_ran(moe, dispatcher))
         for optimizer in sgd.values():
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -183,7 +175,7 @@ def compare_layers(rank: int, world: int, policy: str, drop_tokens: bool,
     epochs = moe.stats()["epochs_committed"]
     moe.close()
     return {"differences": differences, "gradients": gradients, "dropped": dropped,
-            "copies_ran": copies_ran, "epochs": epochs}
+            "copies_ran": ran, "epochs": epochs}
 
 
 def compare_all(rank: int, world: int) -> Dict[Any, Any]:

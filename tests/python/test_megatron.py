@@ -34,7 +34,7 @@ from typing import Any, Dict, List
 import pytest
 
 from integration_checks import (assert_check_version, assert_layers_agree,
-                                assert_versions_refused, relative)
+                                assert_versions_refused, copies_ran, expert_gradients, relative)
 from ranks import run_ranks, values
 
 RANKS = 2
@@ -152,8 +152,7 @@ def compare_layers(rank: int, world: int, device: str, policy: str, capacity: An
     experts_sgd = torch.optim.SGD(moe.parameters(), lr=0.1)
     moe.attach(experts_sgd)
     dispatcher = layer.token_dispatcher.dispatcher
-    per_rank = EXPERTS // world
-    differences, gradients, dropped, copies_ran = [], [], [], []
+    differences, gradients, dropped, ran = [], [], [], []
     for step in range(STEPS):
         x, probe = step_batch(step, rank, device)
         found = {}
@@ -168,18 +167,10 @@ def compare_layers(rank: int, world: int, device: str, policy: str, capacity: An
             probs, routing_map = reference.router(x)
         dropped.append(TOP_K * SEQ * BATCH - int(((probs != 0) & routing_map).sum()))
         moe.reduce_gradients()
-        theirs = {rank * per_rank + local: {n.replace(".", "_"): p.grad.to("cpu", copy=True)
-                                            for n, p in expert.named_parameters()}
-                  for local, expert in enumerate(reference.experts.local_experts)}
-        ours = {e: {n: p.grad.to("cpu", copy=True) for n, p in params.items()}
-                for e, params in dispatcher.home_parameters().items()}
-        gradients.append({"reference": theirs, "keel": ours})
+        gradients.append(expert_gradients(rank, reference.experts.local_experts, dispatcher))
         differences.append({key: relative(found["keel"][key], found["reference"][key])
                             for key in ("output", "input", "router")})
-        persistent = int(moe.engine.placement(0)["logcnt"].max()) > 1
-        route = dispatcher.last_route
-        transient = any(int(e) >= 0 for e in route.local_experts[moe.engine.slots_per_rank:])
-        copies_ran.append(persistent or transient)
+        ran.append(copies_ran(moe, dispatcher))
         for optimizer in (*dense.values(), experts_sgd):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -191,7 +182,7 @@ def compare_layers(rank: int, world: int, device: str, policy: str, capacity: An
     epochs = moe.stats()["epochs_committed"]
     moe.close()
     return {"differences": differences, "gradients": gradients, "dropped": dropped,
-            "copies_ran": copies_ran, "epochs": epochs}
+            "copies_ran": ran, "epochs": epochs}
 
 
 def bookkeeping(rank: int, world: int, device: str) -> Dict[str, Any]:
@@ -229,10 +220,7 @@ def bookkeeping(rank: int, world: int, device: str) -> Dict[str, Any]:
         x, probe = step_batch(step, rank, device)
         out, _ = ddp(x)
         (out * probe).sum().backward()
-        route = dispatcher.last_route
-        found["copies_ran"].append(
-            int(engine.placement(0)["logcnt"].max()) > 1
-            or any(int(e) >= 0 for e in route.local_experts[engine.slots_per_rank:]))
+        found["copies_ran"].append(copies_ran(moe, dispatcher))
         moe.reduce_gradients()
         found["homes_without_gradient"] += sum(
             p.grad is None for params in dispatcher.home_parameters().values()
